@@ -1,0 +1,284 @@
+"""Sharded checkpoints on any fsspec storage with atomic commit (C4) and safe loading.
+
+Layout under the checkpoint root (file://, s3://, gs://, ...):
+
+    run.json                  MLflow run id of this experiment, written before the first step (C5)
+    step_00000100/
+        __0_0.distcp ...      DCP shards, one file per rank (any world size can load them: resharding)
+        .metadata             DCP's index of the shards
+        trainer_state.json    step, samples seen, world size, model shape, MLflow run id, ledger
+        COMMITTED.json        written last, by rank 0, after every rank's shard is durable;
+                              lists every file with its size so a torn step is detected on load
+
+A step directory without a valid COMMITTED.json does not exist as far as resume is concerned.
+Nothing here is unpickled beyond plain tensors: DCP's `.metadata` is read with an allow-list
+unpickler and optimizer hyper-parameters are not saved (they come from the config at load time).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import time
+from dataclasses import dataclass
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+log = logging.getLogger(__name__)
+
+COMMIT_MARKER = "COMMITTED.json"
+TRAINER_STATE = "trainer_state.json"
+RUN_INFO = "run.json"
+_STEP_RE = re.compile(r"step_(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    step: int
+    url: str
+    state: dict
+
+
+class CheckpointStore:
+    """Step directories under one root URL; all listing decisions are made from live storage."""
+
+    def __init__(self, root_url: str, storage_options: dict | None = None):
+        self.root_url = root_url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.root_url, **(storage_options or {}))
+        self.protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+
+    def url(self, *parts: str) -> str:
+        return "/".join([self.root_url, *parts])
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    # ---- discovery -------------------------------------------------------------------------
+
+    def step_dirs(self) -> dict[int, str]:
+        """Every step_<N> directory, committed or not."""
+        try:
+            entries = self.fs.ls(self.root, detail=False, refresh=True) if self._refreshable() \
+                else self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in entries:
+            m = _STEP_RE.search(entry.rstrip("/"))
+            if m:
+                out[int(m.group(1))] = entry.rstrip("/")
+        return out
+
+    def latest(self, before: int | None = None) -> CommittedCheckpoint | None:
+        """Newest committed and intact step (< before if given); torn ones are skipped loudly."""
+        for step in sorted(self.step_dirs(), reverse=True):
+            if before is not None and step >= before:
+                continue
+            problem = self.verify(step)
+            if problem is None:
+                return CommittedCheckpoint(step, self.url(step_dirname(step)), self.read_state(step))
+            if problem != "not committed":
+                log.warning("skipping checkpoint %s: %s; falling back to the previous one",
+                            self.url(step_dirname(step)), problem)
+        return None
+
+    def verify(self, step: int) -> str | None:
+        """None if the step is committed and every file has its committed size, else why not."""
+        d = self.path(step_dirname(step))
+        try:
+            marker = json.loads(self.fs.cat_file(f"{d}/{COMMIT_MARKER}"))
+        except FileNotFoundError:
+            return "not committed"
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "commit marker is corrupt"
+        try:
+            sizes = {os.path.basename(e["name"].rstrip("/")): e["size"]
+                     for e in self.fs.ls(d, detail=True)}
+        except FileNotFoundError:
+            return "directory vanished"
+        for name, size in marker.get("files", {}).items():
+            if name not in sizes:
+                return f"file {name} is missing"
+            if sizes[name] != size:
+                return f"file {name} has {sizes[name]} bytes, {size} were committed (torn write)"
+        return None
+
+    def read_state(self, step: int) -> dict:
+        return json.loads(self.fs.cat_file(self.path(step_dirname(step), TRAINER_STATE)))
+
+    # ---- run identity (C5) -----------------------------------------------------------------
+
+    def read_run_info(self) -> dict | None:
+        try:
+            return json.loads(self.fs.cat_file(self.path(RUN_INFO)))
+        except FileNotFoundError:
+            return None
+
+    def write_run_info(self, info: dict) -> None:
+        self.fs.makedirs(self.root, exist_ok=True)
+        self._atomic_write(self.path(RUN_INFO), json.dumps(info, indent=1).encode())
+
+    # ---- commit and retention (rank 0 only) ------------------------------------------------
+
+    def commit(self, step: int, state: dict) -> None:
+        """Write trainer state, then the marker listing every file: the step becomes visible."""
+        d = self.path(step_dirname(step))
+        self._atomic_write(f"{d}/{TRAINER_STATE}", json.dumps(state, indent=1).encode())
+        files = {os.path.basename(e["name"].rstrip("/")): e["size"]
+                 for e in self.fs.ls(d, detail=True, **self._ls_kwargs())}
+        files.pop(COMMIT_MARKER, None)
+        marker = {"step": step, "committed_at": time.time(), "files": files}
+        self._atomic_write(f"{d}/{COMMIT_MARKER}", json.dumps(marker, indent=1).encode())
+
+    def prepare_step_dir(self, step: int) -> None:
+        """Remove a leftover of an interrupted save of the same step before writing it again."""
+        d = self.path(step_dirname(step))
+        if self.fs.exists(d):
+            self.fs.rm(d, recursive=True)
+        if self.protocol in ("file", "local"):
+            self.fs.makedirs(d, exist_ok=True)
+
+    def retain(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` committed steps, and uncommitted leftovers older than the
+        newest committed one (a newer uncommitted one may be an in-flight async save)."""
+        dirs = self.step_dirs()
+        committed = [s for s in sorted(dirs) if self.verify(s) is None]
+        if not committed:
+            return []
+        doomed = set(committed[:-keep]) if keep > 0 else set()
+        doomed |= {s for s in dirs if s < committed[-1] and s not in committed}
+        for s in sorted(doomed):
+            try:
+                self.fs.rm(dirs[s], recursive=True)
+            except FileNotFoundError:
+                pass
+        return sorted(doomed)
+
+    def remove_uncommitted(self) -> list[int]:
+        """At (re)start nothing is in flight: every uncommitted step dir is a leftover (C4)."""
+        removed = []
+        for s, d in self.step_dirs().items():
+            if self.verify(s) is not None:
+                self.fs.rm(d, recursive=True)
+                removed.append(s)
+        return removed
+
+    def _atomic_write(self, path: str, data: bytes) -> None:
+        if self.protocol in ("file", "local"):
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:  # one PUT of an object store is atomic: readers see all of it or nothing
+            self.fs.pipe_file(path, data)
+
+    def _refreshable(self) -> bool:
+        return self.protocol not in ("file", "local")
+
+    def _ls_kwargs(self) -> dict:
+        return {"refresh": True} if self._refreshable() else {}
+
+
+# ---- saving and loading sharded state (collective: every rank calls these) ----------------------
+
+def training_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Model + optimizer moments as (sharded) tensors only. Optimizer param_groups (lr, betas) are
+    plain Python values that DCP would pickle; they are rebuilt from the config instead."""
+    if optimizer is None:
+        return {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd["state"]}
+
+
+def save_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
+    writer = FsspecWriter(url, sync_files=True, **(storage_options or {}))
+    dcp.save(training_state_dict(model, optimizer), storage_writer=writer)
+
+
+def load_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
+    """Load into the current (possibly differently sharded) model and optimizer: DCP reshards."""
+    sd = training_state_dict(model, optimizer)
+    dcp.load(sd, storage_reader=SafeFsspecReader(url, **(storage_options or {})),
+             planner=SafeLoadPlanner())
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=sd["model"], optim_state_dict={})
+        return
+    _, current_optim = get_state_dict(model, optimizer)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"],
+                   optim_state_dict={"state": sd["optim"],
+                                     "param_groups": current_optim["param_groups"]})
+
+
+def load_model_weights(url: str, model: torch.nn.Module,
+                       storage_options: dict | None = None) -> None:
+    """Single-process load of just the model (generate, export-hf): no process group needed."""
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, storage_reader=SafeFsspecReader(url, **(storage_options or {})),
+             planner=SafeLoadPlanner(), no_dist=not (dist.is_available() and dist.is_initialized()))
+    model.load_state_dict(sd["model"])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its `.metadata` index. Allow only the classes such an index holds, so a
+    checkpoint from untrusted storage cannot run code on load."""
+
+    _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.")
+    _ALLOWED_NAMES = {("collections", "OrderedDict"), ("builtins", "set"),
+                      ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "tuple")}
+    _DENIED = {("torch", "load"), ("torch._utils", "_rebuild_from_type_v2")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._DENIED:
+            raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
+        if (module, name) in self._ALLOWED_NAMES or (
+                module.startswith(self._ALLOWED_MODULES) and not name.startswith("_")) or \
+                module in ("torch", "torch.storage") and name in ("Size", "float32", "bfloat16"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP index never holds: "
+            "the checkpoint is corrupt or was tampered with")
+
+
+class SafeFsspecReader(FsspecReader):
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor items with weights_only=False; we save none,
+    and refuse anything but plain data if one turns up."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

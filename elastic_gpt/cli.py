@@ -1,0 +1,108 @@
+"""The `elastic-gpt` command. User errors print one line and exit 2; nothing is half-written."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _train(args) -> int:
+    from elastic_gpt.config import load_config
+    from elastic_gpt.launcher import run_training
+
+    cfg = load_config(args.config, args.overrides)
+    summary = run_training(cfg, config_path=args.config)
+    print(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}")
+    if summary["run_id"]:
+        print(f"[elastic-gpt] MLflow run {summary['run_id']} in {cfg.tracking.uri}\n"
+              f"[elastic-gpt] look at it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+    return 0
+
+
+def _generate(args) -> int:
+    from elastic_gpt.inference import sample_text
+
+    print(sample_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                      seed=args.seed))
+    return 0
+
+
+def _export_hf(args) -> int:
+    from elastic_gpt.export_hf import export_hf
+
+    out = export_hf(args.checkpoint, args.out)
+    print(f"[elastic-gpt] wrote {out}/config.json and {out}/model.safetensors "
+          "(load with transformers.GPT2LMHeadModel.from_pretrained)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elastic-gpt", description="Elastic GPT pretraining on Ray.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    from data_pipelines import tokenize
+    prep = sub.add_parser("prepare-data", help="tokenize a raw corpus into token shards",
+                          description="Tokenize text from any fsspec URL or glob into fixed-length "
+                                      "token shards plus manifest.json (a Ray Data job).")
+    tokenize.add_cli_arguments(prep)
+    prep.set_defaults(func=tokenize.run_from_args)
+
+    tr = sub.add_parser("train", help="train (or resume) a run",
+                        description="Train a GPT with FSDP2 on Ray Train workers. Connects to "
+                                    "RAY_ADDRESS when set, else starts a local Ray cluster. "
+                                    "Resumes from the newest committed checkpoint.")
+    tr.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/tiny.yaml")
+    tr.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="dotted overrides, e.g. train.max_steps=200 scaling.max_workers=4")
+    tr.set_defaults(func=_train)
+
+    gen = sub.add_parser("generate", help="sample text from a checkpoint",
+                         description="Sample from a checkpoint (a run's checkpoint root: newest "
+                                     "committed step; or one step_<N> directory).")
+    gen.add_argument("--checkpoint", required=True, help="checkpoint root or step directory URL")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.set_defaults(func=_generate)
+
+    ex = sub.add_parser("export-hf", help="export a checkpoint as a Hugging Face GPT-2 model",
+                        description="Write config.json + model.safetensors loadable by "
+                                    "transformers.GPT2LMHeadModel.from_pretrained(DIR).")
+    ex.add_argument("--checkpoint", required=True, help="checkpoint root or step directory URL")
+    ex.add_argument("--out", required=True, help="output directory")
+    ex.set_defaults(func=_export_hf)
+
+    for name, module, text in [("plan", "elastic_gpt.plan", "capacity plan: memory, speed, cost"),
+                               ("tune", "elastic_gpt.tune", "measure candidates on the cluster")]:
+        try:
+            mod = __import__(module, fromlist=["add_cli_arguments"])
+        except ImportError:
+            continue
+        sp = sub.add_parser(name, help=text, description=(mod.__doc__ or text).strip())
+        mod.add_cli_arguments(sp)
+        sp.set_defaults(func=mod.run_from_args)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    try:
+        return args.func(args) or 0
+    except ValueError as e:  # user errors: one readable line, no traceback
+        print(f"elastic-gpt: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("elastic-gpt: interrupted; resume by running the same command again",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

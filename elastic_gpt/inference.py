@@ -1,0 +1,71 @@
+"""Load a trained model from a checkpoint URL on one process, and sample from it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from elastic_gpt.checkpoint import COMMIT_MARKER, CheckpointStore, load_model_weights
+from elastic_gpt.model import GPT, GPTConfig
+
+
+def resolve_checkpoint(url: str) -> tuple[str, dict]:
+    """A run's checkpoint root (newest committed step) or one step's directory -> (url, state)."""
+    store = CheckpointStore(url)
+    if store.fs.exists(store.path(COMMIT_MARKER)):
+        parent, _, name = store.root_url.rpartition("/")
+        step = int(name.removeprefix("step_"))
+        problem = CheckpointStore(parent).verify(step)
+        if problem:
+            raise ValueError(f"checkpoint {url} is not usable: {problem}")
+        return store.root_url, CheckpointStore(parent).read_state(step)
+    latest = store.latest()
+    if latest is None:
+        raise ValueError(f"no committed checkpoint under {url}; pass a run's checkpoint.path or "
+                         "one of its step_<N> directories")
+    return latest.url, latest.state
+
+
+def load_model(url: str) -> tuple[GPT, dict]:
+    step_url, state = resolve_checkpoint(url)
+    model = GPT(GPTConfig(**state["model_shape"]))
+    load_model_weights(step_url, model)
+    model.eval()
+    return model, state
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+             top_k: int | None = 50, seed: int | None = None,
+             eos_id: int | None = None) -> torch.Tensor:
+    """idx (1, T) -> (1, T + n). temperature 0 is greedy (argmax), hence deterministic."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.cfg.seq_len:])[:, -1, :].float()  # (1, vocab)
+        if temperature == 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=gen)
+        idx = torch.cat([idx, nxt], dim=1)
+        if eos_id is not None and int(nxt) == eos_id:
+            break
+    return idx
+
+
+def sample_text(checkpoint: str, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
+                seed: int | None = 0) -> str:
+    from data_pipelines.manifest import load_manifest
+    from data_pipelines.tokenizers import get_tokenizer
+
+    model, state = load_model(checkpoint)
+    manifest = load_manifest(state["data"]["url"])
+    tok = get_tokenizer(manifest.tokenizer)
+    ids = tok.encode(prompt) or [manifest.eos_id]
+    out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, seed=seed,
+                   eos_id=manifest.eos_id)
+    new = [i for i in out[0, len(ids):].tolist() if i < tok.vocab_size]
+    return prompt + tok.decode(new)

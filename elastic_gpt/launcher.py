@@ -1,0 +1,166 @@
+"""Driver side of `elastic-gpt train`: check inputs, connect to Ray, resolve the MLflow run,
+run the Ray Train job, and publish the run's artifacts.
+
+Everything that can be wrong with the user's input is checked here, before a worker starts or a
+byte is written (C6).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from elastic_gpt.checkpoint import CheckpointStore
+from elastic_gpt.config import Config, resolve_paths
+from elastic_gpt.errors import check_checkpoint_shape
+
+log = logging.getLogger("elastic_gpt")
+
+
+def preflight(cfg: Config):
+    """Resolve paths, open the dataset, derive the model shape, check any existing checkpoint."""
+    from data_pipelines.manifest import load_manifest
+    from elastic_gpt.train_loop import model_config_for
+
+    resolve_paths(cfg)
+    manifest = load_manifest(cfg.data.path)
+    gpt_cfg = model_config_for(cfg, manifest)
+    store = CheckpointStore(cfg.checkpoint.path)
+    try:
+        latest = store.latest()
+    except PermissionError as e:
+        raise ValueError(f"checkpoint.path {cfg.checkpoint.path} is not readable with the current "
+                         f"credentials ({e}); fix the credentials or the path") from None
+    except OSError as e:
+        raise ValueError(f"checkpoint.path {cfg.checkpoint.path} is unreachable ({e}); check the "
+                         "URL and that the storage endpoint is up") from None
+    if latest is not None:
+        check_checkpoint_shape(latest.state, gpt_cfg, latest.url)
+        if latest.state.get("global_batch_size", cfg.train.global_batch_size) != \
+                cfg.train.global_batch_size:
+            raise ValueError(
+                f"checkpoint {latest.url} was trained with train.global_batch_size="
+                f"{latest.state['global_batch_size']}, this config says "
+                f"{cfg.train.global_batch_size}; the global batch is fixed for a run (C1): use the "
+                "old value or a fresh checkpoint.path")
+    return manifest, gpt_cfg, store, latest
+
+
+def connect_ray(cfg: Config) -> bool:
+    """Join RAY_ADDRESS if set (a real cluster, `ray job submit`), else start a local one.
+    Returns True if this process started the cluster (and should shut it down)."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        try:
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        except (ConnectionError, RuntimeError) as e:
+            raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS="
+                             f"{os.environ['RAY_ADDRESS']} ({_first_line(e)}); start it with "
+                             "`ray start --head` or unset RAY_ADDRESS for a local cluster") from None
+        return False
+    need = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
+    ray.init(num_cpus=max(need, os.cpu_count() or 1),
+             object_store_memory=int(os.environ.get("ELASTIC_GPT_OBJECT_STORE_BYTES", 200 << 20)),
+             include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": _worker_env()})
+    return True
+
+
+def _worker_env() -> dict:
+    # Workers find our packages even when the driver runs from a source checkout.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def use_gpu(cfg: Config) -> bool:
+    import ray
+    if str(cfg.scaling.use_gpu) == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return str(cfg.scaling.use_gpu) == "True"
+
+
+def build_trainer(cfg: Config, run_id: str | None):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic_gpt.train_loop import train_loop_per_worker
+
+    gpu = use_gpu(cfg)
+    s = cfg.scaling
+    num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers,
+                                                                         s.max_workers)
+    resources = {"CPU": s.cpus_per_worker}
+    if gpu:
+        resources["GPU"] = 1
+    scaling = ScalingConfig(num_workers=num_workers, use_gpu=gpu, resources_per_worker=resources,
+                            accelerator_type=s.accelerator_type)
+    run_config = RunConfig(
+        name=f"{cfg.run.name}-{int(time.time())}",  # Ray's run state is per submission; ours isn't
+        storage_path=cfg.run.storage_path,
+        failure_config=FailureConfig(max_failures=max_failures(cfg)),
+        worker_runtime_env={"env_vars": _worker_env()},
+    )
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id},
+        scaling_config=scaling,
+        run_config=run_config,
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=600),
+    )
+
+
+def max_failures(cfg: Config) -> int:
+    """Ray counts failures forever; the sliding-hour budget lives in elastic.py, so Ray's own
+    counter only bounds a crash loop."""
+    return max(1, int(cfg.elastic.max_failures_per_hour * 24))
+
+
+def run_training(cfg: Config, config_path: str | None = None) -> dict:
+    from elastic_gpt import tracking
+
+    manifest, gpt_cfg, store, latest = preflight(cfg)
+    run_info = store.read_run_info() or {}
+    existing = (latest.state.get("mlflow_run_id") if latest else None) or run_info.get("mlflow_run_id")
+    run_id = None
+    if cfg.tracking.enabled:
+        params = {**cfg.flat(), "model.n_params": _n_params(gpt_cfg),
+                  "data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens}
+        run_id = tracking.resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name,
+                                      existing, params)
+        if run_id != run_info.get("mlflow_run_id"):
+            store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
+                                  "created_at": time.time()})
+    print(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
+          f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
+          f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
+          f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""),
+          flush=True)
+    started_cluster = connect_ray(cfg)
+    try:
+        trainer = build_trainer(cfg, run_id)
+        result = trainer.fit()
+    finally:
+        if started_cluster:
+            import ray
+            ray.shutdown()
+    final = store.latest()
+    summary = {"run_id": run_id, "step": final.step if final else 0,
+               "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {})}
+    if run_id:
+        tracking.finish_run(cfg.tracking.uri, run_id, config_path=config_path,
+                            finished=bool(final and final.step >= cfg.train.max_steps))
+    return summary
+
+
+def _n_params(gpt_cfg) -> int:
+    from elastic_gpt.model import count_params
+    return count_params(gpt_cfg)["total"]
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,210 @@
+"""GPT-2 style decoder in one readable file (nanoGPT lineage).
+
+Parameter names follow GPT-2 (`wte`, `wpe`, `h.N.attn.c_attn`, ...) so checkpoints map one to one
+onto Hugging Face's `GPT2LMHeadModel` (see `export_hf.py`). Nothing here knows about Ray or FSDP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    seq_len: int
+    """Context length (GPT-2 calls it n_positions)."""
+    vocab_size: int
+    """Embedding rows; usually the tokenizer's vocab padded up to a multiple of 64 for fast matmuls."""
+    dropout: float = 0.0
+    """0 for pretraining, as in GPT-2/3 at scale: more data beats regularisation."""
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; "
+                "pick a head count that divides the width"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def shape(self) -> dict:
+        """The fields a checkpoint must agree on to be loadable into this model."""
+        return {k: v for k, v in asdict(self).items() if k != "dropout"}
+
+
+# Shapes from the GPT-2 release and the GPT-3 paper (Brown et al. 2020, table 2.1). seq_len and
+# vocab_size are defaults that the data manifest usually overrides.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64, seq_len=128),  # tests, ~0.1M non-embedding params
+    "mini": dict(n_layer=4, n_head=4, n_embd=128, seq_len=256),  # the default job: minutes on 2 CPUs
+    "small": dict(n_layer=6, n_head=6, n_embd=384, seq_len=256),  # nanoGPT's shakespeare-char size
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, seq_len=1024),
+    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, seq_len=1024),
+    "gpt2-774m": dict(n_layer=36, n_head=20, n_embd=1280, seq_len=1024),
+    "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600, seq_len=1024),
+    "gpt3-1.3b": dict(n_layer=24, n_head=32, n_embd=2048, seq_len=2048),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, seq_len=2048),
+    "gpt3-13b": dict(n_layer=40, n_head=40, n_embd=5120, seq_len=2048),
+    "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288, seq_len=2048),
+}
+GPT2_VOCAB = 50257
+
+
+def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """50257 -> 50304: a multiple of 64 keeps the lm_head matmul on fast kernel paths."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def preset_config(name: str, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"model.preset={name!r} is unknown; choose one of {', '.join(PRESETS)}")
+    fields = dict(PRESETS[name], vocab_size=pad_vocab(GPT2_VOCAB))
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return GPTConfig(**fields)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # SDPA picks flash / memory-efficient kernels on GPU and a fused math path on CPU.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2 used the tanh approximation of GELU; matching it keeps HF logits identical.
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # pre-LayerNorm residual blocks
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        # Tied embeddings: the output projection reuses wte (GPT-2), so no separate lm_head weight.
+        if not self.wte.weight.is_meta:  # on "meta" the trainer inits after sharding instead
+            self.init_weights()
+
+    def init_weights(self, seed: int = 0) -> None:
+        with torch.no_grad():
+            for name, value in self.initial_values(seed):
+                self.get_parameter(name).copy_(value)
+
+    def initial_values(self, seed: int):
+        """(name, full tensor) per parameter, GPT-2 init: N(0, 0.02), residual projections scaled by
+        1/sqrt(2 * n_layer), zero biases, unit LayerNorm gains.
+
+        Drawn on the CPU from one seeded generator in parameter order, so the weights are the
+        same on any device and at any FSDP world size (the sharded init slices these tensors).
+        """
+        gen = torch.Generator().manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                value = torch.empty(p.shape).normal_(0.0, resid_std, generator=gen)
+            elif name.endswith(".weight") and p.dim() == 2:  # Linear and Embedding
+                value = torch.empty(p.shape).normal_(0.0, 0.02, generator=gen)
+            elif name.endswith(".bias"):
+                value = torch.zeros(p.shape)
+            else:  # LayerNorm gain
+                value = torch.ones(p.shape)
+            yield name, value
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab_size)."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        return F.linear(x, self.wte.weight)  # (B, T, vocab)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() - self.wte.weight.numel() if non_embedding else n
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over every token (callers weight by the global token count, C1)."""
+    return F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
+    )
+
+
+def count_params(cfg: GPTConfig) -> dict:
+    """Parameter count by arithmetic, without building the model (used by the planner too)."""
+    d, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    per_block = (
+        2 * 2 * d  # ln_1, ln_2 weight + bias
+        + d * 3 * d + 3 * d  # c_attn
+        + d * d + d  # attn.c_proj
+        + d * 4 * d + 4 * d  # mlp.c_fc
+        + 4 * d * d + d  # mlp.c_proj
+    )
+    embeddings = V * d + T * d
+    total = embeddings + L * per_block + 2 * d  # + ln_f
+    return {"total": total, "embedding": embeddings, "non_embedding": total - embeddings}
+
+
+def flops_per_token(cfg: GPTConfig) -> int:
+    """Training FLOPs per token: forward + backward = 3x forward, 2 FLOPs per multiply-add.
+
+    Counts every matmul: per layer 12*d^2 weight MACs (qkv 3d^2, proj d^2, mlp 8d^2) plus attention's
+    two T*d products (QK^T and AV, counted over the full T as PaLM and nanoGPT do), and the tied
+    lm_head's V*d. This is the `6N + 12*L*d*T` of the PaLM paper's MFU appendix, with N the matmul
+    parameters; embedding lookups and layer norms are not FLOPs that matter.
+    """
+    d, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    matmul_params = L * 12 * d * d + V * d
+    return 6 * matmul_params + 12 * L * d * T

@@ -1,0 +1,91 @@
+"""FSDP2, activation checkpointing and torch.compile for the GPT model (torchtitan's order).
+
+Order matters: activation checkpointing and compile wrap each block first, then `fully_shard`
+shards each (wrapped) block and finally the root, so one all-gather brings in one block's weights.
+Nothing here knows about Ray; the device mesh is built by the caller from the process group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from elastic_gpt.model import GPT
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on CUDA (tensor cores) and fp32 on CPU (bf16 CPU matmuls are slow here)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    # Params are gathered in the compute dtype, but gradients are reduced in fp32 and the sharded
+    # master weights and Adam moments stay fp32: bf16 reductions over many ranks lose too much.
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def apply_activation_checkpointing(model: GPT) -> None:
+    """Recompute each block in backward: activation memory O(layers) -> O(1) blocks, ~+33% FLOPs."""
+    for i, block in enumerate(model.h):
+        model.h[i] = checkpoint_wrapper(block, preserve_rng_state=True)
+
+
+def apply_compile(model: GPT) -> None:
+    """Compile each block separately: blocks are identical, so one graph is reused L times."""
+    for i, block in enumerate(model.h):
+        model.h[i] = torch.compile(block, fullgraph=True)
+
+
+def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> GPT:
+    """Shard every block, then the root (embeddings, final norm; wte is shared with the lm_head).
+
+    reshard_after_forward=True frees gathered weights after each block's forward and gathers again
+    in backward (ZeRO-3 memory); the last block is kept gathered since backward starts with it.
+    """
+    mp = mixed_precision_policy(compute_dtype)
+    last = len(model.h) - 1
+    for i, block in enumerate(model.h):
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and i < last)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # We weight each rank's loss by 1 / (global tokens), so gradients must be summed, not
+    # averaged over ranks, to be the mean over exactly G sequences whatever W is (C1).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # the setter is per module, not recursive
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
+                activation_checkpointing: bool = False, compile: bool = False) -> GPT:
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model)
+    return apply_fsdp(model, mesh, compute_dtype)
+
+
+def init_sharded_weights(model: GPT, seed: int) -> None:
+    """Fill the local shards with the same values a single-process `GPT.init_weights(seed)` gives,
+    so a run starts from identical weights at any world size (each rank slices, no communication)."""
+    with torch.no_grad():
+        for name, full in model.initial_values(seed):
+            p = model.get_parameter(name)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(local.to_local())
+            else:
+                p.copy_(full)
+
+
+def sharded_param_count(model: nn.Module) -> int:
+    """Elements of parameters held by this rank (the local shards of FSDP2's DTensors)."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+               for p in model.parameters())
