@@ -1,0 +1,117 @@
+"""A small table of GPUs for the planner: peak FLOP/s, memory, interconnect and prices.
+
+Figures are datasheet peaks (dense bf16 tensor-core FLOP/s, no 2:4 sparsity) and *typical*
+achievable collective bandwidths of the cloud instance named in `instance` (NCCL bus bandwidth,
+one direction). Prices are rough public list prices per GPU-hour as of `PRICES_AS_OF`; they move
+often and differ by region and provider, so users override them with a YAML/JSON file
+(`load_overrides`) or `plan --on-demand-price/--spot-price`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+GiB = 1024**3
+PRICES_AS_OF = "2025-06"
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float
+    """Dense bf16 tensor-core FLOP/s (datasheet peak; MFU is measured against this)."""
+    memory_gib: float
+    """Memory the framework can use: nvidia-smi's total, in GiB (less than the marketing 'GB')."""
+    hbm_gbps: float
+    """Memory bandwidth in GB/s: bounds the optimizer step, which streams every sharded state."""
+    intra_node_gbps: float
+    """Typical NCCL bus bandwidth inside one node (NVLink/NVSwitch or PCIe), GB/s per GPU."""
+    inter_node_gbps: float
+    """Typical NCCL bus bandwidth between nodes: the node's aggregate NIC bandwidth, GB/s."""
+    gpus_per_node: int
+    on_demand_usd: float
+    """$ per GPU-hour, on-demand, as of PRICES_AS_OF."""
+    spot_usd: float
+    """$ per GPU-hour, spot/preemptible, as of PRICES_AS_OF."""
+    instance: str = ""
+    """The reference instance the bandwidth and price figures come from."""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GiB
+
+
+# Peak bf16 dense: NVIDIA datasheets (A100 312, H100/H200 SXM 989, L4 121 TFLOP/s). A10G is AWS's
+# lower-clocked A10 (A10: 125 TFLOP/s); NVIDIA publishes no A10G tensor figure, 70 is the one
+# commonly measured/quoted. Bandwidths: NVLink3 600 GB/s bidirectional -> ~230 GB/s NCCL busbw,
+# NVLink4 900 -> ~370; PCIe Gen4 x16 -> ~20. Inter-node: EFA 400 Gb/s (p4d/p4de) = 50 GB/s,
+# 3200 Gb/s (p5/p5en) = 400 GB/s, 100 Gb/s (g5/g6.48xlarge) = 12.5 GB/s, times ~0.8 achieved.
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in [
+        GPU("A100-40GB", 312e12, 40.0, 1555, 230, 40, 8, 2.75, 1.20, "AWS p4d.24xlarge"),
+        GPU("A100-80GB", 312e12, 80.0, 2039, 230, 40, 8, 3.43, 1.60, "AWS p4de.24xlarge"),
+        GPU("H100", 989e12, 79.6, 3350, 370, 320, 8, 6.88, 2.50, "AWS p5.48xlarge (SXM)"),
+        GPU("H200", 989e12, 140.4, 4800, 370, 320, 8, 7.91, 3.00, "AWS p5en.48xlarge"),
+        GPU("L4", 121e12, 22.5, 300, 20, 10, 8, 0.80, 0.35, "AWS g6.48xlarge"),
+        GPU("A10G", 70e12, 22.5, 600, 20, 10, 8, 1.01, 0.45, "AWS g5.48xlarge"),
+    ]
+}
+ALIASES = {"a100": "A100-80GB", "a100-40g": "A100-40GB", "a100-80g": "A100-80GB",
+           "h100-sxm": "H100", "h100-80gb": "H100", "h200-141gb": "H200", "a10": "A10G"}
+
+
+def get_gpu(name: str, table: dict[str, GPU] | None = None) -> GPU:
+    """Case-insensitive lookup; a ValueError lists the known names for an unknown one."""
+    table = GPUS if table is None else table
+    by_lower = {k.lower(): k for k in table}
+    key = by_lower.get(name.lower()) or ALIASES.get(name.lower())
+    if key is None or key not in table:
+        raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(table)} (add your own "
+                         "with --hardware-file FILE)")
+    return table[key]
+
+
+def load_overrides(path: str, table: dict[str, GPU] | None = None) -> dict[str, GPU]:
+    """Apply a YAML/JSON file of per-GPU field overrides; a new name with every field adds a GPU.
+
+        H100: {on_demand_usd: 2.49, spot_usd: 1.60}
+        MI300X: {peak_flops: 1.307e15, memory_gib: 192, hbm_gbps: 5300, intra_node_gbps: 350,
+                 inter_node_gbps: 320, gpus_per_node: 8, on_demand_usd: 4.0, spot_usd: 2.0}
+    """
+    table = dict(GPUS if table is None else table)
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"hardware file {path} does not exist")
+    text = p.read_text()
+    try:
+        raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"hardware file {path} is not valid YAML/JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"hardware file {path} must map GPU names to fields")
+    names = {f.name for f in dataclasses.fields(GPU)} - {"name"}
+    for gpu_name, fields in raw.items():
+        if not isinstance(fields, dict):
+            raise ValueError(f"hardware file {path}: {gpu_name} must map to a mapping of fields")
+        unknown = set(fields) - names
+        if unknown:
+            raise ValueError(f"hardware file {path}: unknown field(s) {sorted(unknown)} for "
+                             f"{gpu_name}; fields are {', '.join(sorted(names))}")
+        try:
+            existing = get_gpu(str(gpu_name), table)
+        except ValueError:
+            existing = None
+        if existing is not None:
+            table[existing.name] = dataclasses.replace(existing, **fields)
+            continue
+        missing = names - set(fields) - {"instance"}
+        if missing:
+            raise ValueError(f"hardware file {path}: new GPU {gpu_name} lacks {sorted(missing)}")
+        table[str(gpu_name)] = GPU(name=str(gpu_name), **fields)
+    return table
