@@ -98,7 +98,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_he
     head (4*a*s*b bytes); without dropout there are no masks.
     """
     s, b, h, a = seq_len, micro_batch, n_embd, n_head
-    elems = (2 + 2 + 1  # attention: c_attn input, q and k, v ...
+    elems = (1 + 2 + 1  # attention: c_attn input, q and k, v ...
              + 1  # ... and c_proj's input
              + 1 + 4 + 4  # MLP: c_fc input, GELU input, c_proj input
              + 2) * s * b * h  # ln_1 and ln_2 inputs

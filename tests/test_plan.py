@@ -1,0 +1,284 @@
+"""The capacity planner against published numbers, and its models' own invariants (pure Python)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import yaml
+
+from elastic_gpt.config import load_config
+from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
+from elastic_gpt.model import GPTConfig, preset_config
+from elastic_gpt.plan import (
+    DAY,
+    Network,
+    PlanInputs,
+    activation_bytes_per_layer,
+    add_cli_arguments,
+    default_lr,
+    goodput,
+    memory_per_gpu,
+    model_shape,
+    optimal_interval_s,
+    plan_training,
+    run_from_args,
+    step_time,
+    time_to_train_s,
+    training_flops_per_token,
+    young_interval_s,
+    zero_model_state_bytes,
+)
+
+
+def within(value: float, expected: float, rel: float = 0.10) -> bool:
+    return abs(value - expected) <= rel * abs(expected)
+
+
+def cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+# ----------------------------------------------------------------------------- published results
+
+
+def test_megatron_gpt3_175b_time_to_train_is_about_34_days():
+    """Narayanan et al. 2021, section 5.1: 8TP/(nX) for GPT-3 175B, 300B tokens, 1024 A100s at
+    140 TFLOP/s per GPU is ~34 days."""
+    assert within(time_to_train_s(300e9, 8 * 175e9, 1024, 140e12) / DAY, 34.0)
+    plan = plan_training(PlanInputs(model="gpt3-175b", gpu="A100-80GB", n_gpus=1024,
+                                    global_batch_size=1536, tokens=300e9,
+                                    achieved_flops_per_gpu=140e12,
+                                    activation_checkpointing=True))
+    # Our FLOPs/token counts attention and the lm_head too (~8.2P with recompute, not 8P).
+    hw = training_flops_per_token(plan.shape, True)
+    assert within(hw / plan.shape.params, 8.0, rel=0.05)
+    assert within(plan.time_to_train_s / DAY, 34.0)
+    assert plan.chosen.activation_checkpointing and plan.chosen.micro_batch == 1
+
+
+def test_zero_paper_memory_arithmetic_for_7_5b_on_64_gpus():
+    """Rajbhandari et al. 2020, figure 1: 7.5B params, Adam mixed precision (K=12), N_d=64:
+    120 GB baseline, 31.4 (P_os), 16.6 (P_os+g), 1.9 GB (P_os+g+p)."""
+    published = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}
+    for stage, expected in published.items():
+        assert within(zero_model_state_bytes(7.5e9, 64, stage), expected), stage
+    # The FSDP2 planner's sharded state for a real 7.5B-parameter GPT on 64 GPUs is the same.
+    cfg = GPTConfig(n_layer=36, n_head=32, n_embd=4096, seq_len=2048, vocab_size=50304)
+    shape = model_shape(cfg)
+    assert within(shape.params, 7.5e9, rel=0.02)
+    mem = memory_per_gpu(shape, 64, 1, activation_checkpointing=True)
+    assert within(mem.sharded_state, 1.9e9)
+    assert within(memory_per_gpu(shape, 1, 1, activation_checkpointing=True).sharded_state, 120e9)
+
+
+def test_zero_paper_trillion_parameters_on_1024_gpus_is_16_gb_each():
+    """ZeRO, section 1: with P_os+g+p a 1T-parameter model fits in 16 GB per GPU on 1024 GPUs."""
+    assert within(zero_model_state_bytes(1e12, 1024, 3), 16e9)
+
+
+def test_korthikanti_activation_formula_without_flash_attention():
+    """sbh(34 + 5as/h) bytes per layer with dropout and materialised scores (their eq. 1)."""
+    s, b, h, a = 2048, 4, 12288, 96
+    expected = s * b * h * (34 + 5 * a * s / h)
+    got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=False, dropout=True)
+    assert got == pytest.approx(expected)
+    # Flash/SDPA stores no s*s scores: for GPT-3's shape that is ~3x less.
+    flash = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=True, dropout=False)
+    assert flash < expected / 3
+
+
+# ----------------------------------------------------------------------------- model invariants
+
+
+def test_more_gpus_means_less_memory_per_gpu():
+    shape = model_shape(preset_config("gpt3-1.3b"))
+    totals = [memory_per_gpu(shape, n, 2, activation_checkpointing=False).total
+              for n in (1, 2, 8, 64, 512)]
+    assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
+
+
+def test_checkpointing_cuts_activation_memory_and_adds_a_forward():
+    shape = model_shape(preset_config("gpt2-350m"))
+    off = memory_per_gpu(shape, 8, 8, activation_checkpointing=False)
+    on = memory_per_gpu(shape, 8, 8, activation_checkpointing=True)
+    assert on.activations < off.activations / 4
+    assert on.sharded_state == off.sharded_state and on.logits == off.logits
+    ratio = training_flops_per_token(shape, True) / training_flops_per_token(shape, False)
+    assert 1.25 < ratio < 4 / 3  # the lm_head is not recomputed
+
+
+def test_bigger_micro_batch_needs_more_memory():
+    shape = model_shape(preset_config("gpt2-124m"))
+    totals = [memory_per_gpu(shape, 8, mb, activation_checkpointing=False).total
+              for mb in (1, 2, 4, 8)]
+    assert totals == sorted(totals) and len(set(totals)) == 4
+
+
+def test_no_sync_keeps_unsharded_fp32_grads_and_reduces_once_per_step():
+    shape = model_shape(preset_config("gpt2-124m"))
+    gpu, net = get_gpu("A100-80GB"), Network(8, 230, 40)
+    per_mb = step_time(shape, gpu, net, 16, 4, 4, activation_checkpointing=False,
+                       grad_sync="microbatch")
+    per_step = step_time(shape, gpu, net, 16, 4, 4, activation_checkpointing=False,
+                         grad_sync="step")
+    assert per_mb.reduce_scatter_bytes == pytest.approx(4 * per_step.reduce_scatter_bytes)
+    # ring reduce-scatter of fp32 grads: (N-1)/N * 4 bytes * params, once per step
+    assert per_step.reduce_scatter_bytes == pytest.approx(15 / 16 * 4 * shape.params)
+    assert per_mb.all_gather_bytes == per_step.all_gather_bytes  # gathered per micro-batch anyway
+    mem = memory_per_gpu(shape, 16, 4, activation_checkpointing=False, grad_sync="step",
+                         micro_batches_per_rank=4)
+    assert mem.accumulated_grads == 4 * shape.params
+
+
+def test_all_gather_bytes_follow_the_ring_formula():
+    shape = model_shape(preset_config("gpt2-124m"))
+    st = step_time(shape, get_gpu("H100"), Network(8, 370, 320), 8, 4, 3,
+                   activation_checkpointing=False)
+    L = shape.cfg.n_layer
+    # forward: root + every block; backward: every block again but the last (kept gathered)
+    elems = shape.root_params + (2 * L - 1) * shape.block_params
+    assert st.all_gather_bytes == pytest.approx(3 * 7 / 8 * 2 * elems)
+
+
+def test_inter_node_bandwidth_is_the_bottleneck_across_nodes():
+    net = Network(gpus_per_node=8, intra_node_gbps=370, inter_node_gbps=50)
+    assert net.bus_gbps(8) == 370 and net.bus_gbps(16) == 50
+    assert net.collective_s(1e9, 16) > 5 * net.collective_s(1e9, 8)
+    assert net.collective_s(1e9, 1) == 0.0
+
+
+def test_slow_network_exposes_communication():
+    shape = model_shape(preset_config("gpt3-1.3b"))
+    gpu = get_gpu("H100")
+    kw = dict(activation_checkpointing=False)
+    fast = step_time(shape, gpu, Network(8, 370, 320), 64, 2, 2, **kw)
+    slow = step_time(shape, gpu, Network(8, 370, 5), 64, 2, 2, **kw)
+    assert fast.compute_s == slow.compute_s
+    assert slow.exposed_comm_s > 10 * fast.exposed_comm_s
+    assert 0 <= fast.overlapped_fraction <= 1 and fast.exposed_comm_s <= fast.comm_s
+
+
+def test_young_daly_interval_maximises_goodput_numerically():
+    delta, recovery, mtbf = 30.0, 120.0, 6 * 3600.0
+    grid = [10.0 + i * 0.5 for i in range(20000)]  # 10 s .. 10,000 s
+    best = max(grid, key=lambda t: goodput(t, delta, recovery, mtbf))
+    assert best == pytest.approx(optimal_interval_s(delta, recovery, mtbf), abs=1.0)
+    assert within(best, young_interval_s(delta, mtbf), rel=0.05)  # sqrt(2 * delta * MTBF)
+    assert goodput(best, delta, recovery, mtbf) > goodput(best / 3, delta, recovery, mtbf)
+    assert goodput(best, delta, recovery, mtbf) > goodput(best * 3, delta, recovery, mtbf)
+
+
+def test_more_nodes_lower_goodput_and_shorter_intervals():
+    small = plan_training(PlanInputs(model="gpt3-1.3b", gpu="H100", n_gpus=8))
+    big = plan_training(PlanInputs(model="gpt3-1.3b", gpu="H100", n_gpus=256,
+                                   global_batch_size=512))
+    assert big.spot.mtbf_s == pytest.approx(small.spot.mtbf_s / 32)
+    assert big.spot.goodput < small.spot.goodput
+    assert big.spot.young_interval_s < small.spot.young_interval_s
+    assert small.spot.goodput < small.on_demand.goodput
+
+
+def test_plan_picks_a_fitting_config_and_reports_throughput():
+    plan = plan_training(PlanInputs(model="gpt2-350m", gpu="A10G", n_gpus=8,
+                                    global_batch_size=256, tokens=7e9))
+    c = plan.chosen
+    assert c.memory.total <= plan.usable_bytes
+    assert plan.global_batch_size % c.micro_batch == 0
+    assert plan.max_micro_batch[True] >= plan.max_micro_batch[False] >= 0
+    assert 0 < plan.mfu < 0.6 and plan.tokens_per_s > 0
+    assert plan.max_steps == math.ceil(7e9 / (256 * 1024))
+    assert plan.cost_usd(spot=True) < plan.cost_usd(spot=False)
+    assert 1 <= plan.min_workers <= 8
+    assert 1e-4 < plan.lr <= 6e-4 and default_lr(175e9) == 0.6e-4
+
+
+# ----------------------------------------------------------------------------- hardware table
+
+
+def test_gpu_table_covers_the_common_chips():
+    for name in ("A100-40GB", "A100-80GB", "H100", "H200", "L4", "A10G"):
+        g = get_gpu(name)
+        assert g.peak_flops > 1e13 and g.memory_gib > 20 and g.spot_usd < g.on_demand_usd
+    assert get_gpu("h100").name == "H100"
+
+
+def test_price_file_overrides_and_adds_gpus(tmp_path):
+    f = tmp_path / "prices.yaml"
+    f.write_text(yaml.safe_dump({
+        "H100": {"on_demand_usd": 2.0, "spot_usd": 1.0},
+        "MI300X": {"peak_flops": 1.307e15, "memory_gib": 192, "hbm_gbps": 5300,
+                   "intra_node_gbps": 350, "inter_node_gbps": 320, "gpus_per_node": 8,
+                   "on_demand_usd": 4.0, "spot_usd": 2.0},
+    }))
+    table = load_overrides(str(f))
+    assert table["H100"].on_demand_usd == 2.0 and table["H100"].peak_flops == 989e12
+    assert table["MI300X"].memory_gib == 192 and GPUS["H100"].on_demand_usd != 2.0
+    plan = plan_training(PlanInputs(model="gpt2-124m", gpu="MI300X", hardware=table))
+    assert plan.gpu.name == "MI300X"
+    f.write_text(yaml.safe_dump({"H100": {"price": 2.0}}))
+    with pytest.raises(ValueError, match="unknown field.*price"):
+        load_overrides(str(f))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_unknown_gpu_is_one_clear_line_and_exit_2(capsys):
+    with pytest.raises(ValueError, match="unknown GPU 'B300'; known GPUs: A100-40GB"):
+        plan_training(PlanInputs(gpu="B300"))
+    assert run_from_args(cli("--gpu", "B300")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "H100" in err
+
+
+def test_model_that_cannot_fit_says_what_would(capsys):
+    assert run_from_args(cli("--model", "gpt3-13b", "--gpu", "A10G", "--gpus", "8")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "does not fit on 8 x A10G" in err and "at least" in err and "x A100-40GB" in err
+    # the suggestion is right: that many GPUs (and a batch to feed them) does fit
+    n = int(err.split("at least ")[1].split(" x")[0])
+    plan = plan_training(PlanInputs(model="gpt3-13b", gpu="A10G", n_gpus=n,
+                                    global_batch_size=4 * n))
+    assert plan.chosen.activation_checkpointing and plan.chosen.micro_batch == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_training(PlanInputs(model="gpt3-13b", gpu="A10G", n_gpus=n - 1,
+                                 global_batch_size=4 * n))
+
+
+def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    rc = run_from_args(cli("--model", "gpt2-124m", "--gpu", "L4", "--gpus", "16",
+                           "--tokens", "2.5B", "--write-config", str(out)))
+    report = capsys.readouterr().out
+    assert rc == 0
+    for heading in ("memory per GPU", "communication per GPU", "MFU", "goodput", "spot"):
+        assert heading in report
+    written = yaml.safe_load(out.read_text())
+    allowed = {"model": {"preset", "n_layer", "n_head", "n_embd", "seq_len"},
+               "train": {"global_batch_size", "micro_batch_size", "max_steps", "lr",
+                         "warmup_steps", "activation_checkpointing", "dtype"},
+               "scaling": {"min_workers", "max_workers", "use_gpu"},
+               "checkpoint": {"every_steps"}}
+    assert set(written) == set(allowed)
+    for section, keys in written.items():
+        assert set(keys) <= allowed[section], section
+    assert written["model"]["preset"] == "gpt2-124m" and written["scaling"]["max_workers"] == 16
+    cfg = load_config(str(out), ["data.path=/tmp/any-dataset"])  # the trainer's own validation
+    assert cfg.train.micro_batch_size == written["train"]["micro_batch_size"]
+    assert cfg.checkpoint.every_steps >= 1
+
+
+def test_custom_shape_is_written_as_fields(tmp_path, capsys):
+    out = tmp_path / "custom.yaml"
+    rc = run_from_args(cli("--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--seq-len",
+                           "512", "--gpus", "2", "--gpu", "L4", "--write-config", str(out),
+                           "--json"))
+    assert rc == 0
+    model = yaml.safe_load(out.read_text())["model"]
+    assert model == {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 512}
+    assert '"micro_batch_size"' in capsys.readouterr().out
