@@ -528,6 +528,9 @@ def plan_training(inputs: PlanInputs) -> Plan:
     if name != "custom" and shape.params < 10e6:
         notes.append("a model this small is dominated by kernel launches and latency on GPUs; "
                      "the step-time model is optimistic for it")
+    if _dtype_bytes(p.dtype) == 4:
+        notes.append("float32 matmuls run at TF32/FP32 rates, far below the bf16 peak the step "
+                     "time assumes; use the memory figures, not the speed")
     if nodes > 1:
         notes.append(f"{nodes} nodes: collectives run at the inter-node bandwidth "
                      f"({net.bus_gbps(p.n_gpus):.0f} GB/s)")
@@ -720,16 +723,18 @@ def format_report(plan: Plan) -> str:
         f"grads reduced per {c.grad_sync}",
         "",
         "memory per GPU (FSDP2 / ZeRO-3)",
-        f"  params+grads+Adam, sharded (16 B/param / {plan.n_gpus})  {gib(m.sharded_state)}",
-        f"  gathered blocks + root in flight                 {gib(m.gathered_params)}",
-        f"  unsharded fp32 grads across micro-batches        {gib(m.accumulated_grads)}",
-        f"  activations, checkpointing off / on              "
-        f"{gib(plan.memory_at_chosen[False].activations)} / "
-        f"{gib(plan.memory_at_chosen[True].activations)}",
-        f"  logits for the loss (12 B x B x T x V)           {gib(m.logits)}",
-        f"  CUDA context + fragmentation                     {gib(m.overhead)}",
-        f"  total                                            {gib(m.total)}  of "
-        f"{plan.usable_bytes / GiB:.1f} GiB usable ({plan.gpu.memory_gib:.1f} minus margin)",
+        *(f"  {label:<50s}{value}" for label, value in [
+            (f"params+grads+Adam, sharded (16 B/param / {plan.n_gpus})", gib(m.sharded_state)),
+            ("gathered blocks + root in flight", gib(m.gathered_params)),
+            ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads)),
+            ("activations, checkpointing off / on",
+             f"{gib(plan.memory_at_chosen[False].activations)} / "
+             f"{gib(plan.memory_at_chosen[True].activations)}"),
+            ("logits for the loss (12 B x B x T x V)", gib(m.logits)),
+            ("CUDA context + fragmentation", gib(m.overhead)),
+            ("total", f"{gib(m.total)}  of {plan.usable_bytes / GiB:.1f} GiB usable "
+                      f"({plan.gpu.memory_gib:.1f} minus margin)"),
+        ]),
         f"  largest micro-batch that fits: {plan.max_micro_batch[False] or 'none'} without, "
         f"{plan.max_micro_batch[True] or 'none'} with activation checkpointing (at most "
         f"global batch / GPUs = {plan.global_batch_size // plan.n_gpus})",
