@@ -1,0 +1,287 @@
+"""Per-rank streaming reader: step t of rank r, read from the shards in the C2 order.
+
+Each rank computes which samples its micro-batches of step t hold (`BatchPlan` + `SampleOrder`,
+pure functions of manifest, seed and position) and reads exactly those records with ranged reads,
+adjacent records of a shard coalesced into one request, all requests of a step issued together
+(`fs.cat_ranges`: concurrent on object stores). A background thread keeps `prefetch_steps` steps
+ready. Nothing is shared between ranks and the only resume state is the step number, so any world
+size can resume any step (see docs/data.md for why this is not `streaming_split`).
+
+Integrity: a shard's size is checked when it is first opened, its `.idx` (one sample_hash per
+record) against the manifest's sha256, and every record read against its `.idx` entry. The
+verified hashes are also the data fingerprint, so checking costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+import torch
+
+from data_pipelines.manifest import (
+    HASH_MASK,
+    Manifest,
+    describe_storage_error,
+    load_manifest,
+    sample_hash,
+    sample_hashes,
+)
+from data_pipelines.order import DEFAULT_SHUFFLE_WINDOW, BatchPlan, SampleOrder
+
+__all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
+           "ShardReader", "DEFAULT_SHUFFLE_WINDOW"]
+
+
+class CorruptShardError(ValueError):
+    """A shard (or its index) does not match the manifest: re-run prepare-data."""
+
+
+@dataclass
+class StepBatch:
+    step: int
+    tokens: list[torch.Tensor]   # one int64 (micro_batch_size, seq_len + 1) tensor per slot
+    weights: list[float]         # 1.0 real micro-batch, 0.0 zero-weight padding repeat
+    fingerprint: int             # sum of sample_hash over this rank's real samples, mod 2**52
+
+
+class ShardReader:
+    """Verified ranged reads of records from the shards of one dataset."""
+
+    def __init__(self, manifest: Manifest, storage_options: dict | None = None,
+                 max_cached_indexes: int = 256):
+        self.m = manifest
+        try:
+            self.fs, _ = fsspec.core.url_to_fs(manifest.url, **(storage_options or {}))
+        except Exception as e:
+            raise ValueError(describe_storage_error(manifest.url, e)) from None
+        self._paths = [self.fs._strip_protocol(manifest.shard_url(k))
+                       for k in range(len(manifest.shards))]
+        self._indexes: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._max_cached = max_cached_indexes
+        self._checked_size: set[int] = set()
+        self.bytes_read = 0
+
+    def _index(self, k: int) -> np.ndarray:
+        """The shard's per-record hashes, after checking its size and the index's checksum."""
+        if k in self._indexes:
+            self._indexes.move_to_end(k)
+            return self._indexes[k]
+        info, name = self.m.shards[k], self.m.shards[k].path
+        try:
+            if k not in self._checked_size:
+                size = self.fs.size(self._paths[k])
+                if size != info.num_bytes:
+                    raise CorruptShardError(
+                        f"shard {name} of {self.m.url} has {size} bytes, the manifest says "
+                        f"{info.num_bytes}: it is truncated or replaced; re-run prepare-data")
+                self._checked_size.add(k)
+            raw = self.fs.cat_file(self.fs._strip_protocol(self.m.index_url(k)))
+        except CorruptShardError:
+            raise
+        except FileNotFoundError:
+            raise CorruptShardError(f"shard {name} or its index {info.index_path} is missing "
+                                    f"from {self.m.url}; re-run prepare-data") from None
+        except Exception as e:
+            raise ValueError(describe_storage_error(self.m.shard_url(k), e)) from None
+        self.bytes_read += len(raw)
+        import hashlib
+
+        if hashlib.sha256(raw).hexdigest() != info.index_sha256:
+            raise CorruptShardError(f"index {info.index_path} of shard {name} in {self.m.url} "
+                                    "does not match its manifest checksum; re-run prepare-data")
+        idx = np.frombuffer(raw, dtype="<u8")
+        self._indexes[k] = idx
+        if len(self._indexes) > self._max_cached:
+            self._indexes.popitem(last=False)
+        return idx
+
+    def read(self, samples: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Records (n, seq_len + 1) and their verified hashes for (shard, sample) pairs, in the
+        order given. Each distinct record is read once; adjacent records are one request."""
+        unique = sorted(set(samples))
+        paths, starts, ends, runs = [], [], [], []
+        rb = self.m.record_bytes
+        i = 0
+        while i < len(unique):  # coalesce runs of consecutive records of one shard
+            k, s = unique[i]
+            j = i + 1
+            while j < len(unique) and unique[j] == (k, s + (j - i)):
+                j += 1
+            paths.append(self._paths[k])
+            starts.append(s * rb)
+            ends.append((s + j - i) * rb)
+            runs.append((k, s, j - i))
+            i = j
+        for k in {k for k, _, _ in runs}:
+            self._index(k)
+        try:
+            blobs = self.fs.cat_ranges(paths, starts, ends) if paths else []
+        except Exception as e:
+            raise ValueError(describe_storage_error(self.m.url, e)) from None
+        dtype = np.dtype(self.m.dtype).newbyteorder("<")
+        parts, hashes = [], []
+        for (k, s, n), blob in zip(runs, blobs):
+            if isinstance(blob, Exception):
+                raise ValueError(describe_storage_error(self.m.shard_url(k), blob))
+            if len(blob) != n * rb:
+                raise CorruptShardError(
+                    f"shard {self.m.shards[k].path} of {self.m.url}: short read at records "
+                    f"{s}..{s + n - 1} ({len(blob)} of {n * rb} bytes); re-run prepare-data")
+            self.bytes_read += len(blob)
+            rec = np.frombuffer(blob, dtype=dtype).reshape(n, self.m.record_tokens)
+            got, want = sample_hashes(rec), self._index(k)[s:s + n]
+            bad = np.nonzero(got != want)[0]
+            if len(bad):
+                r = s + int(bad[0])
+                raise CorruptShardError(
+                    f"shard {self.m.shards[k].path} of {self.m.url}: record {r} (bytes "
+                    f"{r * rb}..{(r + 1) * rb - 1}) fails its checksum; the shard is corrupt, "
+                    "re-run prepare-data")
+            parts.append(rec)
+            hashes.append(got)
+        if not parts:
+            return np.zeros((0, self.m.record_tokens), dtype), np.zeros(0, "<u8")
+        allrec, allhash = np.concatenate(parts), np.concatenate(hashes)
+        where = {key: n for n, key in enumerate(unique)}
+        take = np.fromiter((where[x] for x in samples), dtype=np.int64, count=len(samples))
+        return allrec[take], allhash[take]
+
+
+class StepStream:
+    """Iterator of StepBatch for steps start_step, start_step + 1, ... (endless: epochs go on,
+    epoch = position // num_samples), produced by a prefetch thread."""
+
+    def __init__(self, manifest: Manifest, *, plan: BatchPlan, rank: int, world_size: int,
+                 start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+                 prefetch_steps: int = 4, storage_options: dict | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if plan.num_micro_batches < world_size:
+            plan.check_world_size(world_size)
+        self.manifest = manifest
+        self.plan, self.rank, self.world_size = plan, rank, world_size
+        self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
+        self.reader = ShardReader(manifest, storage_options)
+        self.next_step = start_step
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch_steps))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True,
+                                        name=f"step-stream-r{rank}")
+        self._thread.start()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.reader.bytes_read
+
+    def build_step(self, step: int) -> StepBatch:
+        """Read and assemble one step's batch for this rank (what the thread runs)."""
+        mine = list(self.plan.rank_micro_batches(self.rank, self.world_size))
+        m = self.plan.micro_batch_size
+        samples = []
+        for j in mine:
+            pos = self.plan.micro_batch_positions(step, j)
+            samples.extend(self.order.samples_at(pos.start, pos.stop))
+        records, hashes = self.reader.read(samples)
+        wide = torch.from_numpy(records.astype(np.int64))
+        tokens = [wide[i * m:(i + 1) * m] for i in range(len(mine))]
+        weights = [1.0] * len(mine)
+        for _ in range(self.plan.slots(self.world_size) - len(mine)):
+            tokens.append(tokens[-1])  # zero-weight repeat: keeps collectives in step (C1)
+            weights.append(0.0)
+        fingerprint = int(sum(int(h) for h in hashes)) & HASH_MASK
+        return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint)
+
+    def _produce(self, step: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self.build_step(step)
+            except BaseException as e:  # handed to the consumer, raised there
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            step += 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepBatch:
+        if self._stop.is_set():
+            raise StopIteration
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the data prefetch thread stopped") from None
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.next_step = item.step + 1
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def open_step_stream(data_url: str, *, plan: BatchPlan, rank: int, world_size: int,
+                     start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+                     prefetch_steps: int = 4, storage_options: dict | None = None) -> StepStream:
+    """Open rank `rank`'s stream of step batches from `start_step` on (C1 + C2)."""
+    manifest = load_manifest(data_url, storage_options)
+    return StepStream(manifest, plan=plan, rank=rank, world_size=world_size,
+                      start_step=start_step, seed=seed, shuffle_window=shuffle_window,
+                      prefetch_steps=prefetch_steps, storage_options=storage_options)
+
+
+def read_shard_stream(manifest: Manifest, k: int, storage_options: dict | None = None
+                      ) -> np.ndarray:
+    """Shard k's token stream as written (records overlap by one token), for decoding back."""
+    reader = ShardReader(manifest, storage_options)
+    records, _ = reader.read([(k, i) for i in range(manifest.shards[k].num_samples)])
+    if not len(records):
+        return np.zeros(0, np.int64)
+    return np.concatenate([records[0].astype(np.int64)] +
+                          [r[1:].astype(np.int64) for r in records[1:]])
+
+
+def decode_documents(manifest: Manifest, storage_options: dict | None = None) -> list[str]:
+    """Every document of the dataset, in input order (trailing padding dropped): the round trip
+    of prepare-data for text the tokenizer round-trips."""
+    from data_pipelines.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(manifest.tokenizer)
+    docs = []
+    for k, info in enumerate(manifest.shards):
+        stream = read_shard_stream(manifest, k, storage_options)
+        stream = stream[:len(stream) - info.pad_tokens]  # every document ends with end-of-text
+        start = 0
+        for c in np.nonzero(stream == manifest.eos_id)[0]:
+            docs.append(tok.decode(stream[start:c]))
+            start = c + 1
+    return docs

@@ -1,0 +1,706 @@
+"""`elastic-gpt prepare-data`: raw text in any fsspec storage -> fixed-length token shards.
+
+The job is a Ray Data pipeline over *parts*: the sorted input files cut into consecutive groups of
+about `part_bytes` of raw input. Each part becomes exactly one shard (tokens of its documents, an
+end-of-text after each document, packed into records of seq_len + 1 tokens, the last record padded
+with end-of-text). A shard is therefore a pure function of its part's files and the options:
+
+- output is byte-identical for the same input, whatever the number of workers or their timing;
+- parts are independent, so tokenization is embarrassingly parallel (`map_batches` on an actor
+  pool, one tokenizer per actor);
+- each shard is committed by a small `.done.json` marker written after it, so a re-run after an
+  interruption redoes only the parts without a valid marker. `manifest.json` is written last.
+
+Records overlap by one token (record i holds stream tokens [i*L, i*L + L + 1)): the target of the
+last position of a record is the first input of the next, so no token pair of the text is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import hashlib
+import io
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import fsspec
+import numpy as np
+
+from data_pipelines.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    describe_storage_error,
+    join_url,
+    sample_hashes,
+)
+from data_pipelines.tokenizers import get_tokenizer, token_dtype
+
+TEXT_CHUNK_BYTES = 4 << 20        # raw bytes read at a time from a plain-text file
+MAX_PIECE_CHARS = 1 << 20         # longest string handed to the tokenizer at once
+BAD_UTF8_POLICIES = ("replace", "skip", "error")
+JSONL_EXTS = (".jsonl", ".ndjson")
+COMPRESSION_EXTS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_GLOB_CHARS = "*?["
+
+
+# ----------------------------------------------------------------------------- input listing
+
+@dataclass(frozen=True)
+class InputFile:
+    url: str
+    size: int
+    version: str  # ETag or mtime: a changed file invalidates its part's commit marker
+
+
+def _has_glob(s: str) -> bool:
+    return any(c in s for c in _GLOB_CHARS)
+
+
+def list_inputs(inputs: str | list[str], storage_options: dict | None = None,
+                max_files: int | None = None, max_bytes: int | None = None) -> list[InputFile]:
+    """Every file the input URLs/globs/directories name, sorted, after the size limits."""
+    specs = [inputs] if isinstance(inputs, str) else list(inputs)
+    found: dict[str, InputFile] = {}
+    for spec in specs:
+        try:
+            fs, path = fsspec.core.url_to_fs(spec, **(storage_options or {}))
+            if _has_glob(path):
+                entries = fs.glob(path, detail=True)
+            elif fs.isdir(path):
+                entries = {p: i for p, i in fs.find(path, detail=True).items()
+                           if not os.path.basename(p).startswith(".")}
+            elif fs.exists(path):
+                entries = {path: fs.info(path)}
+            else:
+                raise ValueError(f"input {spec} does not exist; check the path or bucket name")
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(describe_storage_error(spec, e)) from None
+        for p, info in entries.items():
+            if info.get("type", "file") != "file":
+                continue
+            version = str(info.get("ETag") or info.get("etag") or info.get("mtime")
+                          or info.get("LastModified") or info.get("updated") or "")
+            url = fs.unstrip_protocol(p) if "://" in spec else p
+            found[url] = InputFile(url, int(info.get("size") or 0), version)
+    if not found:
+        raise ValueError(f"input {specs if len(specs) > 1 else specs[0]} matched no files; "
+                         "check the glob/path (quote globs so the shell does not expand them)")
+    files = [found[u] for u in sorted(found)]
+    if max_files is not None:
+        files = files[:max_files]
+    if max_bytes is not None:
+        kept, total = [], 0
+        for f in files:
+            if kept and total + f.size > max_bytes:
+                break
+            kept.append(f)
+            total += f.size
+        files = kept
+    return files
+
+
+def plan_parts(files: list[InputFile], part_bytes: int | None = None) -> list[list[InputFile]]:
+    """Consecutive files grouped into parts of ~part_bytes. The default depends only on the input
+    size (never on the machine) so the output stays identical everywhere: ~64 parts, each
+    between 256 KB and 64 MB of raw input."""
+    total = sum(f.size for f in files)
+    if part_bytes is None:
+        part_bytes = min(64 << 20, max(256 << 10, total // 64))
+    parts, cur, cur_bytes = [], [], 0
+    for f in files:
+        cur.append(f)
+        cur_bytes += f.size
+        if cur_bytes >= part_bytes:
+            parts.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        parts.append(cur)
+    return parts
+
+
+# ----------------------------------------------------------------------------- reading documents
+
+def _split_ext(url: str) -> tuple[str, str | None]:
+    """(format extension, compression) of a file name, e.g. 'a.jsonl.zst' -> ('.jsonl', 'zstd')."""
+    name = url.rsplit("/", 1)[-1].lower()
+    root, ext = os.path.splitext(name)
+    compression = COMPRESSION_EXTS.get(ext)
+    if compression:
+        root, ext = os.path.splitext(root)
+    return ext, compression
+
+
+class DocStats:
+    """Counters reported in the summary (every skip is counted, C6)."""
+
+    FIELDS = ("docs", "tokens", "pad_tokens", "input_bytes", "bad_utf8_docs",
+              "bad_utf8_bytes", "skipped_docs", "bad_records", "empty_docs", "split_docs")
+
+    def __init__(self):
+        for k in self.FIELDS:
+            setattr(self, k, 0)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+
+class _Utf8Decoder:
+    """UTF-8 decoding with the bad-byte policy, counting what it replaces."""
+
+    def __init__(self, policy: str, where: str, stats: DocStats):
+        self.policy, self.where, self.stats = policy, where, stats
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.bad = 0
+
+    def __call__(self, data: bytes, final: bool = False) -> str:
+        text = self._dec.decode(data, final)
+        if "\ufffd" in text:
+            bad = text.count("\ufffd") - data.count("\ufffd".encode())
+            if bad > 0:
+                if self.policy == "error":
+                    raise ValueError(f"{self.where} is not valid UTF-8; re-encode it, or pass "
+                                     "--bad-utf8 replace (or skip)")
+                self.bad += bad
+        return text
+
+
+def _open_raw(url: str, storage_options: dict | None, compression: str | None):
+    return fsspec.open(url, "rb", compression=compression, **(storage_options or {}))
+
+
+def iter_documents(f: InputFile, storage_options: dict | None, text_field: str,
+                   bad_utf8: str, stats: DocStats, content_hash):
+    """Yield each document of one file as a list of string pieces (long ones cut in pieces).
+    `.jsonl`: one document per line's `text_field`; `.parquet`: one per row of that column;
+    anything else (.txt, .py, ...): the whole file is one document."""
+    ext, compression = _split_ext(f.url)
+    if ext == ".parquet":
+        yield from _parquet_docs(f, storage_options, compression, text_field, bad_utf8,
+                                 stats, content_hash)
+        return
+    with _open_raw(f.url, storage_options, compression) as fh:
+        if ext in JSONL_EXTS:
+            for lineno, line in enumerate(fh, 1):
+                content_hash.update(line)
+                stats.input_bytes += len(line)
+                dec = _Utf8Decoder(bad_utf8, f"{f.url} line {lineno}", stats)
+                text = dec(line, final=True)
+                if not text.strip():
+                    continue
+                try:
+                    rec = json.loads(text)
+                    doc = rec[text_field]
+                    if not isinstance(doc, str):
+                        raise TypeError
+                except (ValueError, KeyError, TypeError):
+                    stats.bad_records += 1
+                    continue
+                yield from _emit(doc, dec.bad, stats, bad_utf8)
+        else:
+            dec = _Utf8Decoder(bad_utf8, f.url, stats)
+            pieces = []
+            while True:
+                chunk = fh.read(TEXT_CHUNK_BYTES)
+                content_hash.update(chunk)
+                stats.input_bytes += len(chunk)
+                pieces.append(dec(chunk, final=not chunk))
+                if not chunk:
+                    break
+            yield from _emit_pieces([p for p in pieces if p], dec.bad, stats, bad_utf8)
+
+
+def _parquet_docs(f, storage_options, compression, text_field, bad_utf8, stats, content_hash):
+    import pyarrow.parquet as pq
+
+    with _open_raw(f.url, storage_options, compression) as fh:
+        raw = fh.read()
+    content_hash.update(raw)
+    stats.input_bytes += len(raw)
+    pf = pq.ParquetFile(io.BytesIO(raw))
+    if text_field not in pf.schema_arrow.names:
+        raise ValueError(f"{f.url} has no column {text_field!r} (columns: "
+                         f"{pf.schema_arrow.names}); pass --text-field NAME")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+        col = batch.column(0)
+        if col.type not in ("string", "large_string"):
+            import pyarrow as pa
+
+            if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type):
+                for v in col.to_pylist():
+                    if v is None:
+                        stats.bad_records += 1
+                        continue
+                    dec = _Utf8Decoder(bad_utf8, f"{f.url} column {text_field}", stats)
+                    yield from _emit(dec(v, final=True), dec.bad, stats, bad_utf8)
+                continue
+            raise ValueError(f"{f.url} column {text_field!r} has type {col.type}, not text; "
+                             "pass --text-field NAME of a string column")
+        for v in col.to_pylist():
+            if v is None:
+                stats.bad_records += 1
+                continue
+            yield from _emit(v, 0, stats, bad_utf8)
+
+
+def _emit(doc: str, bad: int, stats: DocStats, bad_utf8: str):
+    yield from _emit_pieces([doc] if doc else [], bad, stats, bad_utf8)
+
+
+def _emit_pieces(pieces: list[str], bad: int, stats: DocStats, bad_utf8: str):
+    if bad:
+        if bad_utf8 == "skip":
+            stats.skipped_docs += 1
+            return
+        stats.bad_utf8_docs += 1
+        stats.bad_utf8_bytes += bad
+    if not pieces:
+        stats.empty_docs += 1
+        return
+    out = []
+    for p in pieces:  # one enormous line/file is tokenized in bounded pieces; decode stays exact
+        while len(p) > MAX_PIECE_CHARS:
+            cut = p.rfind("\n", MAX_PIECE_CHARS // 2, MAX_PIECE_CHARS)
+            cut = cut + 1 if cut > 0 else MAX_PIECE_CHARS
+            out.append(p[:cut])
+            p = p[cut:]
+        if p:
+            out.append(p)
+    if len(out) > 1:
+        stats.split_docs += 1
+    yield out
+
+
+# ----------------------------------------------------------------------------- packing shards
+
+class ShardWriter:
+    """Packs a token stream into overlapping records of L + 1 tokens (stride L) and writes them,
+    plus the per-record hash index, as it goes (memory stays O(one flush))."""
+
+    def __init__(self, fh, seq_len: int, dtype: str, eos_id: int):
+        self.fh, self.L, self.dtype, self.eos_id = fh, seq_len, np.dtype(dtype), eos_id
+        self.buf: list[np.ndarray] = []
+        self.buf_len = 0
+        self.hashes: list[np.ndarray] = []
+        self.sha = hashlib.sha256()
+        self.num_samples = 0
+        self.pad_tokens = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.buf.append(np.asarray(ids, dtype=np.int64))
+        self.buf_len += len(ids)
+        if self.buf_len >= 64 * (self.L + 1):
+            self._flush()
+
+    def _flush(self, final: bool = False) -> None:
+        b = np.concatenate(self.buf) if self.buf else np.zeros(0, np.int64)
+        n, L = len(b), self.L
+        if final and n > 1 and (n - 1) % L:  # pad the last record with end-of-text
+            pad = L - (n - 1) % L
+            b = np.concatenate([b, np.full(pad, self.eos_id, np.int64)])
+            self.pad_tokens += pad
+            n = len(b)
+        r = (n - 1) // L if n > L else 0
+        if r:
+            records = b[np.arange(r)[:, None] * L + np.arange(L + 1)]
+            data = records.astype(self.dtype.newbyteorder("<")).tobytes()
+            self.fh.write(data)
+            self.sha.update(data)
+            self.hashes.append(sample_hashes(records))
+            self.num_samples += r
+        rest = b[r * L:]
+        self.buf, self.buf_len = [rest], len(rest)
+
+    def finish(self) -> np.ndarray:
+        self._flush(final=True)
+        return np.concatenate(self.hashes) if self.hashes else np.zeros(0, "<u8")
+
+
+def part_key(files: list[InputFile], options: dict) -> str:
+    payload = json.dumps({"files": [(f.url, f.size, f.version) for f in files],
+                          "options": options}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def build_part(index: int, files: list[InputFile], output: str, options: dict,
+               storage_options: dict | None) -> dict:
+    """Tokenize one part into its shard (+ index, + commit marker). Returns the marker."""
+    tok = get_tokenizer(options["tokenizer"])
+    stats = DocStats()
+    content_hash = hashlib.sha256()
+    name = shard_name(index)
+    bin_url, idx_url = join_url(output, name + ".bin"), join_url(output, name + ".idx")
+    so = storage_options or {}
+    with fsspec.open(bin_url, "wb", **so) as out:
+        w = ShardWriter(out, options["seq_len"], options["dtype"], tok.eos_id)
+        for f in files:
+            for pieces in iter_documents(f, storage_options, options["text_field"],
+                                         options["bad_utf8"], stats, content_hash):
+                n = 0
+                for p in pieces:
+                    ids = tok.encode(p)
+                    w.add(ids)
+                    n += len(ids)
+                w.add([tok.eos_id])
+                stats.docs += 1
+                stats.tokens += n + 1
+        hashes = w.finish()
+    stats.pad_tokens = w.pad_tokens
+    idx_bytes = hashes.astype("<u8").tobytes()
+    with fsspec.open(idx_url, "wb", **so) as out:
+        out.write(idx_bytes)
+    marker = {
+        "key": part_key(files, options),
+        "content_sha256": content_hash.hexdigest(),
+        "shard": ShardInfo(
+            path=name + ".bin", num_samples=w.num_samples,
+            num_bytes=w.num_samples * (options["seq_len"] + 1) * np.dtype(options["dtype"]).itemsize,
+            sha256=w.sha.hexdigest(), index_path=name + ".idx",
+            index_sha256=hashlib.sha256(idx_bytes).hexdigest(), num_docs=stats.docs,
+            pad_tokens=w.pad_tokens).__dict__,
+        "stats": stats.as_dict(),
+        "files": len(files),
+    }
+    with fsspec.open(join_url(output, name + ".done.json"), "w", **so) as out:
+        out.write(json.dumps(marker, sort_keys=True))  # written last: the shard's commit
+    return marker
+
+
+def read_marker(output: str, index: int, key: str, storage_options: dict | None) -> dict | None:
+    """The part's commit marker if it is valid for this key and its shard is complete."""
+    name = shard_name(index)
+    try:
+        fs, path = fsspec.core.url_to_fs(join_url(output, name + ".done.json"),
+                                         **(storage_options or {}))
+        with fs.open(path, "rb") as fh:
+            marker = json.loads(fh.read())
+        if marker.get("key") != key:
+            return None
+        shard = marker["shard"]
+        if shard["num_samples"]:
+            if fs.size(fs._parent(path) + "/" + shard["path"]) != shard["num_bytes"]:
+                return None
+            if fs.size(fs._parent(path) + "/" + shard["index_path"]) != 8 * shard["num_samples"]:
+                return None
+        return marker
+    except Exception:
+        return None
+
+
+def tokenize_parts(batch: dict, output: str, options: dict,
+                   storage_options: dict | None) -> dict:
+    """Ray Data `map_batches` function: build the parts of a batch (one part per batch).
+    A plain function, not an actor class: tasks run in Ray's pre-started worker processes, and
+    the tokenizer is still built once per process (get_tokenizer is cached)."""
+    results = []
+    for index, files_json in zip(batch["index"], batch["files"]):
+        files = [InputFile(**f) for f in json.loads(files_json)]
+        results.append(json.dumps(_build_part_or_error(
+            int(index), files, output, options, storage_options)))
+    return {"result": np.array(results, dtype=object)}
+
+
+def _build_part_or_error(index, files, output, options, storage_options) -> dict:
+    try:
+        return {**build_part(index, files, output, options, storage_options), "index": index}
+    except ValueError as e:
+        return {"error": str(e)}
+    except Exception as e:  # storage failures, decompression errors: name the part's files
+        where = files[0].url if len(files) == 1 else f"{files[0].url} (+{len(files) - 1} files)"
+        return {"error": describe_storage_error(where, e)}
+
+
+# ----------------------------------------------------------------------------- the job
+
+class _Progress:
+    def __init__(self, total_bytes: int, enabled: bool):
+        self.t0 = time.perf_counter()
+        self.docs = self.tokens = self.bytes = 0
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare-data",
+                            file=sys.stderr, dynamic_ncols=True)
+
+    def start(self) -> None:
+        """Rates count from here: cluster start-up is not tokenization."""
+        self.t0 = time.perf_counter()
+        if self.bar is not None:
+            self.bar.reset()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def update(self, stats: dict, nbytes: int) -> None:
+        self.docs += stats["docs"]
+        self.tokens += stats["tokens"]
+        self.bytes += nbytes
+        if self.bar is not None:
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"docs={self.docs:,} tokens={self.tokens:,} "
+                                     f"{self.bytes / dt / 1e6:.1f} MB/s", refresh=False)
+            self.bar.update(nbytes)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run_parts_local(todo, output, options, storage_options, on_done, bar):
+    bar.start()
+    for index, files in todo:
+        on_done(index, files, _build_part_or_error(index, files, output, options, storage_options))
+
+
+def _run_parts_ray(todo, output, options, storage_options, on_done, num_workers, bar):
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)
+        else:
+            tmp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray_prepare_data")
+            ray.init(num_cpus=num_workers or min(2, os.cpu_count() or 1),
+                     object_store_memory=100 << 20, include_dashboard=False,
+                     _temp_dir=tmp, log_to_driver=False)
+        started = True
+    try:
+        import logging
+
+        import ray.data
+
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # our bar replaces its chatter
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False  # ours reports docs/tokens/MB/s instead
+        ctx.print_on_execution_start = False
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        n = max(1, min(num_workers or cpus, len(todo)))
+        by_index = dict(todo)
+        items = [{"index": i, "files": json.dumps([f.__dict__ for f in fs_])} for i, fs_ in todo]
+        bar.start()
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        ds = ds.map_batches(
+            tokenize_parts, batch_size=1, compute=ray.data.TaskPoolStrategy(size=n), num_cpus=1,
+            fn_kwargs={"output": output, "options": options, "storage_options": storage_options})
+        for row in ds.iter_rows():
+            result = json.loads(row["result"])
+            index = result.get("index")
+            on_done(index, by_index.get(index), result)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
+                 seq_len: int = 1024, *, storage_options: dict | None = None,
+                 progress: bool = True, text_field: str = "text", bad_utf8: str = "replace",
+                 max_files: int | None = None, max_bytes: int | None = None,
+                 part_bytes: int | None = None, engine: str = "ray",
+                 num_workers: int | None = None, overwrite: bool = False) -> dict:
+    """Tokenize `input` (URL, glob, directory, or a list of them) into a dataset at `output`.
+    Returns the summary dict (also stored in the manifest's `stats`)."""
+    t0 = time.perf_counter()
+    if seq_len < 1:
+        raise ValueError(f"--seq-len must be positive, got {seq_len}")
+    if bad_utf8 not in BAD_UTF8_POLICIES:
+        raise ValueError(f"--bad-utf8 must be one of {BAD_UTF8_POLICIES}, got {bad_utf8!r}")
+    if engine not in ("ray", "local"):
+        raise ValueError(f"engine must be 'ray' or 'local', got {engine!r}")
+    tok = get_tokenizer(tokenizer)
+    output = output.rstrip("/")
+    options = {"tokenizer": tokenizer, "seq_len": seq_len, "dtype": token_dtype(tok.vocab_size),
+               "text_field": text_field, "bad_utf8": bad_utf8, "format_version": 1}
+    files = list_inputs(input, storage_options, max_files, max_bytes)
+    parts = plan_parts(files, part_bytes)
+    keys = [part_key(p, options) for p in parts]
+    job_key = hashlib.sha256("".join(keys).encode()).hexdigest()
+    _check_output(output, job_key, storage_options, overwrite)
+
+    markers: dict[int, dict] = {}
+    for i, key in enumerate(keys):
+        m = read_marker(output, i, key, storage_options)
+        if m is not None:
+            markers[i] = m
+    todo = [(i, parts[i]) for i in range(len(parts)) if i not in markers]
+    bar = _Progress(sum(f.size for i, p in todo for f in p), progress)
+    errors: list[str] = []
+
+    def on_done(index, part_files, result):
+        if "error" in result:
+            errors.append(result["error"])
+            return
+        markers[index] = result
+        bar.update(result["stats"], sum(f.size for f in part_files))
+
+    try:
+        if todo:
+            if engine == "local":
+                _run_parts_local(todo, output, options, storage_options, on_done, bar)
+            else:
+                _run_parts_ray(todo, output, options, storage_options, on_done, num_workers, bar)
+    finally:
+        bar.close()
+    if errors:
+        # Committed parts stay: a re-run after fixing the input redoes only the failed ones.
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ValueError(errors[0] + more)
+
+    summary = _write_manifest(output, tokenizer, tok, options, parts, markers, files, input,
+                              job_key, storage_options)
+    summary.update(parts_reused=len(parts) - len(todo), parts_built=len(todo),
+                   seconds=round(time.perf_counter() - t0, 3),
+                   tokenize_seconds=round(bar.seconds if todo else 0.0, 3), output=output)
+    return summary
+
+
+def _check_output(output, job_key, storage_options, overwrite):
+    """Never silently replace a committed dataset made from other input (C6)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(join_url(output, MANIFEST_NAME), **(storage_options or {}))
+        if not fs.exists(path):
+            return
+        with fs.open(path, "rb") as fh:
+            old = json.loads(fh.read())
+    except Exception as e:
+        raise ValueError(describe_storage_error(output, e)) from None
+    if old.get("source", {}).get("job_key") != job_key and not overwrite:
+        raise ValueError(f"{output} already holds a dataset prepared from other input or "
+                         "options; choose another --output, or pass --overwrite")
+
+
+def _write_manifest(output, tokenizer, tok, options, parts, markers, files, input, job_key,
+                    storage_options) -> dict:
+    totals = DocStats().as_dict()
+    content = hashlib.sha256()
+    shards = []
+    for i in range(len(parts)):
+        m = markers[i]
+        for k, v in m["stats"].items():
+            totals[k] += v
+        content.update(m["content_sha256"].encode())
+        if m["shard"]["num_samples"]:
+            shards.append(ShardInfo(**m["shard"]))
+    if totals["docs"] == 0:
+        hint = ""
+        if totals["bad_records"]:
+            hint = (f"; {totals['bad_records']} records had no string field "
+                    f"{options['text_field']!r} (pass --text-field NAME)")
+        elif totals["skipped_docs"]:
+            hint = f"; {totals['skipped_docs']} documents were skipped as non-UTF-8"
+        raise ValueError(f"the corpus {input} has no text ({len(files)} files, "
+                         f"{sum(f.size for f in files)} bytes){hint}")
+    num_samples = sum(s.num_samples for s in shards)
+    source = {"input": input if isinstance(input, str) else list(input), "files": len(files),
+              "bytes": sum(f.size for f in files), "fingerprint": content.hexdigest(),
+              "job_key": job_key, "text_field": options["text_field"],
+              "bad_utf8": options["bad_utf8"]}
+    manifest = Manifest(
+        url=output, seq_len=options["seq_len"], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
+        tokenizer=tokenizer, dtype=options["dtype"], shards=tuple(shards),
+        num_samples=num_samples, num_tokens=num_samples * (options["seq_len"] + 1),
+        source=source, stats=totals)
+    with fsspec.open(join_url(output, MANIFEST_NAME), "w", **(storage_options or {})) as fh:
+        fh.write(manifest.to_json())
+    return {"files": len(files), "shards": len(shards), "samples": num_samples,
+            "stored_tokens": manifest.num_tokens, **totals,
+            "source_fingerprint": content.hexdigest()}
+
+
+def format_summary(s: dict) -> str:
+    mb = s["input_bytes"] / 1e6
+    rate = mb / s["tokenize_seconds"] if s.get("tokenize_seconds") else 0.0
+    lines = [
+        f"prepared {s['output']}: {s['files']:,} files ({mb:.1f} MB) -> {s['docs']:,} documents, "
+        f"{s['tokens']:,} tokens, {s['samples']:,} samples in {s['shards']} shards "
+        f"({s['seconds']:.1f} s; tokenizing {s['tokenize_seconds']:.1f} s at {rate:.1f} MB/s; "
+        f"{s['parts_built']} parts built, "
+        f"{s['parts_reused']} reused)",
+    ]
+    skips = {k: s[k] for k in ("bad_utf8_docs", "bad_utf8_bytes", "skipped_docs", "bad_records",
+                               "empty_docs", "split_docs") if s.get(k)}
+    if skips:
+        lines.append("  counted: " + ", ".join(f"{k}={v:,}" for k, v in skips.items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", required=True, nargs="+",
+                        help="corpus URL(s), glob(s) or directory(ies): s3://b/raw/*.jsonl.zst, "
+                             "'/usr/lib/python3.11/**/*.py', file:///data/txt")
+    parser.add_argument("--output", required=True, help="dataset directory URL to write")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="gpt2 (offline GPT-2 BPE), bytes, or the path of a tokenizer.json")
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="model context; each sample stores seq_len + 1 tokens")
+    parser.add_argument("--text-field", default="text",
+                        help="JSON field / parquet column holding the text (default: text)")
+    parser.add_argument("--bad-utf8", choices=BAD_UTF8_POLICIES, default="replace",
+                        help="invalid UTF-8 bytes: replace with U+FFFD and count (default), "
+                             "skip the document and count, or stop with an error")
+    parser.add_argument("--max-files", type=int, default=None, help="use the first N files only")
+    parser.add_argument("--max-bytes", type=_parse_size, default=None,
+                        help="stop adding files after this much raw input (e.g. 8MB)")
+    parser.add_argument("--part-bytes", type=_parse_size, default=None,
+                        help="raw input per shard (default: input/64, within 256KB..64MB)")
+    parser.add_argument("--engine", choices=("ray", "local"), default="ray",
+                        help="ray: Ray Data job (default); local: in this process")
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="tokenizer actors (default: the cluster's CPUs)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a dataset at --output prepared from other input")
+    parser.add_argument("--storage-options", type=json.loads, default=None,
+                        help='fsspec options as JSON, e.g. \'{"client_kwargs": '
+                             '{"endpoint_url": "http://127.0.0.1:9000"}}\'')
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _parse_size(s: str) -> int:
+    units = {"": 1, "B": 1, "KB": 1 << 10, "K": 1 << 10, "MB": 1 << 20, "M": 1 << 20,
+             "GB": 1 << 30, "G": 1 << 30}
+    t = s.strip().upper()
+    num = t.rstrip("KMGB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"bad size {s!r}; use e.g. 512KB, 8MB, 1GB") from None
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    inputs = args.input[0] if len(args.input) == 1 else args.input
+    try:
+        summary = prepare_data(
+            inputs, args.output, args.tokenizer, args.seq_len,
+            storage_options=args.storage_options, progress=not args.no_progress,
+            text_field=args.text_field, bad_utf8=args.bad_utf8, max_files=args.max_files,
+            max_bytes=args.max_bytes, part_bytes=args.part_bytes, engine=args.engine,
+            num_workers=args.num_workers, overwrite=args.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="prepare-data", description=__doc__.splitlines()[0])
+    add_cli_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

