@@ -264,12 +264,10 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     fwd_comm = ag_root + L * ag_blk
     fwd_exposed = ag_root + ag_blk + (L - 1) * max(0.0, ag_blk - fwd_blk)
     n_sync = k if grad_sync == "microbatch" else 1
-    comm_s = exposed_s = 0.0
-    for i in range(k):
-        synced = grad_sync == "microbatch" or i == k - 1
-        bwd_comm, bwd_exposed = backward_exposed(synced)
-        comm_s += fwd_comm + bwd_comm
-        exposed_s += fwd_exposed + bwd_exposed
+    sync_comm, sync_exposed = backward_exposed(True)
+    nosync_comm, nosync_exposed = backward_exposed(False)
+    comm_s = k * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
+    exposed_s = k * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
 
     # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
     optimizer_s = 32 * shape.params / n_gpus / (0.7 * gpu.hbm_gbps * GB)
