@@ -66,8 +66,9 @@ def _now_ms() -> int:
 
 def _http(
     url: str, method: str = "GET", headers: dict | None = None, timeout_s: float = 2.0
-) -> tuple[int, bytes]:
-    """One HTTP exchange; returns (status, body) for any HTTP status, raises on network errors.
+) -> tuple[int, bytes, dict]:
+    """One HTTP exchange; returns (status, body, headers) for any HTTP status, raises
+    MetadataUnavailable on network errors.
 
     The proxy handler is disabled: metadata services are link-local and must never be sent
     through an HTTP(S)_PROXY a user has set for S3 or PyPI.
@@ -78,9 +79,9 @@ def _http(
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=timeout_s) as response:
-            return response.status, response.read()
+            return response.status, response.read(), dict(response.headers)
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return e.code, e.read(), dict(e.headers or {})
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise MetadataUnavailable(f"{method} {url}: {reason}") from e
@@ -116,7 +117,7 @@ class AwsSpotNotices:
     def _get_token(self, refresh: bool = False) -> str:
         # Renew at 80% of the TTL so a token never lapses between two polls.
         if refresh or self._token is None or time.monotonic() >= self._token_expires:
-            status, body = _http(
+            status, body, _ = _http(
                 f"{self.base_url}/latest/api/token",
                 method="PUT",
                 headers={"X-aws-ec2-metadata-token-ttl-seconds": str(self.token_ttl_s)},
@@ -130,11 +131,11 @@ class AwsSpotNotices:
 
     def poll(self) -> Notice | None:
         url = f"{self.base_url}/latest/meta-data/spot/instance-action"
-        status, body = _http(
+        status, body, _ = _http(
             url, headers={"X-aws-ec2-metadata-token": self._get_token()}, timeout_s=self.timeout_s
         )
         if status == 401:  # token expired or IMDS restarted: fetch a new one once
-            status, body = _http(
+            status, body, _ = _http(
                 url,
                 headers={"X-aws-ec2-metadata-token": self._get_token(refresh=True)},
                 timeout_s=self.timeout_s,
@@ -181,17 +182,29 @@ class GcpPreemptionNotices:
         self.wait_for_change = wait_for_change
         self.wait_timeout_s = wait_timeout_s
         self.timeout_s = timeout_s
+        self._etag: str | None = None
 
     def poll(self) -> Notice | None:
         url = f"{self.base_url}/computeMetadata/v1/instance/preempted"
         timeout_s = self.timeout_s
-        if self.wait_for_change:
-            # The server holds the request until the value changes or timeout_sec passes.
-            url += f"?wait_for_change=true&timeout_sec={self.wait_timeout_s}"
+        if self.wait_for_change and self._etag is not None:
+            # The server holds the request until the value's ETag differs from last_etag (at
+            # once if it already does), or timeout_sec passes. Without an ETag a long poll would
+            # wait for the *next* change and miss a notice that is already TRUE, so the first
+            # poll of a streak is a plain GET.
+            url += (f"?wait_for_change=true&timeout_sec={self.wait_timeout_s}"
+                    f"&last_etag={self._etag}")
             timeout_s += self.wait_timeout_s
-        status, body = _http(url, headers={"Metadata-Flavor": "Google"}, timeout_s=timeout_s)
+        try:
+            status, body, headers = _http(url, headers={"Metadata-Flavor": "Google"},
+                                          timeout_s=timeout_s)
+        except MetadataUnavailable:
+            self._etag = None
+            raise
         if status != 200:
+            self._etag = None
             raise MetadataUnavailable(f"GET {url} returned HTTP {status}")
+        self._etag = {k.lower(): v for k, v in headers.items()}.get("etag")
         value = body.decode(errors="replace").strip().upper()
         if value == "FALSE":
             return None
@@ -204,14 +217,14 @@ class GcpPreemptionNotices:
 def detect_provider(aws_url: str = AWS_METADATA_URL, gcp_url: str = GCP_METADATA_URL) -> str:
     """'gcp' or 'aws', from which metadata service answers like itself; ValueError if neither."""
     try:
-        status, _ = _http(f"{gcp_url.rstrip('/')}/computeMetadata/v1/instance/id",
+        status, _, _ = _http(f"{gcp_url.rstrip('/')}/computeMetadata/v1/instance/id",
                           headers={"Metadata-Flavor": "Google"}, timeout_s=1.0)
         if status == 200:
             return "gcp"
     except MetadataUnavailable:
         pass
     try:
-        status, _ = _http(f"{aws_url.rstrip('/')}/latest/api/token", method="PUT",
+        status, _, _ = _http(f"{aws_url.rstrip('/')}/latest/api/token", method="PUT",
                           headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout_s=1.0)
         if status == 200:
             return "aws"
@@ -221,6 +234,16 @@ def detect_provider(aws_url: str = AWS_METADATA_URL, gcp_url: str = GCP_METADATA
         "--provider auto: neither the GCP nor the AWS metadata service answered; "
         "pass --provider aws|gcp (and --metadata-url if it lives elsewhere)"
     )
+
+
+class NoNotices:
+    """SIGTERM only: for Kubernetes pods, where the kubelet's SIGTERM is the notice and the
+    cloud metadata service may be hidden from pods."""
+
+    provider = "none"
+
+    def poll(self) -> Notice | None:
+        return None
 
 
 def make_notice_source(provider: str, metadata_url: str | None = None,
@@ -233,7 +256,9 @@ def make_notice_source(provider: str, metadata_url: str | None = None,
     if provider == "gcp":
         return GcpPreemptionNotices(metadata_url or GCP_METADATA_URL,
                                     wait_for_change=gcp_wait_for_change)
-    raise ValueError(f"provider={provider!r} is not supported; use aws, gcp or auto")
+    if provider == "none":
+        return NoNotices()
+    raise ValueError(f"provider={provider!r} is not supported; use aws, gcp, auto or none")
 
 
 # --------------------------------------------------------------------------- Ray GCS side
@@ -431,12 +456,13 @@ class PreemptionWatcher:
             logger.error("SIGTERM drain of node %s failed: %s", self._node_id, e)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m elastic_gpt.preemption",
         description="Turn cloud spot/preemption notices (and SIGTERM) into Ray node drains.",
     )
-    parser.add_argument("--provider", choices=["aws", "gcp", "auto"], default="auto")
+    parser.add_argument("--provider", choices=["aws", "gcp", "auto", "none"], default="auto",
+                        help="none = SIGTERM only (Kubernetes pods)")
     parser.add_argument("--address", default=None,
                         help="Ray GCS address HOST:PORT (default: RAY_ADDRESS or the local head)")
     parser.add_argument("--metadata-url", default=None,
@@ -449,7 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gcp-wait-for-change", action="store_true",
                         help="GCP: long-poll instance/preempted instead of plain polling")
     parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

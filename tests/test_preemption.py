@@ -19,6 +19,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import pytest
 
@@ -44,17 +45,20 @@ class FakeMetadata:
         self.rejected = 0  # GETs refused for a missing/invalid token or header
         self.instance_action_gets = 0
         self.preempted_gets = 0
+        self.long_polls = 0
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # keep pytest output clean
                 pass
 
-            def _reply(self, status: int, body: str = "") -> None:
+            def _reply(self, status: int, body: str = "", etag: str | None = None) -> None:
                 data = body.encode()
                 self.send_response(status)
                 if self.path.startswith("/computeMetadata"):
                     self.send_header("Metadata-Flavor", "Google")
+                if etag:
+                    self.send_header("ETag", etag)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -86,10 +90,19 @@ class FakeMetadata:
                     if self.headers.get("Metadata-Flavor") != "Google":
                         fake.rejected += 1
                         return self._reply(403, "Missing Metadata-Flavor:Google header.")
-                    path = self.path.split("?")[0]
+                    path, _, query = self.path.partition("?")
                     if path == "/computeMetadata/v1/instance/preempted":
                         fake.preempted_gets += 1
-                        return self._reply(200, "TRUE" if fake.gcp_preempted else "FALSE")
+                        params = dict(parse_qsl(query))
+                        if params.get("wait_for_change") == "true":
+                            # Hold the request while the ETag still equals last_etag.
+                            fake.long_polls += 1
+                            until = time.monotonic() + float(params.get("timeout_sec", 60))
+                            while (params.get("last_etag") == fake.gcp_etag()
+                                   and time.monotonic() < until):
+                                time.sleep(0.02)
+                        value = "TRUE" if fake.gcp_preempted else "FALSE"
+                        return self._reply(200, value, etag=fake.gcp_etag())
                     if path == "/computeMetadata/v1/instance/id":
                         return self._reply(200, "1234567890")
                 return self._reply(404)
@@ -98,6 +111,9 @@ class FakeMetadata:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
+
+    def gcp_etag(self) -> str:
+        return "etag-true" if self.gcp_preempted else "etag-false"
 
     def notice_in(self, seconds: float, action: str = "terminate") -> int:
         when = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(seconds=seconds)
@@ -129,9 +145,9 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> boo
 
 
 def test_fake_imds_enforces_token(metadata):
-    status, _ = preemption._http(f"{metadata.url}/latest/meta-data/spot/instance-action")
+    status, _, _ = preemption._http(f"{metadata.url}/latest/meta-data/spot/instance-action")
     assert status == 401 and metadata.rejected == 1
-    status, _ = preemption._http(f"{metadata.url}/computeMetadata/v1/instance/preempted")
+    status, _, _ = preemption._http(f"{metadata.url}/computeMetadata/v1/instance/preempted")
     assert status == 403 and metadata.rejected == 2
 
 
@@ -164,9 +180,39 @@ def test_gcp_notices(metadata):
     notice = gcp.poll()
     assert notice is not None and notice.source == "gcp"
     assert 25_000 < notice.deadline_ms - time.time() * 1000 <= 30_000
-    # wait_for_change variant sends the query string and still reads the value
-    assert GcpPreemptionNotices(metadata.url, wait_for_change=True, wait_timeout_s=1).poll()
     assert metadata.rejected == 0
+
+
+def test_gcp_long_poll_sees_existing_and_new_notices(metadata):
+    # A notice already there when the watcher starts is not missed by waiting for a change.
+    metadata.gcp_preempted = True
+    assert GcpPreemptionNotices(metadata.url, wait_for_change=True, wait_timeout_s=10).poll()
+
+    metadata.gcp_preempted = False
+    gcp = GcpPreemptionNotices(metadata.url, wait_for_change=True, wait_timeout_s=10)
+    assert gcp.poll() is None  # plain GET: learns the ETag
+    result = {}
+
+    def long_poll():
+        t0 = time.monotonic()
+        result["notice"] = gcp.poll()
+        result["elapsed"] = time.monotonic() - t0
+
+    waiter = threading.Thread(target=long_poll)
+    waiter.start()
+    assert wait_for(lambda: metadata.long_polls == 1, timeout_s=5)
+    time.sleep(0.5)
+    assert waiter.is_alive(), "the request is held until the value changes"
+    metadata.gcp_preempted = True
+    waiter.join(timeout=5)
+    assert result["notice"] is not None and result["elapsed"] < 3
+
+
+def test_provider_none_only_listens_for_sigterm():
+    source = preemption.make_notice_source("none")
+    assert source.poll() is None
+    with pytest.raises(ValueError, match="provider='azure'"):
+        preemption.make_notice_source("azure")
 
 
 def test_endpoint_down_or_wrong_is_unavailable_not_a_crash(metadata):
