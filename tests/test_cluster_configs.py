@@ -1,0 +1,345 @@
+"""Every way to deploy elastic-gpt is checked by the code that will consume it.
+
+- Cluster-launcher files (ray-cluster.yaml, deploy/gcp-cluster.yaml): Ray's own
+  ``prepare_config`` + ``validate_config`` (ray-schema.json and its cross-field checks).
+  The AWS file then goes through Ray's own AWS bootstrap (key pair, subnets, security group,
+  instance profiles) and Ray's AWS node provider launches one node of every type against moto's
+  EC2, so the node_config is accepted by the EC2 API shape (spot market options, IMDSv2, ...).
+- KubeRay manifests: no PyPI package ships the KubeRay CRD schemas, so the fields the
+  operator requires (ray.io/v1) are checked here by hand; then Ray's own KubeRay autoscaler code
+  derives its autoscaling config from the RayCluster and Ray's validator checks that.
+- Every training config a deploy file, the docs or jobs/ mentions exists and loads through
+  ``elastic_gpt.config.load_config``; the runtime env parses the way `ray job submit` parses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastic_gpt.config import load_config
+from elastic_gpt.preemption import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER_FILES = ["ray-cluster.yaml", "deploy/gcp-cluster.yaml"]
+KUBERAY_FILES = ["deploy/kuberay/raycluster.yaml", "deploy/kuberay/rayjob.yaml"]
+DEPLOY_FILES = LAUNCHER_FILES + KUBERAY_FILES
+TRAINING_CONFIGS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "jobs/configs").glob("*.yaml"))
+# An access key id, a secret key assignment, or a key file in any deploy file is a leak.
+SECRET = re.compile(r"AKIA[0-9A-Z]{16}|aws_secret_access_key|aws_access_key_id|"
+                    r"private_key_id|BEGIN [A-Z ]*PRIVATE KEY", re.IGNORECASE)
+
+
+def load(path: str) -> dict:
+    return yaml.safe_load((REPO / path).read_text())
+
+
+def prepared(path: str) -> dict:
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = prepare_config(copy.deepcopy(load(path)))
+    validate_config(config)
+    return config
+
+
+def commands(config: dict, key: str) -> str:
+    return "\n".join(config.get(key, []))
+
+
+def watcher_args(command_text: str) -> list:
+    """The `python -m elastic_gpt.preemption ...` arguments in a shell command list."""
+    found = []
+    for line in command_text.splitlines():
+        if "elastic_gpt.preemption" not in line:
+            continue
+        words = shlex.split(line.split("elastic_gpt.preemption", 1)[1].split(">")[0])
+        found.append(build_parser().parse_args(words))
+    return found
+
+
+# ----------------------------------------------------------------- cluster launcher
+
+
+@pytest.mark.parametrize("path", LAUNCHER_FILES)
+def test_launcher_file_passes_rays_validation(path):
+    config = prepared(path)
+    types = config["available_node_types"]
+    head = config["head_node_type"]
+    assert types[head]["max_workers"] == 0
+    gpu_types = {name: t for name, t in types.items() if t["resources"].get("GPU", 0) > 0}
+    assert len(gpu_types) >= 2 and head not in gpu_types
+    # Ray's validator checks the global cap against min_workers; also check it lets every
+    # type reach its own max, so the per-type limits are the real ones.
+    assert config["max_workers"] >= sum(t["max_workers"] for t in gpu_types.values())
+
+
+@pytest.mark.parametrize("path", DEPLOY_FILES)
+def test_no_credentials_in_deploy_files(path):
+    text = (REPO / path).read_text()
+    assert not SECRET.search(text), f"{path} contains something that looks like a credential"
+
+
+def test_aws_cluster_shape():
+    config = prepared("ray-cluster.yaml")
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]["node_config"]
+    assert "InstanceMarketOptions" not in head, "the head must be on-demand"
+    spot = [n for n, t in types.items()
+            if t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"]
+    ondemand_gpu = [n for n, t in types.items() if t["resources"].get("GPU")
+                    and "InstanceMarketOptions" not in t["node_config"]]
+    assert spot and ondemand_gpu, "GPU workers on spot plus an on-demand GPU fallback"
+    for name, t in types.items():
+        nc = t["node_config"]
+        assert "IamInstanceProfile" in nc, f"{name}: S3 through an instance profile, no keys"
+        assert nc["MetadataOptions"]["HttpTokens"] == "required", f"{name}: IMDSv2 only"
+    for name in spot:
+        assert types[name]["max_workers"] >= max(1, types[name]["min_workers"])
+    # Dashboard bound to the head's loopback: reachable only through `ray dashboard`.
+    head_start = commands(config, "head_start_ray_commands")
+    assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in head_start
+    assert "pip install" in commands(config, "setup_commands")
+    assert "s3://" in head_start  # MLflow artifacts on S3
+
+
+@pytest.mark.parametrize("path,provider", [("ray-cluster.yaml", "aws"),
+                                           ("deploy/gcp-cluster.yaml", "gcp")])
+def test_every_worker_starts_the_spot_watcher(path, provider):
+    config = prepared(path)
+    worker_start = commands(config, "worker_start_ray_commands")
+    parsed = watcher_args(worker_start)
+    assert len(parsed) == 1, "exactly one watcher per worker node"
+    args = parsed[0]
+    assert args.provider == provider
+    assert args.address == "$RAY_HEAD_IP:6379"
+    assert 0 < args.poll_s <= 5
+    # Started after `ray start` joins the node, in the background (the command must return).
+    assert worker_start.index("ray start") < worker_start.index("elastic_gpt.preemption")
+    assert re.search(r"elastic_gpt\.preemption[^\n]*&", worker_start.replace("\n", " "))
+    assert not watcher_args(commands(config, "head_start_ray_commands")), "head is on-demand"
+
+
+def test_gcp_cluster_shape():
+    config = prepared("deploy/gcp-cluster.yaml")
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]["node_config"]
+    assert head.get("scheduling", {}).get("provisioningModel", "STANDARD") == "STANDARD"
+    spot = ondemand = 0
+    for name, t in types.items():
+        nc = t["node_config"]
+        assert nc["machineType"] and nc["disks"][0]["boot"], name
+        if not t["resources"].get("GPU"):
+            continue
+        sched = nc["scheduling"]
+        assert isinstance(sched, dict) and sched["onHostMaintenance"] == "TERMINATE", \
+            f"{name}: GPU VMs cannot live-migrate"
+        assert nc["serviceAccounts"][0]["email"].endswith(".iam.gserviceaccount.com")
+        spot += sched.get("provisioningModel") == "SPOT"
+        ondemand += sched.get("provisioningModel") == "STANDARD"
+    assert spot >= 1 and ondemand >= 1
+    assert "--dashboard-host=127.0.0.1" in commands(config, "head_start_ray_commands")
+
+
+def test_aws_bootstrap_and_launch_every_node_type(tmp_path, monkeypatch):
+    """Ray's AWS bootstrap + node provider against moto's EC2/IAM: the real launch path."""
+    import boto3
+    from moto import mock_aws
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # Ray writes the generated key pair to ~/.ssh
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-west-2")
+    config = prepared("ray-cluster.yaml")
+    with mock_aws():
+        iam = boto3.client("iam")
+        profiles = {t["node_config"]["IamInstanceProfile"]["Name"]
+                    for t in config["available_node_types"].values()}
+        for name in profiles:  # what docs/aws-spot.md tells the user to create
+            iam.create_role(RoleName=name, AssumeRolePolicyDocument="{}")
+            iam.create_instance_profile(InstanceProfileName=name)
+            iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+
+        from ray.autoscaler._private.aws.config import bootstrap_aws
+        from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
+
+        booted = bootstrap_aws(config)
+        provider = AWSNodeProvider(booted["provider"], booted["cluster_name"])
+        for name, node_type in booted["available_node_types"].items():
+            provider.create_node(node_type["node_config"],
+                                 {"ray-node-type": "worker", "ray-user-node-type": name}, 1)
+
+        launched = {}
+        for reservation in boto3.client("ec2").describe_instances()["Reservations"]:
+            for inst in reservation["Instances"]:
+                tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+                launched[tags["ray-user-node-type"]] = inst
+    assert set(launched) == set(config["available_node_types"])
+    for name, inst in launched.items():
+        node_config = config["available_node_types"][name]["node_config"]
+        assert inst["InstanceType"] == node_config["InstanceType"]
+        is_spot = "InstanceMarketOptions" in node_config
+        assert (inst.get("InstanceLifecycle") == "spot") == is_spot, name
+        assert inst["IamInstanceProfile"]["Arn"].endswith(
+            "/" + node_config["IamInstanceProfile"]["Name"])
+        assert inst["MetadataOptions"]["HttpTokens"] == "required"
+
+
+# ----------------------------------------------------------------- KubeRay
+
+
+def _pod_specs(cluster_spec: dict):
+    yield "head", cluster_spec["headGroupSpec"]["template"]["spec"]
+    for group in cluster_spec["workerGroupSpecs"]:
+        yield group["groupName"], group["template"]["spec"]
+
+
+def check_raycluster_spec(spec: dict) -> None:
+    """The fields the KubeRay operator (ray.io/v1 CRD) requires, and their types."""
+    assert isinstance(spec["headGroupSpec"]["template"]["spec"]["containers"], list)
+    assert isinstance(spec["headGroupSpec"].get("rayStartParams", {}), dict)
+    assert all(isinstance(v, str) for v in spec["headGroupSpec"].get("rayStartParams", {}).values())
+    names = set()
+    for group in spec["workerGroupSpecs"]:
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", group["groupName"])
+        assert group["groupName"] not in names
+        names.add(group["groupName"])
+        assert isinstance(group["rayStartParams"], dict)  # required by operators before 1.1
+        lo, hi = group.get("minReplicas", 0), group.get("maxReplicas", 2**31 - 1)
+        assert 0 <= lo <= group.get("replicas", lo) <= hi
+    for where, pod in _pod_specs(spec):
+        assert pod["containers"], where
+        for c in pod["containers"]:
+            assert c["name"] and c["image"], f"{where}: every container needs name and image"
+            for key in ("requests", "limits"):
+                assert all(isinstance(v, str) for v in c.get("resources", {}).get(key, {}).values()
+                           ), f"{where}/{c['name']}: quantities are strings"
+    assert spec.get("headGroupSpec", {}).get("serviceType", "ClusterIP") == "ClusterIP", \
+        "the dashboard must not be exposed outside the cluster"
+
+
+def test_kuberay_raycluster_manifest():
+    doc = load("deploy/kuberay/raycluster.yaml")
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayCluster"
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+    check_raycluster_spec(doc["spec"])
+    assert doc["spec"]["rayVersion"].startswith("2.60")
+
+    # Each worker pod runs the watcher as a sidecar reacting to SIGTERM within the grace period.
+    for group in doc["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        ray_container = pod["containers"][0]  # KubeRay runs Ray in the first container
+        assert ray_container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        (sidecar,) = [c for c in pod["containers"]
+                      if "elastic_gpt.preemption" in c.get("command", [])]
+        args = build_parser().parse_args(sidecar["args"])
+        assert args.provider == "none"
+        assert args.sigterm_deadline_s < pod["terminationGracePeriodSeconds"]
+        assert args.address == "$(RAY_CLUSTER_NAME)-head-svc:6379"
+        env = {e["name"]: e for e in sidecar["env"]}
+        assert env["RAY_CLUSTER_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+            "metadata.labels['ray.io/cluster']"
+
+
+def test_kuberay_autoscaling_config_passes_rays_validation():
+    """Ray's own KubeRay autoscaler turns the RayCluster into an autoscaling config."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import (
+        _derive_autoscaling_config_from_ray_cr,
+    )
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    doc = load("deploy/kuberay/raycluster.yaml")
+    doc["metadata"]["namespace"] = "default"
+    config = _derive_autoscaling_config_from_ray_cr(doc)
+    validate_config(prepare_config(config))
+    types = config["available_node_types"]
+    assert types["gpu-spot"]["resources"]["GPU"] == 8
+    assert types["gpu-spot"]["min_workers"] == 1 and types["gpu-ondemand"]["min_workers"] == 0
+    assert "GPU" not in types["headgroup"]["resources"]
+
+
+def test_kuberay_rayjob_manifest():
+    from ray.runtime_env import RuntimeEnv
+
+    doc = load("deploy/kuberay/rayjob.yaml")
+    assert doc["apiVersion"] == "ray.io/v1" and doc["kind"] == "RayJob"
+    spec = doc["spec"]
+    assert spec["entrypoint"].startswith("python ")
+    assert spec["submissionMode"] in ("K8sJobMode", "HTTPMode", "SidecarMode")
+    assert spec["backoffLimit"] >= 1, "a dead driver is resubmitted and resumes"
+    RuntimeEnv(**yaml.safe_load(spec["runtimeEnvYAML"]))
+    check_raycluster_spec(spec["rayClusterSpec"])
+    assert spec["rayClusterSpec"] == load("deploy/kuberay/raycluster.yaml")["spec"], \
+        "rayjob.yaml's cluster and raycluster.yaml drifted apart"
+
+
+# ----------------------------------------------------------------- training configs
+
+
+def referenced_configs() -> set:
+    """jobs/configs/*.yaml named anywhere in the deploy files, the docs and jobs/."""
+    texts = [(REPO / p).read_text() for p in DEPLOY_FILES]
+    texts += [p.read_text() for p in (REPO / "docs").glob("*.md")]
+    texts += [p.read_text() for p in (REPO / "jobs").glob("*.py")]
+    return {m for t in texts for m in re.findall(r"jobs/configs/[\w.-]+\.yaml", t)}
+
+
+def test_referenced_training_configs_exist():
+    refs = referenced_configs()
+    assert "jobs/configs/gpt2-124m.yaml" in refs
+    missing = sorted(r for r in refs if not (REPO / r).is_file())
+    assert not missing, f"deploy files or docs name configs that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS)
+def test_training_config_loads(path):
+    cfg = load_config(str(REPO / path))
+    assert cfg.run.name and cfg.data.path
+
+
+GPU_PRESETS = ["jobs/configs/gpt2-124m.yaml", "jobs/configs/gpt2-350m.yaml",
+               "jobs/configs/gpt2-1.5b.yaml"]
+
+
+@pytest.mark.parametrize("path", GPU_PRESETS)
+def test_gpu_presets_are_realistic(path):
+    cfg = load_config(str(REPO / path))
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    assert 0.5e6 <= tokens_per_step <= 1.1e6  # GPT-2/GPT-3 batch sizes
+    assert cfg.train.warmup_steps >= 1000 and cfg.train.min_lr == pytest.approx(cfg.train.lr / 10)
+    assert cfg.data.path.startswith("s3://") and cfg.checkpoint.path.startswith("s3://")
+    assert cfg.checkpoint.async_save and cfg.scaling.use_gpu is True
+    assert cfg.train.dtype == "bfloat16"
+    # Spot: a checkpoint every few minutes of work, so an un-noticed loss costs minutes.
+    assert cfg.checkpoint.every_steps <= 500
+    # The AWS cluster can hold min_workers GPUs from its spot types alone.
+    types = prepared("ray-cluster.yaml")["available_node_types"]
+    spot_gpus = sum(t["resources"].get("GPU", 0) * t["max_workers"] for t in types.values()
+                    if "InstanceMarketOptions" in t["node_config"])
+    assert cfg.scaling.min_workers <= spot_gpus
+
+
+def test_runtime_env_parses_like_ray_job_submit(tmp_path):
+    """`ray job submit --working-dir . --runtime-env jobs/runtime_env.yaml`, up to the upload."""
+    from ray._private.runtime_env.packaging import _zip_files
+    from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
+    from ray.runtime_env import RuntimeEnv
+
+    env = parse_runtime_env_args(runtime_env=str(REPO / "jobs/runtime_env.yaml"),
+                                 working_dir=str(REPO))
+    RuntimeEnv(**env)
+    assert "pip" not in env and "conda" not in env, "the cluster image has the package"
+    assert all(isinstance(v, str) for v in env["env_vars"].values())
+    # What would be uploaded: the code and configs, never environments, data or run outputs.
+    out = tmp_path / "wd.zip"
+    _zip_files(str(REPO), env["excludes"], str(out), include_gitignore=True)
+    names = zipfile.ZipFile(out).namelist()
+    assert "jobs/pretrain.py" in names and "jobs/configs/gpt2-124m.yaml" in names
+    for bad in (".venv/", ".git/", "data/", "runs/", ".ray_tmp/"):
+        assert not any(n.startswith(bad) for n in names), bad
+    assert out.stat().st_size < 50 * 2**20
