@@ -1,0 +1,84 @@
+"""A real S3-protocol server on loopback (moto) for the data tests, plus fsspec options for it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+BUCKET = "corpus"
+
+
+class S3Server:
+    def __init__(self):
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log per request
+
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+
+    def storage_options(self, key: str = "testing", secret: str = "testing") -> dict:
+        return {"key": key, "secret": secret, "skip_instance_cache": True,
+                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+
+    def filesystem(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(**self.storage_options())
+
+    def make_bucket(self, name: str = BUCKET) -> str:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        s3.create_bucket(Bucket=name)
+        return name
+
+    @contextlib.contextmanager
+    def enforce_credentials(self):
+        """Make the server check credentials: every key it does not know is refused (403)."""
+        from moto import settings
+
+        old = settings.INITIAL_NO_AUTH_ACTION_COUNT
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+        try:
+            yield
+        finally:
+            settings.INITIAL_NO_AUTH_ACTION_COUNT = old
+
+    def stop(self):
+        self._server.stop()
+
+
+# ----------------------------------------------------------------------------- pytest fixtures
+# Imported by the data test modules (`from s3_server import s3, ray_local`).
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    server.make_bucket()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    """A small local Ray instance, stopped afterwards (only the one this fixture started)."""
+    import ray
+
+    if ray.is_initialized():
+        yield None
+        return
+    tmp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray_data_tests")
+    ray.init(num_cpus=2, object_store_memory=100 << 20, include_dashboard=False,
+             _temp_dir=tmp, log_to_driver=False)
+    yield ray
+    ray.shutdown()
