@@ -14,6 +14,7 @@ verified hashes are also the data fingerprint, so checking costs nothing extra.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 from collections import OrderedDict
@@ -64,7 +65,12 @@ class ShardReader:
         self._indexes: OrderedDict[int, np.ndarray] = OrderedDict()
         self._max_cached = max_cached_indexes
         self._checked_size: set[int] = set()
-        self.bytes_read = 0
+        self.data_bytes_read = 0   # record bytes
+        self.index_bytes_read = 0  # .idx bytes (8 per record of every shard touched)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.data_bytes_read + self.index_bytes_read
 
     def _index(self, k: int) -> np.ndarray:
         """The shard's per-record hashes, after checking its size and the index's checksum."""
@@ -88,8 +94,7 @@ class ShardReader:
                                     f"from {self.m.url}; re-run prepare-data") from None
         except Exception as e:
             raise ValueError(describe_storage_error(self.m.shard_url(k), e)) from None
-        self.bytes_read += len(raw)
-        import hashlib
+        self.index_bytes_read += len(raw)
 
         if hashlib.sha256(raw).hexdigest() != info.index_sha256:
             raise CorruptShardError(f"index {info.index_path} of shard {name} in {self.m.url} "
@@ -132,7 +137,7 @@ class ShardReader:
                 raise CorruptShardError(
                     f"shard {self.m.shards[k].path} of {self.m.url}: short read at records "
                     f"{s}..{s + n - 1} ({len(blob)} of {n * rb} bytes); re-run prepare-data")
-            self.bytes_read += len(blob)
+            self.data_bytes_read += len(blob)
             rec = np.frombuffer(blob, dtype=dtype).reshape(n, self.m.record_tokens)
             got, want = sample_hashes(rec), self._index(k)[s:s + n]
             bad = np.nonzero(got != want)[0]
@@ -168,11 +173,13 @@ class StepStream:
         self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
         self.reader = ShardReader(manifest, storage_options)
         self.next_step = start_step
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch_steps))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(start_step,), daemon=True,
-                                        name=f"step-stream-r{rank}")
-        self._thread.start()
+        self._thread = None
+        if prefetch_steps > 0:  # 0: build each step in __next__ (debugging, exact byte counts)
+            self._queue: queue.Queue = queue.Queue(maxsize=prefetch_steps)
+            self._thread = threading.Thread(target=self._produce, args=(start_step,),
+                                            daemon=True, name=f"step-stream-r{rank}")
+            self._thread.start()
 
     @property
     def bytes_read(self) -> int:
@@ -218,6 +225,10 @@ class StepStream:
     def __next__(self) -> StepBatch:
         if self._stop.is_set():
             raise StopIteration
+        if self._thread is None:
+            item = self.build_step(self.next_step)
+            self.next_step += 1
+            return item
         while True:
             try:
                 item = self._queue.get(timeout=1.0)
@@ -233,8 +244,9 @@ class StepStream:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout=5)
 
     def __enter__(self):
         return self

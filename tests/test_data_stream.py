@@ -1,0 +1,190 @@
+"""The step stream: C2 order for any world size, resume at another size, integrity, S3."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from data_pipelines.manifest import load_manifest, sample_hash
+from data_pipelines.order import BatchPlan, SampleOrder
+from data_pipelines.stream import CorruptShardError, open_step_stream
+from data_pipelines.tokenize import prepare_data
+
+pytest_plugins = ["s3_server"]  # fixtures: s3 (loopback S3 server)
+
+SEED, WINDOW = 7, 64  # a window smaller than the dataset exercises the windowed shuffle
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    rng = random.Random(0)
+    (root / "raw").mkdir()
+    for i in range(12):
+        words = [rng.choice(["alpha", "beta", "gamma", "δέλτα", "\n", "x" * rng.randint(1, 9)])
+                 for _ in range(rng.randint(50, 400))]
+        (root / "raw" / f"{i:02d}.txt").write_text(" ".join(words))
+    prepare_data(str(root / "raw"), str(root / "ds"), "bytes", 16, engine="local",
+                 progress=False, part_bytes=2000)
+    return str(root / "ds")
+
+
+def all_records(url) -> np.ndarray:
+    """Every stored record, read with numpy straight from the shard files."""
+    m = load_manifest(url)
+    return np.concatenate([np.fromfile(f"{url}/{s.path}", dtype="<u2").reshape(-1, 17)
+                           for s in m.shards])
+
+
+def run_positions(url, plan, world_size, steps, start_step=0, **kw):
+    """{run position: row bytes} and the global fingerprint per step, from W rank streams."""
+    rows, fps = {}, {}
+    for rank in range(world_size):
+        with open_step_stream(url, plan=plan, rank=rank, world_size=world_size,
+                              start_step=start_step, seed=SEED, shuffle_window=WINDOW, **kw) as s:
+            mine = list(plan.rank_micro_batches(rank, world_size))
+            for t in range(start_step, start_step + steps):
+                b = next(s)
+                assert b.step == t and len(b.tokens) == plan.slots(world_size)
+                fps[t] = (fps.get(t, 0) + b.fingerprint) % 2**52
+                for slot, j in enumerate(mine):
+                    assert b.weights[slot] == 1.0
+                    pos = plan.micro_batch_positions(t, j)
+                    for i, p in enumerate(pos):
+                        rows[p] = b.tokens[slot][i].numpy().astype("<u2").tobytes()
+    return rows, fps
+
+
+def test_world_sizes_1_2_3_4_see_identical_steps(dataset):
+    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)  # 6 micro-batches
+    ref_rows, ref_fps = run_positions(dataset, plan, 1, steps=8)
+    for w in (2, 3, 4):  # 4 does not divide 6: ranks take 1 or 2 micro-batches
+        rows, fps = run_positions(dataset, plan, w, steps=8)
+        assert fps == ref_fps and rows == ref_rows
+    # And it is the C2 order: position p holds sample SampleOrder(...).samples_at(p).
+    m = load_manifest(dataset)
+    recs = [np.fromfile(f"{dataset}/{s.path}", dtype="<u2").reshape(-1, 17) for s in m.shards]
+    order = SampleOrder(m.shard_sizes, SEED, WINDOW)
+    for p, (k, i) in enumerate(order.samples_at(0, 96)):
+        assert ref_rows[p] == recs[k][i].tobytes()
+    assert ref_fps[0] == sum(sample_hash(recs[k][i]) for k, i in order.samples_at(0, 12)) % 2**52
+
+
+def test_resume_at_another_world_size_sees_every_sample_of_the_epoch_once(dataset):
+    m = load_manifest(dataset)
+    plan = BatchPlan(global_batch_size=8, micro_batch_size=2)
+    steps = -(-m.num_samples // 8)  # the last step runs into epoch 1
+    cut = steps // 3
+    before, fps_a = run_positions(dataset, plan, 2, steps=cut)
+    after, fps_b = run_positions(dataset, plan, 3, steps=steps - cut, start_step=cut)
+    _, fps_ref = run_positions(dataset, plan, 1, steps=steps)
+    assert {**fps_a, **fps_b} == fps_ref
+    seen = {**before, **after}
+    epoch0 = [seen[p] for p in range(m.num_samples)]
+    assert Counter(epoch0) == Counter(r.tobytes() for r in all_records(dataset))
+
+
+def test_next_epoch_is_a_new_shuffle_of_the_same_samples(dataset):
+    m = load_manifest(dataset)
+    n = m.num_samples
+    plan = BatchPlan(global_batch_size=n, micro_batch_size=1)  # one step = one epoch
+    rows, _ = run_positions(dataset, plan, 2, steps=2)
+    e0 = [rows[p] for p in range(n)]
+    e1 = [rows[p] for p in range(n, 2 * n)]
+    assert Counter(e0) == Counter(e1) and e0 != e1
+
+
+def test_uneven_split_pads_with_a_zero_weight_repeat(dataset):
+    plan = BatchPlan(global_batch_size=8, micro_batch_size=2)  # 4 micro-batches over 3 ranks
+    with open_step_stream(dataset, plan=plan, rank=0, world_size=3, start_step=5,
+                          seed=SEED) as s:
+        b = next(s)
+    assert b.step == 5 and b.weights == [1.0, 0.0]
+    assert torch.equal(b.tokens[0], b.tokens[1]) and b.tokens[0].dtype == torch.int64
+    assert b.tokens[0].shape == (2, 17)
+    assert b.fingerprint == sum(sample_hash(r) for r in b.tokens[0]) % 2**52
+
+
+def test_a_rank_reads_only_its_own_samples(dataset):
+    m = load_manifest(dataset)
+    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
+    data_bytes = 0
+    for rank in range(3):
+        with open_step_stream(dataset, plan=plan, rank=rank, world_size=3, start_step=0,
+                              seed=SEED, prefetch_steps=0) as s:
+            for _ in range(4):
+                next(s)
+            data_bytes += s.reader.data_bytes_read
+            assert s.reader.index_bytes_read <= 8 * m.num_samples
+    assert data_bytes == 4 * 12 * m.record_bytes  # every record once, nothing else
+
+
+def test_sample_hash_ignores_storage_dtype():
+    x = [1, 50256, 7, 0]
+    assert sample_hash(np.array(x, np.uint16)) == sample_hash(np.array(x, np.uint32)) \
+        == sample_hash(torch.tensor(x)) == sample_hash(x) < 2**52
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "index"])
+def test_corrupt_shard_is_detected_and_named(dataset, tmp_path, damage):
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset, ds)
+    target = ds / ("shard-00001.idx" if damage == "index" else "shard-00001.bin")
+    data = bytearray(target.read_bytes())
+    if damage == "truncate":
+        data = data[:-10]
+    else:
+        data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    m = load_manifest(str(ds))
+    plan = BatchPlan(global_batch_size=m.num_samples, micro_batch_size=1)  # touches every shard
+    expect = {"flip": r"shard shard-00001.bin .*record \d+ .*fails its checksum",
+              "truncate": r"shard shard-00001.bin .* has \d+ bytes, the manifest says",
+              "index": r"index shard-00001.idx .* does not match"}[damage]
+    with open_step_stream(str(ds), plan=plan, rank=0, world_size=1, start_step=0,
+                          seed=SEED) as s, pytest.raises(CorruptShardError, match=expect):
+        next(s)
+
+
+def test_manifest_errors_are_one_line(tmp_path, dataset):
+    with pytest.raises(ValueError, match="not a prepared dataset: manifest.json is missing"):
+        load_manifest(str(tmp_path / "nothing"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_manifest(str(tmp_path / "bad"))
+    (tmp_path / "bad" / "manifest.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not an elastic-gpt dataset manifest"):
+        load_manifest(str(tmp_path / "bad"))
+    m = load_manifest(dataset + "/manifest.json")
+    with pytest.raises(ValueError, match=r"vocab_size=257, larger than model.vocab_size=100"):
+        m.check_model(vocab_size=100)
+    with pytest.raises(ValueError, match=r"seq_len=16, longer than model.block_size=8"):
+        m.check_model(vocab_size=50304, block_size=8)
+
+
+def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
+    fs = s3.filesystem()
+    fs.put(dataset + "/", "corpus/stream-ds/", recursive=True)
+    so = s3.storage_options()
+    url = "s3://corpus/stream-ds"
+    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
+    _, local = run_positions(dataset, plan, 2, steps=5)
+    _, remote = run_positions(url, plan, 2, steps=5, storage_options=so)
+    assert remote == local
+    m = load_manifest(url, so)
+    assert m.url == url and m.num_samples == load_manifest(dataset).num_samples
+    blob = bytearray(fs.cat_file("corpus/stream-ds/shard-00000.bin"))
+    blob[3] ^= 0xFF
+    fs.pipe("corpus/stream-ds/shard-00000.bin", bytes(blob))
+    plan = BatchPlan(global_batch_size=m.num_samples, micro_batch_size=1)
+    with open_step_stream(url, plan=plan, rank=0, world_size=1, start_step=0, seed=SEED,
+                          storage_options=so) as s, \
+            pytest.raises(CorruptShardError, match="shard-00000.bin .*record 0 "):
+        next(s)
