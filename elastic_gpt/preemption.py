@@ -17,6 +17,7 @@ too (Kubernetes and systemd deliver node shutdown that way): it drains, then exi
 - GCP: GET /computeMetadata/v1/instance/preempted with ``Metadata-Flavor: Google``;
   "TRUE" = notice (GCP gives about 30 s), "FALSE" = none. Optionally a long poll
   (``?wait_for_change=true``) so the notice arrives without waiting out a poll period.
+- none: SIGTERM only, for Kubernetes pods (deploy/kuberay runs the watcher as a sidecar).
 
 The controller side imports ``drain_node``, ``draining_nodes``, ``is_draining`` and
 ``schedulable_nodes``: all of them read live GCS state, never a cached view.
