@@ -15,6 +15,7 @@ verified hashes are also the data fingerprint, so checking costs nothing extra.
 from __future__ import annotations
 
 import hashlib
+import json
 import queue
 import threading
 from collections import OrderedDict
@@ -157,6 +158,32 @@ class ShardReader:
         return allrec[take], allhash[take]
 
 
+def rank_samples(order: SampleOrder, plan: BatchPlan, rank: int, world_size: int,
+                 step: int) -> list[tuple[int, int]]:
+    """(shard, record) of every sample rank `rank` trains on at `step`, micro-batch by
+    micro-batch: the C1 split of the C2 order."""
+    samples = []
+    for j in plan.rank_micro_batches(rank, world_size):
+        pos = plan.micro_batch_positions(step, j)
+        samples.extend(order.samples_at(pos.start, pos.stop))
+    return samples
+
+
+def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, plan: BatchPlan,
+                  rank: int, world_size: int) -> StepBatch:
+    """StepBatch from the rank's records (in rank_samples order) and their hashes."""
+    n_real = len(plan.rank_micro_batches(rank, world_size))
+    m = plan.micro_batch_size
+    wide = torch.from_numpy(np.ascontiguousarray(records, dtype=np.int64))
+    tokens = [wide[i * m:(i + 1) * m] for i in range(n_real)]
+    weights = [1.0] * n_real
+    for _ in range(plan.slots(world_size) - n_real):
+        tokens.append(tokens[-1])  # zero-weight repeat: keeps collectives in step (C1)
+        weights.append(0.0)
+    fingerprint = int(sum(int(h) for h in hashes)) & HASH_MASK
+    return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint)
+
+
 class StepStream:
     """Iterator of StepBatch for steps start_step, start_step + 1, ... (endless: epochs go on,
     epoch = position // num_samples), produced by a prefetch thread."""
@@ -187,21 +214,9 @@ class StepStream:
 
     def build_step(self, step: int) -> StepBatch:
         """Read and assemble one step's batch for this rank (what the thread runs)."""
-        mine = list(self.plan.rank_micro_batches(self.rank, self.world_size))
-        m = self.plan.micro_batch_size
-        samples = []
-        for j in mine:
-            pos = self.plan.micro_batch_positions(step, j)
-            samples.extend(self.order.samples_at(pos.start, pos.stop))
+        samples = rank_samples(self.order, self.plan, self.rank, self.world_size, step)
         records, hashes = self.reader.read(samples)
-        wide = torch.from_numpy(records.astype(np.int64))
-        tokens = [wide[i * m:(i + 1) * m] for i in range(len(mine))]
-        weights = [1.0] * len(mine)
-        for _ in range(self.plan.slots(self.world_size) - len(mine)):
-            tokens.append(tokens[-1])  # zero-weight repeat: keeps collectives in step (C1)
-            weights.append(0.0)
-        fingerprint = int(sum(int(h) for h in hashes)) & HASH_MASK
-        return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint)
+        return assemble_step(step, records, hashes, self.plan, self.rank, self.world_size)
 
     def _produce(self, step: int) -> None:
         while not self._stop.is_set():
@@ -263,10 +278,16 @@ class StepStream:
 
 def open_step_stream(data_url: str, *, plan: BatchPlan, rank: int, world_size: int,
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
-                     prefetch_steps: int = 4, storage_options: dict | None = None) -> StepStream:
-    """Open rank `rank`'s stream of step batches from `start_step` on (C1 + C2)."""
+                     prefetch_steps: int = 4, storage_options: dict | None = None,
+                     engine: str = "thread") -> StepStream:
+    """Open rank `rank`'s stream of step batches from `start_step` on (C1 + C2).
+    engine "thread" (default): ranged reads in a prefetch thread of this process;
+    "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream)."""
     manifest = load_manifest(data_url, storage_options)
-    return StepStream(manifest, plan=plan, rank=rank, world_size=world_size,
+    if engine not in ("thread", "ray_data"):
+        raise ValueError(f"data engine must be 'thread' or 'ray_data', got {engine!r}")
+    cls = RayDataStepStream if engine == "ray_data" else StepStream
+    return cls(manifest, plan=plan, rank=rank, world_size=world_size,
                       start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                       prefetch_steps=prefetch_steps, storage_options=storage_options)
 
@@ -297,3 +318,95 @@ def decode_documents(manifest: Manifest, storage_options: dict | None = None) ->
             docs.append(tok.decode(stream[start:c]))
             start = c + 1
     return docs
+
+
+# ----------------------------------------------------------------------------- Ray Data path
+# Optional: the same per-rank steps, read by Ray Data tasks (possibly on other nodes) instead of
+# a thread in the trainer process. Same order, same reads, same checks; it costs object-store
+# copies and a pipeline start per chunk of steps (measured in bench/bench_data.py, docs/data.md).
+
+_REMOTE_READERS: dict[str, tuple[SampleOrder, ShardReader]] = {}
+
+
+def _read_steps(batch: dict, cfg: str) -> dict:
+    """Ray Data map_batches function: read this rank's samples of the steps in `batch["id"]`."""
+    if cfg not in _REMOTE_READERS:  # one order + reader (index cache) per worker process
+        c = json.loads(cfg)
+        m = load_manifest(c["url"], c["storage_options"])
+        _REMOTE_READERS[cfg] = (SampleOrder(m.shard_sizes, c["seed"], c["window"]),
+                                ShardReader(m, c["storage_options"]))
+    c = json.loads(cfg)
+    order, reader = _REMOTE_READERS[cfg]
+    plan = BatchPlan(c["G"], c["m"])
+    out = {"step": [], "records": [], "hashes": [], "bytes": []}
+    for step in batch["id"]:
+        before = reader.bytes_read
+        records, hashes = reader.read(rank_samples(order, plan, c["rank"], c["W"], int(step)))
+        out["step"].append(int(step))
+        out["records"].append(records)
+        out["hashes"].append(hashes.astype(np.int64))  # < 2**52: int64 is exact
+        out["bytes"].append(reader.bytes_read - before)
+    return {k: np.stack(v) if k in ("records", "hashes") else np.array(v) for k, v in out.items()}
+
+
+class RayDataStepStream:
+    """`StepStream` interface over Ray Data: steps are read in chunks of `chunk_steps` by a
+    Ray Data pipeline (`preserve_order`, so rows arrive in step order). Needs `ray.init()`."""
+
+    def __init__(self, manifest: Manifest, *, plan: BatchPlan, rank: int, world_size: int,
+                 start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+                 prefetch_steps: int = 4, storage_options: dict | None = None,
+                 chunk_steps: int = 256, num_readers: int = 1):
+        plan.check_world_size(world_size)
+        self.manifest, self.plan, self.rank, self.world_size = manifest, plan, rank, world_size
+        self.next_step = start_step
+        self.bytes_read = 0
+        self._cfg = json.dumps({
+            "url": manifest.url, "storage_options": storage_options, "seed": seed,
+            "window": shuffle_window, "G": plan.global_batch_size, "m": plan.micro_batch_size,
+            "rank": rank, "W": world_size}, sort_keys=True)
+        self._chunk, self._readers, self._prefetch = chunk_steps, num_readers, prefetch_steps
+        self._it = None
+
+    def _open_chunk(self, start: int):
+        import logging
+
+        import ray.data
+
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # no banner per chunk
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # C2: rows in step order
+        ctx.enable_progress_bars = False
+        ds = ray.data.range(self._chunk, override_num_blocks=max(1, self._chunk // 4))
+        ds = ds.map_batches(lambda b, s=start: {"id": b["id"] + s}, batch_size=None)
+        ds = ds.map_batches(_read_steps, fn_kwargs={"cfg": self._cfg}, batch_size=4,
+                            compute=ray.data.TaskPoolStrategy(size=self._readers), num_cpus=0.5)
+        for b in ds.iter_batches(batch_size=1, batch_format="numpy",
+                                 prefetch_batches=self._prefetch):
+            yield {k: v[0] for k, v in b.items()}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StepBatch:
+        if self._it is None:
+            self._it = self._open_chunk(self.next_step)
+        try:
+            row = next(self._it)
+        except StopIteration:
+            self._it = self._open_chunk(self.next_step)
+            row = next(self._it)
+        assert int(row["step"]) == self.next_step, (row["step"], self.next_step)
+        self.next_step += 1
+        self.bytes_read += int(row["bytes"])
+        return assemble_step(int(row["step"]), row["records"], row["hashes"].astype(np.uint64),
+                             self.plan, self.rank, self.world_size)
+
+    def close(self) -> None:
+        self._it = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -486,6 +486,13 @@ def _run_parts_ray(todo, output, options, storage_options, on_done, num_workers,
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # ours reports docs/tokens/MB/s instead
         ctx.print_on_execution_start = False
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        local = [u for u in (output, *(f.url for _, fs_ in todo[:1] for f in fs_)) if "://" not in u
+                 or u.startswith("file://")]
+        if len(nodes) > 1 and local:
+            raise ValueError(
+                f"{local[0]} is a local path but the Ray cluster has {len(nodes)} nodes, whose "
+                "workers cannot all see it; use shared storage (s3://, gs://) or --engine local")
         cpus = int(ray.cluster_resources().get("CPU", 1))
         n = max(1, min(num_workers or cpus, len(todo)))
         by_index = dict(todo)
@@ -521,6 +528,8 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
         raise ValueError(f"engine must be 'ray' or 'local', got {engine!r}")
     tok = get_tokenizer(tokenizer)
     output = output.rstrip("/")
+    if "://" not in output:  # Ray workers may run in another directory
+        output = os.path.abspath(output)
     options = {"tokenizer": tokenizer, "seq_len": seq_len, "dtype": token_dtype(tok.vocab_size),
                "text_field": text_field, "bad_utf8": bad_utf8, "format_version": 1}
     files = list_inputs(input, storage_options, max_files, max_bytes)
