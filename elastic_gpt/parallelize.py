@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastic_gpt.model import GPT
@@ -55,11 +55,8 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
         fully_shard(block, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward and i < last)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # We weight each rank's loss by 1 / (global tokens), so gradients must be summed, not
-    # averaged over ranks, to be the mean over exactly G sequences whatever W is (C1).
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # the setter is per module, not recursive
-            module.set_gradient_divide_factor(1.0)
+    # FSDP averages gradients over ranks; the train loop scales each rank's loss by W to turn that
+    # back into a sum (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
     return model
 
 

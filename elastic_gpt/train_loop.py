@@ -157,9 +157,10 @@ class Trainer:
                                 enabled=self.compute_dtype != torch.float32):
                 logits = self.model(x)
             summed = token_losses(logits, y)
-            # Each rank's loss is its share of the mean over exactly G*T tokens; gradients are
-            # summed over ranks (divide factor 1), so the result is that mean at any W (C1).
-            (summed * (weight / global_tokens)).backward()
+            # Each rank's loss is its share of the mean over exactly G*T tokens. FSDP averages
+            # gradients over the W ranks, so scaling by W makes the reduction a sum: the gradient
+            # is the mean over exactly G sequences at any W, even with uneven micro-batches (C1).
+            (summed * (weight * self.world_size / global_tokens)).backward()
             loss_sum += summed.detach().double() * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf)
