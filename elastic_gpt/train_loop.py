@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from data_pipelines.stream import open_step_stream
 from torch.distributed.device_mesh import init_device_mesh
 
 from data_pipelines.manifest import load_manifest
 from data_pipelines.order import BatchPlan
+from data_pipelines.stream import open_step_stream
 from elastic_gpt.checkpoint import CheckpointStore, load_sharded, save_sharded, step_dirname
 from elastic_gpt.config import Config, config_from_dict
 from elastic_gpt.errors import NonFiniteLossError, check_checkpoint_shape
