@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -164,7 +165,7 @@ class CheckpointStore:
         committed = [s for s in sorted(dirs) if self.verify(s) is None]
         if not committed:
             return []
-        doomed = set(committed[:-keep]) if keep > 0 else set()
+        doomed = set(committed[:-max(keep, 1)])
         doomed |= {s for s in dirs if s < committed[-1] and s not in committed}
         for s in sorted(doomed):
             try:
@@ -219,8 +220,7 @@ def save_sharded(url: str, model, optimizer, storage_options: dict | None = None
 def load_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
     """Load into the current (possibly differently sharded) model and optimizer: DCP reshards."""
     sd = training_state_dict(model, optimizer)
-    dcp.load(sd, storage_reader=SafeFsspecReader(url, **(storage_options or {})),
-             planner=SafeLoadPlanner())
+    _dcp_load(sd, url, storage_options)
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=sd["model"], optim_state_dict={})
         return
@@ -234,26 +234,45 @@ def load_model_weights(url: str, model: torch.nn.Module,
                        storage_options: dict | None = None) -> None:
     """Single-process load of just the model (generate, export-hf): no process group needed."""
     sd = {"model": model.state_dict()}
-    dcp.load(sd, storage_reader=SafeFsspecReader(url, **(storage_options or {})),
-             planner=SafeLoadPlanner(), no_dist=not (dist.is_available() and dist.is_initialized()))
+    _dcp_load(sd, url, storage_options,
+              no_dist=not (dist.is_available() and dist.is_initialized()))
     model.load_state_dict(sd["model"])
+
+
+def _dcp_load(sd: dict, url: str, storage_options: dict | None, **kwargs) -> None:
+    """dcp.load, with its BaseException-derived CheckpointException turned into one readable
+    ValueError naming the checkpoint and the first rank's root cause."""
+    try:
+        dcp.load(sd, storage_reader=SafeFsspecReader(url, **(storage_options or {})),
+                 planner=SafeLoadPlanner(), **kwargs)
+    except CheckpointException as e:
+        causes = [exc for exc, _ in e.failures.values()] or [e]
+        text = "; ".join(dict.fromkeys(_first_line(c) for c in causes))
+        raise CheckpointLoadError(f"cannot load checkpoint {url}: {text}") from None
+
+
+class CheckpointLoadError(ValueError):
+    pass
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    # DCP nests the real error at the end of its own message
+    return lines[-1].strip() if lines else type(e).__name__
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP pickles its `.metadata` index. Allow only the classes such an index holds, so a
     checkpoint from untrusted storage cannot run code on load."""
 
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.")
-    _ALLOWED_NAMES = {("collections", "OrderedDict"), ("builtins", "set"),
-                      ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "tuple")}
-    _DENIED = {("torch", "load"), ("torch._utils", "_rebuild_from_type_v2")}
+    _ALLOWED = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                ("builtins", "slice"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
 
     def find_class(self, module: str, name: str):
-        if (module, name) in self._DENIED:
-            raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
-        if (module, name) in self._ALLOWED_NAMES or (
-                module.startswith(self._ALLOWED_MODULES) and not name.startswith("_")) or \
-                module in ("torch", "torch.storage") and name in ("Size", "float32", "bfloat16"):
+        allowed = (module, name) in self._ALLOWED or module.startswith(
+            "torch.distributed.checkpoint.") or (module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype))
+        if allowed:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(
             f"checkpoint metadata refers to {module}.{name}, which a DCP index never holds: "

@@ -109,6 +109,9 @@ class RunSection:
     """MLflow run name; one name + checkpoint root = one experiment continued across restarts (C5)."""
     storage_path: str = ""
     """Where Ray Train keeps its run state. Empty: runs/ under the working directory."""
+    stop_at_step: int | None = None
+    """End this session after committing this step; the LR schedule still targets max_steps.
+    For time-boxed allocations: the next `train` resumes from it."""
 
 
 @dataclass
@@ -204,6 +207,11 @@ def _coerce(dotted: str, value, type_str, default):
             raise ValueError(f"{dotted}={value!r} must be an integer")
         return value
     if t.startswith("float"):
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{dotted}={value!r} must be a number")
         return float(value)

@@ -69,11 +69,19 @@ def connect_ray(cfg: Config) -> bool:
     return True
 
 
+# Storage endpoints and regions travel to the workers; credentials never do (they would show in
+# the job's runtime env): workers get those from the node (instance role, env, or config files).
+_FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
+                  "FSSPEC_S3_ENDPOINT_URL", "STORAGE_EMULATOR_HOST")
+
+
 def _worker_env() -> dict:
     # Workers find our packages even when the driver runs from a source checkout.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env.update({k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ})
+    return env
 
 
 def use_gpu(cfg: Config) -> bool:

@@ -135,12 +135,9 @@ class Trainer:
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def train_step(self, batch) -> StepResult:
+    def forward_backward(self, batch) -> torch.Tensor:
+        """Accumulate this rank's gradients for one step; returns its summed token loss."""
         cfg, plan = self.cfg, self.plan
-        lr = lr_at(self.step, lr=cfg.train.lr, min_lr=_min_lr(cfg), warmup_steps=cfg.train.warmup_steps,
-                   max_steps=cfg.train.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         T = self.gpt_cfg.seq_len
         global_tokens = plan.global_batch_size * T
         slots = len(batch.tokens)
@@ -162,6 +159,15 @@ class Trainer:
             # is the mean over exactly G sequences at any W, even with uneven micro-batches (C1).
             (summed * (weight * self.world_size / global_tokens)).backward()
             loss_sum += summed.detach().double() * weight
+        return loss_sum
+
+    def train_step(self, batch) -> StepResult:
+        cfg = self.cfg
+        lr = lr_at(self.step, lr=cfg.train.lr, min_lr=_min_lr(cfg),
+                   warmup_steps=cfg.train.warmup_steps, max_steps=cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = self.forward_backward(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf)
         if hasattr(grad_norm, "full_tensor"):
@@ -171,7 +177,7 @@ class Trainer:
         stats = torch.stack([loss_sum, torch.tensor(lo, dtype=torch.float64, device=self.device),
                              torch.tensor(hi, dtype=torch.float64, device=self.device)])
         dist.all_reduce(stats)
-        loss = (stats[0] / global_tokens).item()
+        loss = (stats[0] / (self.plan.global_batch_size * self.gpt_cfg.seq_len)).item()
         grad_norm = float(grad_norm)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -234,7 +240,8 @@ class Trainer:
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
         last = None
         try:
-            while self.step < cfg.train.max_steps:
+            end = min(cfg.train.max_steps, cfg.run.stop_at_step or cfg.train.max_steps)
+            while self.step < end:
                 t0 = time.perf_counter()
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
@@ -257,7 +264,7 @@ class Trainer:
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
                     print(_progress_line(result.step, cfg.train.max_steps, metrics), flush=True)
-                if self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps:
+                if self.step % cfg.checkpoint.every_steps == 0 or self.step == end:
                     self.save_checkpoint()
                 last = metrics
         finally:

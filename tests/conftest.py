@@ -1,0 +1,52 @@
+"""Shared fixtures: a small real dataset, a real local Ray cluster, and a way to run training."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import pytest
+
+os.environ.setdefault("RAY_TMPDIR", "/tmp/elastic_gpt_ray")
+os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+
+
+@pytest.fixture(scope="session")
+def stdlib_dataset(tmp_path_factory) -> str:
+    """~0.5 MB of the Python standard library's own source, byte-tokenized, 64-token samples."""
+    from data_pipelines.tokenize import prepare_data
+
+    out = str(tmp_path_factory.mktemp("data") / "stdlib")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:40]
+    prepare_data(files, out, tokenizer="bytes", seq_len=64, engine="local", progress=False,
+                 max_bytes=500_000)
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for all training tests (4 logical CPUs: W=3 fits on 2 cores)."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(num_cpus=4, object_store_memory=120 << 20, include_dashboard=False,
+             _temp_dir=os.path.join(os.environ["RAY_TMPDIR"], "train_tests"), log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def metric_by_step(uri: str, run_id: str, key: str) -> dict[int, float]:
+    """The last value logged for each step (a step re-done after a failure is logged twice)."""
+    import mlflow
+
+    history = mlflow.MlflowClient(uri).get_metric_history(run_id, key)
+    out = {}
+    for m in sorted(history, key=lambda m: m.timestamp):
+        out[m.step] = m.value
+    return out
