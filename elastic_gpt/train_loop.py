@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from data_pipelines.manifest import load_manifest
 from data_pipelines.order import BatchPlan
 from data_pipelines.stream import open_step_stream
+from elastic_gpt.async_checkpoint import AsyncCheckpointer
 from elastic_gpt.checkpoint import CheckpointStore, load_sharded, save_sharded, step_dirname
 from elastic_gpt.config import Config, config_from_dict
 from elastic_gpt.errors import NonFiniteLossError, check_checkpoint_shape
@@ -99,6 +100,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = peak_flops(self.device, threads) * 1  # per worker
         self._nonfinite_streak = 0
+        self.async_checkpointer: AsyncCheckpointer | None = None  # made at the first async save
 
     def _build_model(self) -> GPT:
         # Build on "meta" (no memory), shard, then materialise only this rank's shards.
@@ -197,6 +199,15 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         t0 = time.time()
+        if self.cfg.checkpoint.async_save:
+            # Blocks only to wait for the previous save and copy the shards to CPU; rank 0 commits
+            # in the background once every rank's shard is durable (see async_checkpoint.py).
+            if self.async_checkpointer is None:  # collective (new process group): all ranks here
+                self.async_checkpointer = AsyncCheckpointer(self.store, self.cfg.checkpoint.keep,
+                                                            rank=self.rank)
+            self.async_checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
+            self.ledger["checkpoint_s"] += time.time() - t0
+            return
         if self.rank == 0:
             self.store.prepare_step_dir(self.step)
         dist.barrier()
@@ -264,9 +275,13 @@ class Trainer:
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
                     print(_progress_line(result.step, cfg.train.max_steps, metrics), flush=True)
+                if self.async_checkpointer is not None:
+                    self.async_checkpointer.poll()  # a failed background write raises here
                 if self.step % cfg.checkpoint.every_steps == 0 or self.step == end:
                     self.save_checkpoint()
                 last = metrics
+            if self.async_checkpointer is not None:
+                self.async_checkpointer.finish()  # the last step is committed before we return
         finally:
             stream.close()
         return {"step": self.step, "last": last, "ledger": self.ledger}
