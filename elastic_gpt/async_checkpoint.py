@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -90,7 +91,7 @@ class AsyncCheckpointer:
             return
         try:
             fut.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's error derives from BaseException
             raise CheckpointWriteError(
                 f"asynchronous checkpoint of step {step} to {self.store.url(step_dirname(step))} "
                 f"failed: {type(e).__name__}: {e}; the step stays uncommitted and resume uses the "
