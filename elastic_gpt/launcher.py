@@ -93,8 +93,9 @@ def use_gpu(cfg: Config) -> bool:
 
 def build_trainer(cfg: Config, run_id: str | None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    from elastic_gpt.elastic import check_ray_internals, elastic_trainer_class
     from elastic_gpt.train_loop import train_loop_per_worker
 
     gpu = use_gpu(cfg)
@@ -109,22 +110,48 @@ def build_trainer(cfg: Config, run_id: str | None):
     run_config = RunConfig(
         name=f"{cfg.run.name}-{int(time.time())}",  # Ray's run state is per submission; ours isn't
         storage_path=cfg.run.storage_path,
-        failure_config=FailureConfig(max_failures=max_failures(cfg)),
+        # Our failure policy (elastic.py) replaces Ray's counter with a sliding-hour budget.
+        failure_config=FailureConfig(max_failures=-1),
         worker_runtime_env={"env_vars": _worker_env()},
     )
-    return TorchTrainer(
+    check_ray_internals()
+    _tune_ray_train_env(cfg)
+    trainer_cls = elastic_trainer_class()
+    trainer_cls.run_key = run_key(cfg)
+    trainer_cls.max_failures_per_hour = cfg.elastic.max_failures_per_hour
+    return trainer_cls(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id},
+        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id,
+                           "run_key": run_key(cfg)},
         scaling_config=scaling,
         run_config=run_config,
         torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=600),
     )
 
 
-def max_failures(cfg: Config) -> int:
-    """Ray counts failures over the whole run; until the sliding-hour budget of elastic.py is in
-    charge this bounds a crash loop."""
-    return max(0, int(cfg.elastic.max_failures_per_hour))
+def run_key(cfg: Config) -> str:
+    """Names this run's membership records in the GCS: the checkpoint root is the run's identity,
+    so a resubmitted driver finds the progress of the one it replaces."""
+    import hashlib
+    return "run-" + hashlib.sha1(cfg.checkpoint.path.encode()).hexdigest()[:16]
+
+
+def _tune_ray_train_env(cfg: Config) -> None:
+    """Ray Train reads these in the controller (it forwards RAY_TRAIN_* from the driver): poll
+    workers often, and bound the wait for a placement group that cannot be placed (the policy
+    sizes groups from live state, so a wait means capacity vanished since: retry at the new size)."""
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+                          str(cfg.elastic.worker_start_timeout_s))
+
+
+def fatal_cause(error: BaseException) -> BaseException | None:
+    """The FatalTrainingError inside a Ray Train failure, if that is what stopped the run."""
+    from elastic_gpt.errors import FatalTrainingError
+    for cause in getattr(error, "worker_failures", {}).values():
+        if isinstance(cause, FatalTrainingError):
+            return cause
+    return None
 
 
 def run_training(cfg: Config, config_path: str | None = None) -> dict:
@@ -150,7 +177,13 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     started_cluster = connect_ray(cfg)
     try:
         trainer = build_trainer(cfg, run_id)
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception as e:
+            cause = fatal_cause(e)
+            if cause is not None:  # bad input found by a worker: one line, exit 2 (C6)
+                raise ValueError(str(cause).strip().splitlines()[-1]) from None
+            raise
     finally:
         if started_cluster:
             import ray

@@ -6,6 +6,7 @@ Runs inside a Ray Train worker (`train_loop_per_worker`) with the torch process 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -22,7 +23,9 @@ from data_pipelines.stream import open_step_stream
 from elastic_gpt.async_checkpoint import AsyncCheckpointer
 from elastic_gpt.checkpoint import CheckpointStore, load_sharded, save_sharded, step_dirname
 from elastic_gpt.config import Config, config_from_dict
+from elastic_gpt.elastic import ElasticRestart
 from elastic_gpt.errors import NonFiniteLossError, check_checkpoint_shape
+from elastic_gpt.goodput import GoodputLedger
 from elastic_gpt.metrics import (
     join_fingerprint,
     lr_at,
@@ -78,9 +81,12 @@ class Trainer:
     """One worker's share of the run. All ranks construct it and call `train()` together."""
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
-                 report=None):
+                 report=None, membership=None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.report = report or (lambda metrics, step: None)
+        # Rank 0's view of cluster membership (elastic.WorkerMembership): `.reason` turns
+        # non-None when this group should checkpoint and restart; `.publish()` shares progress.
+        self.membership = membership
         self.mlflow_run_id = mlflow_run_id
         self.started = time.time()
         self.device = _device()
@@ -96,7 +102,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, fused=self.device.type == "cuda")
         self.store = CheckpointStore(cfg.checkpoint.path)
         self.step = 0
-        self.ledger = {"training_s": 0.0, "checkpoint_s": 0.0, "recovery_s": 0.0}
+        self.ledger = GoodputLedger(_attempt_started=self.started)
+        self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = peak_flops(self.device, threads) * 1  # per worker
         self._nonfinite_streak = 0
@@ -128,7 +135,7 @@ class Trainer:
         load_sharded(latest.url, self.model, self.optimizer)
         state = latest.state
         self.step = state["step"]
-        self.ledger = dict(state.get("ledger", self.ledger))
+        self.ledger = GoodputLedger.from_dict(state.get("ledger"))
         assert state["samples_seen"] == self.step * self.plan.global_batch_size, \
             "the global batch size changed inside a run (C1); the checkpoint's cursor disagrees"
         if self.rank == 0:
@@ -176,9 +183,15 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         # One collective and one host sync per step for the metrics, not one per micro-batch.
         lo, hi = split_fingerprint(batch.fingerprint)
-        stats = torch.stack([loss_sum, torch.tensor(lo, dtype=torch.float64, device=self.device),
-                             torch.tensor(hi, dtype=torch.float64, device=self.device)])
+        # The membership flag rides on the same all-reduce: every rank learns at the same step
+        # boundary that the group must checkpoint and restart.
+        stop = 1.0 if self.membership is not None and self.membership.reason else 0.0
+        stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
+        stats[0] = loss_sum
         dist.all_reduce(stats)
+        if stats[3].item() > 0:
+            self.stop_reason = (self.membership.reason if self.membership is not None
+                                and self.membership.reason else "membership change")
         loss = (stats[0] / (self.plan.global_batch_size * self.gpt_cfg.seq_len)).item()
         grad_norm = float(grad_norm)
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -206,14 +219,14 @@ class Trainer:
                 self.async_checkpointer = AsyncCheckpointer(self.store, self.cfg.checkpoint.keep,
                                                             rank=self.rank)
             self.async_checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
-            self.ledger["checkpoint_s"] += time.time() - t0
+            self.ledger.on_checkpoint(time.time() - t0)
             return
         if self.rank == 0:
             self.store.prepare_step_dir(self.step)
         dist.barrier()
         url = self.store.url(step_dirname(self.step))
         save_sharded(url, self.model, self.optimizer)
-        self.ledger["checkpoint_s"] += time.time() - t0
+        self.ledger.on_checkpoint(time.time() - t0)
         if self.rank == 0:
             self.store.commit(self.step, self.trainer_state())
             self.store.retain(self.cfg.checkpoint.keep)
@@ -231,7 +244,7 @@ class Trainer:
                      "shuffle_window": self.cfg.data.shuffle_window},
             "train_seed": self.cfg.train.seed,
             "global_batch_size": self.plan.global_batch_size,
-            "ledger": self.ledger,
+            "ledger": self.ledger.to_dict(),
             "saved_at": time.time(),
         }
 
@@ -240,19 +253,32 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.restore()
-        if self.rank == 0 and self.step == 0:
+        if self.rank == 0:  # at a start nothing is in flight: uncommitted dirs are leftovers (C4)
             self.store.remove_uncommitted()
+        if self.rank == 0 and self.membership is not None:
+            event = self.ledger.on_resume(
+                restored_step=self.step, world_size=self.world_size,
+                previous=self.membership.previous, cause=self.membership.cause,
+                attempt_started=self.started)
+            if event:
+                print(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
+                      f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
+                      f"{self.step} ({event['lost_steps']} step(s) to redo)", flush=True)
         stream = open_step_stream(
             cfg.data.path, plan=self.plan, rank=self.rank, world_size=self.world_size,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
             prefetch_steps=cfg.data.prefetch_steps)
-        # Startup of this attempt (build, restore, first reads) is recovery time in the ledger.
-        self.ledger["recovery_s"] += time.time() - self.started
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
         last = None
         try:
             end = min(cfg.train.max_steps, cfg.run.stop_at_step or cfg.train.max_steps)
+            first_step = self.step
             while self.step < end:
+                if self.step == first_step:
+                    event = self.ledger.on_first_step_started()
+                    if event and self.rank == 0:
+                        self.report({"event_recovery_s": event["recovery_s"],
+                                     "event_lost_steps": event["lost_steps"]}, self.step)
                 t0 = time.perf_counter()
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
@@ -260,7 +286,7 @@ class Trainer:
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
                 self.step += 1
-                self.ledger["training_s"] += step_time
+                self.ledger.on_step(step_time)
                 tokens_per_s = tokens_per_step / step_time
                 metrics = {
                     "loss": result.loss, "lr": result.metrics["lr"], "grad_norm": result.grad_norm,
@@ -277,9 +303,18 @@ class Trainer:
                     print(_progress_line(result.step, cfg.train.max_steps, metrics), flush=True)
                 if self.async_checkpointer is not None:
                     self.async_checkpointer.poll()  # a failed background write raises here
-                if self.step % cfg.checkpoint.every_steps == 0 or self.step == end:
+                if self.step % cfg.checkpoint.every_steps == 0 or self.step == end \
+                        or self.stop_reason:
                     self.save_checkpoint()
+                if self.membership is not None:
+                    self.membership.publish(self.step, step_time, self.ledger.to_dict())
                 last = metrics
+                if self.stop_reason:
+                    if self.async_checkpointer is not None:
+                        self.async_checkpointer.finish()  # the restart resumes from this step
+                    if self.membership is not None:
+                        self.membership.record_restart(self.stop_reason, self.step)
+                    raise ElasticRestart(self.stop_reason, self.step)
             if self.async_checkpointer is not None:
                 self.async_checkpointer.finish()  # the last step is committed before we return
         finally:
@@ -314,8 +349,10 @@ def _broadcast(obj):
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point: everything a worker needs arrives in `loop_config` by value."""
+    import ray
     import ray.train
 
+    from elastic_gpt.elastic import WorkerMembership
     from elastic_gpt.tracking import MetricLogger
 
     ctx = ray.train.get_context()
@@ -323,12 +360,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
     run_id = loop_config.get("mlflow_run_id")
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     logger = MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id else None
+    # Every rank says which node it is on; rank 0 watches those nodes for drains.
+    nodes = [None] * world
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    membership = WorkerMembership(loop_config["run_key"], nodes, world) if rank == 0 else None
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id,
-                      report=(lambda m, s: logger.log(m, s)) if logger else None)
+                      report=(lambda m, s: logger.log(m, s)) if logger else None,
+                      membership=membership)
     try:
         summary = trainer.train()
     finally:
+        if membership:
+            membership.close()
         if logger:
             logger.close()
-    ray.train.report({"step": summary["step"], **{f"ledger_{k}": v for k, v in
-                                                   summary["ledger"].items()}})
+    ledger = summary["ledger"]
+    ray.train.report({"step": summary["step"], **{f"goodput_{k}": v for k, v in
+                                                   ledger.summary().items()},
+                      "events_json": json.dumps(ledger.events)})

@@ -1,0 +1,88 @@
+"""The goodput ledger: where a run's wall time went, and what each membership event cost.
+
+    productive_s   steps that count (each step of the final trajectory, timed once)
+    lost_s         steps trained and then re-done after a failure (work since the last checkpoint)
+    checkpoint_s   time the training loop was blocked writing checkpoints
+    recovery_s     from a failure/preemption/resize (or process start) to the first step after it
+
+goodput = productive_s / (productive_s + lost_s + checkpoint_s + recovery_s). The ledger travels
+with the run: rank 0 publishes it with its progress (GCS KV, every poll) and in every checkpoint's
+trainer state, so it survives worker, node and driver failures.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+TOTALS = ("productive_s", "lost_s", "checkpoint_s", "recovery_s")
+
+
+@dataclass
+class GoodputLedger:
+    productive_s: float = 0.0
+    lost_s: float = 0.0
+    checkpoint_s: float = 0.0
+    recovery_s: float = 0.0
+    lost_steps: int = 0
+    events: list[dict] = field(default_factory=list)
+    _open_event: dict | None = None
+    _attempt_started: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> GoodputLedger:
+        d = dict(d or {})
+        return cls(**{k: d[k] for k in (*TOTALS, "lost_steps", "events") if k in d})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("_open_event")
+        d.pop("_attempt_started")
+        return d
+
+    def on_step(self, seconds: float) -> None:
+        self.productive_s += seconds
+
+    def on_checkpoint(self, seconds: float) -> None:
+        self.checkpoint_s += seconds
+
+    def on_resume(self, *, restored_step: int, world_size: int, previous: dict | None,
+                  cause: dict | None, attempt_started: float) -> dict | None:
+        """Open the event that explains why this attempt started (None for a fresh run)."""
+        self._attempt_started = attempt_started
+        if previous is None and cause is None:
+            return None
+        lost_steps = max(0, (previous or {}).get("step", restored_step) - restored_step)
+        lost_s = lost_steps * (previous or {}).get("avg_step_s", 0.0)
+        # The previous attempt counted those steps as productive; they are being re-done.
+        self.productive_s = max(0.0, self.productive_s - lost_s)
+        self.lost_s += lost_s
+        self.lost_steps += lost_steps
+        reason = (cause or {}).get("reason") or (cause or {}).get("error") or "resubmitted"
+        kind = (cause or {}).get("kind") or "resume"
+        self._open_event = {
+            "kind": kind, "detail": str(reason)[:300],
+            "at": (cause or {}).get("at") or (previous or {}).get("at") or attempt_started,
+            "from_world_size": (previous or {}).get("world_size"), "to_world_size": world_size,
+            "resumed_from_step": restored_step, "lost_steps": lost_steps,
+            "lost_s": round(lost_s, 3),
+        }
+        return self._open_event
+
+    def on_first_step_started(self, now: float | None = None) -> dict | None:
+        """Recovery ends when the first step of the attempt starts."""
+        now = now or time.time()
+        event, self._open_event = self._open_event, None
+        if event is None:  # a fresh run: startup is the only "recovery"
+            self.recovery_s += now - self._attempt_started
+            return None
+        event["recovery_s"] = round(now - event["at"], 3)
+        self.recovery_s += max(0.0, now - event["at"])
+        self.events.append(event)
+        return event
+
+    def summary(self) -> dict:
+        wall = sum(getattr(self, k) for k in TOTALS)
+        return {**{k: round(getattr(self, k), 3) for k in TOTALS}, "lost_steps": self.lost_steps,
+                "goodput": round(self.productive_s / wall, 4) if wall else 1.0,
+                "events": len(self.events)}
