@@ -12,6 +12,11 @@ os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+# Credentials of the loopback S3 server (moto). Set before any Ray node starts, so workers of a
+# local cluster inherit them the way real workers get theirs from the node.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +32,9 @@ def stdlib_dataset(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray instance for all training tests (4 logical CPUs: W=3 fits on 2 cores)."""
+    """A local Ray instance for a module's training tests (4 logical CPUs: W=3 fits on 2 cores)."""
     import ray
 
     if ray.is_initialized():

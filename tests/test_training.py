@@ -96,11 +96,10 @@ def test_resume_at_another_world_size_continues_the_same_run(env, reference, fir
 
 
 def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference):
-    """SIGKILL a training worker once step 4 is committed: Ray Train restarts the group at the
+    """SIGKILL a training worker once step 2 is committed: Ray Train restarts the group at the
     same size, it resumes from the newest committed checkpoint, and every step after it has the
     reference run's loss to the bit (C3) and the same data (C2)."""
-    import ray
-    from ray.util.state import list_actors
+    from cluster_harness import training_workers
 
     ckpt = env["root"] + "/ckpt-killed"
     killed = {}
@@ -109,9 +108,8 @@ def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference
         store = CheckpointStore(ckpt)
         deadline = time.time() + 240
         while time.time() < deadline:
-            if 4 in store.step_dirs() and store.verify(4) is None:
-                actors = [a for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
-                                                          ("state", "=", "ALIVE")])]
+            if 2 in store.step_dirs() and store.verify(2) is None:
+                actors = training_workers()
                 if actors:
                     pid = actors[0].pid
                     os.kill(pid, signal.SIGKILL)
@@ -119,11 +117,9 @@ def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference
                     return
             time.sleep(0.05)
 
-    # Slow steps a little (bigger micro-batches of work) so the kill lands before the end.
-    assert ray.is_initialized()
     t = threading.Thread(target=kill_when_committed, daemon=True)
     t.start()
-    summary, _ = train(env, "killed", "checkpoint.every_steps=4", checkpoint=ckpt)
+    summary, _ = train(env, "killed", "checkpoint.every_steps=2", checkpoint=ckpt)
     t.join(5)
     assert killed, "the kill never happened"
     assert summary["step"] == STEPS

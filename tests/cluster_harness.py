@@ -1,0 +1,113 @@
+"""A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`) and the faults the
+chaos tests and the recovery benchmark inject into it: node hard-kills, node joins, worker
+SIGKILLs, drains. Every process is stopped by handle or pid, never by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import ray
+
+# Production clusters should set these too (`ray start --head --system-config=...`): a dead node
+# is declared dead after ~1.5 s instead of Ray's default ~15-30 s.
+FAST_FAILURE_DETECTION = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+
+
+class LocalCluster:
+    """Head node with no CPUs (driver, controller) plus `workers` nodes of one CPU each: one
+    training worker per node, so killing a node takes exactly one rank."""
+
+    def __init__(self, workers: int = 2, cpus_per_node: int = 1,
+                 object_store_bytes: int = 80 << 20):
+        from ray.cluster_utils import Cluster
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cpus_per_node, self.object_store_bytes = cpus_per_node, object_store_bytes
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "object_store_memory": object_store_bytes,
+            "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
+        self.nodes = [self.add_node(wait=False) for _ in range(workers)]
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, log_to_driver=False)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self, wait: bool = True):
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node,
+                                     object_store_memory=self.object_store_bytes)
+        if wait:
+            self.cluster.wait_for_nodes()
+        return node
+
+    def kill_node(self, node) -> float:
+        """SIGKILL every process of the node (raylet, workers): a hard loss. Returns the time."""
+        t = time.time()
+        self.cluster.remove_node(node, allow_graceful=False)
+        if node in self.nodes:
+            self.nodes.remove(node)
+        return t
+
+    def node_hosting_a_worker(self):
+        """A worker node that runs a training worker (never the head)."""
+        hosting = {a.node_id for a in training_workers()}
+        for node in self.cluster.worker_nodes:
+            if node.node_id in hosting:
+                return node
+        raise AssertionError("no worker node hosts a training worker")
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+@dataclass(frozen=True)
+class Actor:
+    pid: int
+    node_id: str
+
+
+def training_workers() -> list[Actor]:
+    """Live Ray Train workers, read from the GCS actor table (no dashboard needed)."""
+    from ray._private.state import state
+
+    return [Actor(a["Pid"], a["Address"]["NodeID"]) for a in state.actor_table(None).values()
+            if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE"]
+
+
+def sigkill_a_worker() -> int:
+    pid = training_workers()[0].pid
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_for(predicate, timeout_s: float = 120.0, interval_s: float = 0.05):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"condition not met within {timeout_s}s")
+
+
+def committed(store, step: int) -> bool:
+    return step in store.step_dirs() and store.verify(step) is None
+
+
+def progress(run_key: str) -> dict | None:
+    from elastic_gpt.elastic import kv_get
+    try:
+        return kv_get(run_key, "progress")
+    except Exception:
+        return None
