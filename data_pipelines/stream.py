@@ -7,18 +7,16 @@ adjacent records of a shard coalesced into one request, all requests of a step i
 ready. Nothing is shared between ranks and the only resume state is the step number, so any world
 size can resume any step (see docs/data.md for why this is not `streaming_split`).
 
-Integrity: a shard's size is checked when it is first opened, its `.idx` (one sample_hash per
-record) against the manifest's sha256, and every record read against its `.idx` entry. The
-verified hashes are also the data fingerprint, so checking costs nothing extra.
+Integrity: a shard's .bin and .idx sizes are checked when it is first used, and every record read
+is checked against its `.idx` entry (one sample_hash per record, read with the same ranged
+requests). The verified hashes are also the data fingerprint, so checking costs nothing extra.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import fsspec
@@ -54,8 +52,7 @@ class StepBatch:
 class ShardReader:
     """Verified ranged reads of records from the shards of one dataset."""
 
-    def __init__(self, manifest: Manifest, storage_options: dict | None = None,
-                 max_cached_indexes: int = 256):
+    def __init__(self, manifest: Manifest, storage_options: dict | None = None):
         self.m = manifest
         try:
             self.fs, _ = fsspec.core.url_to_fs(manifest.url, **(storage_options or {}))
@@ -63,8 +60,8 @@ class ShardReader:
             raise ValueError(describe_storage_error(manifest.url, e)) from None
         self._paths = [self.fs._strip_protocol(manifest.shard_url(k))
                        for k in range(len(manifest.shards))]
-        self._indexes: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._max_cached = max_cached_indexes
+        self._index_paths = [self.fs._strip_protocol(manifest.index_url(k))
+                             for k in range(len(manifest.shards))]
         self._checked_size: set[int] = set()
         self.data_bytes_read = 0   # record bytes
         self.index_bytes_read = 0  # .idx bytes (8 per record of every shard touched)
@@ -73,38 +70,26 @@ class ShardReader:
     def bytes_read(self) -> int:
         return self.data_bytes_read + self.index_bytes_read
 
-    def _index(self, k: int) -> np.ndarray:
-        """The shard's per-record hashes, after checking its size and the index's checksum."""
-        if k in self._indexes:
-            self._indexes.move_to_end(k)
-            return self._indexes[k]
-        info, name = self.m.shards[k], self.m.shards[k].path
-        try:
-            if k not in self._checked_size:
-                size = self.fs.size(self._paths[k])
-                if size != info.num_bytes:
-                    raise CorruptShardError(
-                        f"shard {name} of {self.m.url} has {size} bytes, the manifest says "
-                        f"{info.num_bytes}: it is truncated or replaced; re-run prepare-data")
-                self._checked_size.add(k)
-            raw = self.fs.cat_file(self.fs._strip_protocol(self.m.index_url(k)))
-        except CorruptShardError:
-            raise
-        except FileNotFoundError:
-            raise CorruptShardError(f"shard {name} or its index {info.index_path} is missing "
-                                    f"from {self.m.url}; re-run prepare-data") from None
-        except Exception as e:
-            raise ValueError(describe_storage_error(self.m.shard_url(k), e)) from None
-        self.index_bytes_read += len(raw)
-
-        if hashlib.sha256(raw).hexdigest() != info.index_sha256:
-            raise CorruptShardError(f"index {info.index_path} of shard {name} in {self.m.url} "
-                                    "does not match its manifest checksum; re-run prepare-data")
-        idx = np.frombuffer(raw, dtype="<u8")
-        self._indexes[k] = idx
-        if len(self._indexes) > self._max_cached:
-            self._indexes.popitem(last=False)
-        return idx
+    def _check_sizes(self, k: int) -> None:
+        """On first use of a shard: its .bin and .idx have the sizes the manifest promises."""
+        if k in self._checked_size:
+            return
+        info = self.m.shards[k]
+        for path, want in ((self._paths[k], info.num_bytes),
+                           (self._index_paths[k], 8 * info.num_samples)):
+            name = path.rsplit("/", 1)[-1]
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                raise CorruptShardError(f"{name} is missing from {self.m.url}; the dataset is "
+                                        "incomplete, re-run prepare-data") from None
+            except Exception as e:
+                raise ValueError(describe_storage_error(self.m.shard_url(k), e)) from None
+            if size != want:
+                raise CorruptShardError(
+                    f"shard file {name} of {self.m.url} has {size} bytes, the manifest says "
+                    f"{want}: it is truncated or replaced; re-run prepare-data")
+        self._checked_size.add(k)
 
     def read(self, samples: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Records (n, seq_len + 1) and their verified hashes for (shard, sample) pairs, in the
@@ -124,30 +109,39 @@ class ShardReader:
             runs.append((k, s, j - i))
             i = j
         for k in {k for k, _, _ in runs}:
-            self._index(k)
+            self._check_sizes(k)
+        # The index entries of exactly the same runs (8 bytes per record), in the same batch of
+        # concurrent requests: reading whole indexes would cost every rank 8 bytes per record
+        # of the dataset, a world-size-fold over-read.
+        n_runs = len(runs)
+        paths += [self._index_paths[k] for k, _, _ in runs]
+        starts += [8 * s for _, s, _ in runs]
+        ends += [8 * (s + n) for _, s, n in runs]
         try:
             blobs = self.fs.cat_ranges(paths, starts, ends) if paths else []
         except Exception as e:
             raise ValueError(describe_storage_error(self.m.url, e)) from None
         dtype = np.dtype(self.m.dtype).newbyteorder("<")
         parts, hashes = [], []
-        for (k, s, n), blob in zip(runs, blobs):
-            if isinstance(blob, Exception):
-                raise ValueError(describe_storage_error(self.m.shard_url(k), blob))
-            if len(blob) != n * rb:
+        for (k, s, n), blob, iblob in zip(runs, blobs[:n_runs], blobs[n_runs:]):
+            for b in (blob, iblob):
+                if isinstance(b, Exception):
+                    raise ValueError(describe_storage_error(self.m.shard_url(k), b))
+            if len(blob) != n * rb or len(iblob) != 8 * n:
                 raise CorruptShardError(
                     f"shard {self.m.shards[k].path} of {self.m.url}: short read at records "
-                    f"{s}..{s + n - 1} ({len(blob)} of {n * rb} bytes); re-run prepare-data")
+                    f"{s}..{s + n - 1}; the shard changed while reading? re-run prepare-data")
             self.data_bytes_read += len(blob)
+            self.index_bytes_read += len(iblob)
             rec = np.frombuffer(blob, dtype=dtype).reshape(n, self.m.record_tokens)
-            got, want = sample_hashes(rec), self._index(k)[s:s + n]
+            got, want = sample_hashes(rec), np.frombuffer(iblob, dtype="<u8")
             bad = np.nonzero(got != want)[0]
             if len(bad):
                 r = s + int(bad[0])
                 raise CorruptShardError(
                     f"shard {self.m.shards[k].path} of {self.m.url}: record {r} (bytes "
-                    f"{r * rb}..{(r + 1) * rb - 1}) fails its checksum; the shard is corrupt, "
-                    "re-run prepare-data")
+                    f"{r * rb}..{(r + 1) * rb - 1}) does not match its checksum in "
+                    f"{self.m.shards[k].index_path}; the shard is corrupt, re-run prepare-data")
             parts.append(rec)
             hashes.append(got)
         if not parts:

@@ -114,15 +114,16 @@ def test_uneven_split_pads_with_a_zero_weight_repeat(dataset):
 def test_a_rank_reads_only_its_own_samples(dataset):
     m = load_manifest(dataset)
     plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
-    data_bytes = 0
+    data_bytes = index_bytes = 0
     for rank in range(3):
         with open_step_stream(dataset, plan=plan, rank=rank, world_size=3, start_step=0,
                               seed=SEED, prefetch_steps=0) as s:
             for _ in range(4):
                 next(s)
             data_bytes += s.reader.data_bytes_read
-            assert s.reader.index_bytes_read <= 8 * m.num_samples
+            index_bytes += s.reader.index_bytes_read
     assert data_bytes == 4 * 12 * m.record_bytes  # every record once, nothing else
+    assert index_bytes == 4 * 12 * 8  # and its 8-byte checksum
 
 
 def test_sample_hash_ignores_storage_dtype():
@@ -144,9 +145,9 @@ def test_corrupt_shard_is_detected_and_named(dataset, tmp_path, damage):
     target.write_bytes(bytes(data))
     m = load_manifest(str(ds))
     plan = BatchPlan(global_batch_size=m.num_samples, micro_batch_size=1)  # touches every shard
-    expect = {"flip": r"shard shard-00001.bin .*record \d+ .*fails its checksum",
-              "truncate": r"shard shard-00001.bin .* has \d+ bytes, the manifest says",
-              "index": r"index shard-00001.idx .* does not match"}[damage]
+    expect = {"flip": r"shard shard-00001.bin .*record \d+ .*does not match its checksum",
+              "truncate": r"shard file shard-00001.bin .* has \d+ bytes, the manifest says",
+              "index": r"shard shard-00001.bin .*record \d+ .*checksum in shard-00001.idx"}[damage]
     with open_step_stream(str(ds), plan=plan, rank=0, world_size=1, start_step=0,
                           seed=SEED) as s, pytest.raises(CorruptShardError, match=expect):
         next(s)
