@@ -55,6 +55,7 @@ def connect_ray(cfg: Config) -> bool:
         return False
     if os.environ.get("RAY_ADDRESS"):
         try:
+            _probe_ray_address(os.environ["RAY_ADDRESS"])
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS="
@@ -73,6 +74,18 @@ def connect_ray(cfg: Config) -> bool:
 # the job's runtime env): workers get those from the node (instance role, env, or config files).
 _FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
                   "FSSPEC_S3_ENDPOINT_URL", "STORAGE_EMULATOR_HOST")
+
+
+def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """ray.init retries an unreachable GCS for many minutes: fail fast when nothing listens."""
+    import socket
+    host, sep, port = address.split("://")[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and other forms: ray.init resolves them
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {host}:{port}: {e}") from None
 
 
 def _worker_env() -> dict:
@@ -157,6 +170,7 @@ def fatal_cause(error: BaseException) -> BaseException | None:
 def run_training(cfg: Config, config_path: str | None = None) -> dict:
     from elastic_gpt import tracking
 
+    tracking.install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
     run_info = store.read_run_info() or {}
     existing = (latest.state.get("mlflow_run_id") if latest else None) or run_info.get("mlflow_run_id")
@@ -165,7 +179,8 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
         params = {**cfg.flat(), "model.n_params": _n_params(gpt_cfg),
                   "data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens}
         run_id = tracking.resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name,
-                                      existing, params)
+                                      existing, params,
+                                      resumed_from_step=latest.step if latest else None)
         if run_id != run_info.get("mlflow_run_id"):
             store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
                                   "created_at": time.time()})
@@ -175,6 +190,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
           f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""),
           flush=True)
     started_cluster = connect_ray(cfg)
+    tracking.log_cluster_shape(cfg.tracking.uri, run_id)
     try:
         trainer = build_trainer(cfg, run_id)
         try:
@@ -193,7 +209,9 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
                "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {})}
     if run_id:
         tracking.finish_run(cfg.tracking.uri, run_id, config_path=config_path,
-                            finished=bool(final and final.step >= cfg.train.max_steps))
+                            finished=bool(final and final.step >= cfg.train.max_steps),
+                            config=cfg.to_dict(), result_metrics=summary["metrics"],
+                            checkpoint_url=summary["checkpoint"], step=summary["step"])
     return summary
 
 
