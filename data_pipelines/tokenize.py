@@ -171,8 +171,18 @@ class _Utf8Decoder:
         return text
 
 
+_FS_CACHE: dict[tuple[str, str], object] = {}
+
+
 def _open_raw(url: str, storage_options: dict | None, compression: str | None):
-    return fsspec.open(url, "rb", compression=compression, **(storage_options or {}))
+    """Open for reading through one cached filesystem per protocol (fsspec.open re-parses its
+    options on every call: measurable with thousands of small files)."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    key = (protocol, json.dumps(storage_options or {}, sort_keys=True, default=str))
+    if key not in _FS_CACHE:
+        _FS_CACHE[key] = fsspec.core.url_to_fs(url, **(storage_options or {}))[0]
+    fs = _FS_CACHE[key]
+    return fs.open(fs._strip_protocol(url), "rb", compression=compression)
 
 
 def iter_documents(f: InputFile, storage_options: dict | None, text_field: str,
@@ -292,7 +302,7 @@ class ShardWriter:
         self.num_samples = 0
         self.pad_tokens = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids) -> None:
         self.buf.append(np.asarray(ids, dtype=np.int64))
         self.buf_len += len(ids)
         if self.buf_len >= 64 * (self.L + 1):
@@ -336,6 +346,7 @@ def build_part(index: int, files: list[InputFile], output: str, options: dict,
                storage_options: dict | None) -> dict:
     """Tokenize one part into its shard (+ index, + commit marker). Returns the marker."""
     tok = get_tokenizer(options["tokenizer"])
+    encode = getattr(tok, "encode_array", tok.encode)
     stats = DocStats()
     content_hash = hashlib.sha256()
     name = shard_name(index)
@@ -348,7 +359,7 @@ def build_part(index: int, files: list[InputFile], output: str, options: dict,
                                          options["bad_utf8"], stats, content_hash):
                 n = 0
                 for p in pieces:
-                    ids = tok.encode(p)
+                    ids = encode(p)
                     w.add(ids)
                     n += len(ids)
                 w.add([tok.eos_id])

@@ -59,6 +59,11 @@ class GPT2Tokenizer:
         # One thread: Ray gives each tokenizer worker one CPU, so no hidden oversubscription.
         return [self._enc.encode_ordinary(t) for t in texts]
 
+    def encode_array(self, text: str):
+        """encode() as a numpy array, straight from tiktoken's buffer (no Python int list).
+        allowed_special=set() + disallowed_special=() is encode_ordinary: specials are text."""
+        return self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
 
