@@ -214,8 +214,11 @@ def make_policies(scaling_config, failure_config, run_key: str, max_failures_per
             return self.scaling_config.max_workers  # ask the autoscaler for the full size
 
         def _fit(self) -> int:
+            # Until the controller removes the old group's placement group, its bundles still
+            # hold resources on the surviving nodes: count them as ours, or a group that lost a
+            # node would see no room for its own replacement.
             held = {}
-            if shared.last_group_pg is not None and _pg_alive(shared.last_group_pg):
+            if shared.last_group_pg is not None and not _pg_removed(shared.last_group_pg):
                 held = shared.last_group_nodes
             per_node = live_capacity(self.scaling_config._resources_per_worker_not_none, held)
             return min(sum(per_node.values()), self.scaling_config.max_workers)
@@ -293,12 +296,12 @@ def _short(error: Exception) -> str:
     return " | ".join(lines[:3])[:300]
 
 
-def _pg_alive(pg) -> bool:
+def _pg_removed(pg) -> bool:
     try:
         from ray.util.placement_group import placement_group_table
-        return placement_group_table(pg).get("state") == "CREATED"
+        return placement_group_table(pg).get("state") == "REMOVED"
     except Exception:
-        return False
+        return True
 
 
 def elastic_trainer_class():

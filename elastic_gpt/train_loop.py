@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -139,8 +140,8 @@ class Trainer:
         assert state["samples_seen"] == self.step * self.plan.global_batch_size, \
             "the global batch size changed inside a run (C1); the checkpoint's cursor disagrees"
         if self.rank == 0:
-            print(f"[elastic-gpt] resumed from {latest.url} at step {self.step} "
-                  f"(saved by {state['world_size']} workers, now {self.world_size})", flush=True)
+            say(f"[elastic-gpt] resumed from {latest.url} at step {self.step} "
+                f"(saved by {state['world_size']} workers, now {self.world_size})")
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -261,9 +262,9 @@ class Trainer:
                 previous=self.membership.previous, cause=self.membership.cause,
                 attempt_started=self.started)
             if event:
-                print(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
-                      f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
-                      f"{self.step} ({event['lost_steps']} step(s) to redo)", flush=True)
+                say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
+                    f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
+                    f"{self.step} ({event['lost_steps']} step(s) to redo)")
         stream = open_step_stream(
             cfg.data.path, plan=self.plan, rank=self.rank, world_size=self.world_size,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
@@ -300,7 +301,7 @@ class Trainer:
                 self.report(metrics, result.step)
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
-                    print(_progress_line(result.step, cfg.train.max_steps, metrics), flush=True)
+                    say(_progress_line(result.step, cfg.train.max_steps, metrics))
                 if self.async_checkpointer is not None:
                     self.async_checkpointer.poll()  # a failed background write raises here
                 if self.step % cfg.checkpoint.every_steps == 0 or self.step == end \
@@ -320,6 +321,13 @@ class Trainer:
         finally:
             stream.close()
         return {"step": self.step, "last": last, "ledger": self.ledger}
+
+
+def say(line: str) -> None:
+    """One line to the job's output. Not print(): Ray Train patches print into its logger, which
+    echoes each line twice in `ray job logs`."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:

@@ -1,0 +1,268 @@
+"""Recovery and scale-up time, lost steps and goodput under node loss: elastic-gpt vs a plain Ray
+Train elastic job with Ray's defaults, side by side on one multi-node Ray cluster on this machine.
+
+    .venv/bin/python bench/bench_recovery.py [--trials 5] [--goodput-s 200] [--skip-baseline]
+
+Each trial: hard-kill a node hosting a training worker (SIGKILL of its raylet and workers), time
+until the first step completes at the smaller size; then add a node, time until the first step
+completes at the larger size. Both systems train a tiny GPT-sized all-reduce workload on 1-CPU
+nodes; times come from per-step wall-clock records (MLflow metric timestamps for elastic-gpt, a
+per-step JSONL for the baseline). The cluster uses the same fast node health checks for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+os.environ.setdefault("RAY_TMPDIR", "/tmp/elastic_gpt_ray_bench")
+os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+from cluster_harness import LocalCluster, training_workers, wait_for  # noqa: E402
+
+# ---- the two systems under test ------------------------------------------------------------------
+
+
+class ElasticGPTRun:
+    """`elastic-gpt train` as a job driver subprocess on the cluster."""
+
+    name = "elastic-gpt"
+
+    def __init__(self, cluster, data: str, root: str, tag: str):
+        self.uri = f"sqlite:///{root}/mlflow-{tag}.db"
+        self.ckpt = f"{root}/ckpt-{tag}"
+        args = [sys.executable, "-m", "elastic_gpt.cli", "train", "--config",
+                os.path.join(ROOT, "jobs/configs/tiny.yaml"), "model.preset=tiny",
+                f"data.path={data}", "train.global_batch_size=12", "train.micro_batch_size=2",
+                "train.max_steps=100000", "train.warmup_steps=2", "checkpoint.every_steps=10",
+                f"checkpoint.path={self.ckpt}", f"run.name=bench-{tag}", f"tracking.uri={self.uri}",
+                f"run.storage_path={root}/ray", "scaling.min_workers=1", "scaling.max_workers=2",
+                "elastic.max_failures_per_hour=1000", "train.log_every=1000"]
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ,
+                                                          "RAY_ADDRESS": cluster.address},
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+    def steps(self) -> list[tuple[float, int, int]]:
+        """(completion time, step, world size) of every logged step, in time order."""
+        import mlflow
+
+        client = mlflow.MlflowClient(self.uri)
+        runs = client.search_runs(client.get_experiment_by_name("elastic-gpt").experiment_id)
+        if not runs:
+            return []
+        hist = client.get_metric_history(runs[0].info.run_id, "world_size")
+        return sorted((m.timestamp / 1000, m.step, int(m.value)) for m in hist)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+BASELINE_FN = '''
+import json, os, time, tempfile
+import torch, torch.distributed as dist
+import ray.train
+from ray.train import Checkpoint
+
+def train_fn(config):
+    ctx = ray.train.get_context()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+            model.load_state_dict(state["model"]); step = int(state["step"])
+    while True:
+        x = torch.randn(256, 256)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad); p.grad /= ctx.get_world_size()
+        opt.step(); opt.zero_grad()
+        step += 1
+        if ctx.get_world_rank() == 0:
+            with open(config["log"], "a") as f:
+                f.write(json.dumps([time.time(), step, ctx.get_world_size()]) + "\\n")
+        if step % 10 == 0:
+            with tempfile.TemporaryDirectory() as d:
+                if ctx.get_world_rank() == 0:
+                    torch.save({"model": model.state_dict(), "step": step}, os.path.join(d, "state.pt"))
+                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d)
+                                 if ctx.get_world_rank() == 0 else None)
+        else:
+            time.sleep(0.0)
+'''
+
+BASELINE_DRIVER = '''
+import sys, ray
+sys.path.insert(0, sys.argv[3])
+from baseline_fn import train_fn
+from ray.train import RunConfig, ScalingConfig, FailureConfig
+from ray.train.torch import TorchTrainer
+ray.init(address="auto")
+TorchTrainer(train_fn, train_loop_config={"log": sys.argv[1]},
+             scaling_config=ScalingConfig(num_workers=(1, 2)),
+             run_config=RunConfig(name="baseline", storage_path=sys.argv[2],
+                                  failure_config=FailureConfig(max_failures=-1))).fit()
+'''
+
+
+class RayTrainBaseline:
+    """Plain Ray Train V2 elastic job, Ray's defaults (except max_failures=-1 so it survives)."""
+
+    name = "ray-train-defaults"
+
+    def __init__(self, cluster, data: str, root: str, tag: str):
+        self.log = f"{root}/baseline-{tag}.jsonl"
+        code = os.path.join(root, "code")
+        os.makedirs(code, exist_ok=True)
+        with open(os.path.join(code, "baseline_fn.py"), "w") as f:
+            f.write(BASELINE_FN)
+        with open(os.path.join(code, "driver.py"), "w") as f:
+            f.write(BASELINE_DRIVER)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_TRAIN_")}
+        env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=code)
+        self.proc = subprocess.Popen([sys.executable, os.path.join(code, "driver.py"), self.log,
+                                      f"{root}/ray-baseline-{tag}", code], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+
+    def steps(self) -> list[tuple[float, int, int]]:
+        try:
+            with open(self.log) as f:
+                return [tuple(json.loads(line)) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+
+# ---- measurements --------------------------------------------------------------------------------
+
+def first_step_at(run, size: int, after: float, timeout_s: float = 240) -> float:
+    """Seconds from `after` to the first step completed by a group of `size` workers."""
+    def found():
+        for t, _, w in run.steps():
+            if t > after and w == size:
+                return t
+        return None
+    return wait_for(found, timeout_s=timeout_s, interval_s=0.2) - after
+
+
+def trials(cluster, run, n: int) -> dict:
+    first_step_at(run, 2, 0, timeout_s=300)  # running at full size
+    time.sleep(2)
+    recovery, scale_up, lost = [], [], []
+    for i in range(n):
+        before = max(s for _, s, _ in run.steps())
+        t_kill = cluster.kill_node(cluster.node_hosting_a_worker())
+        recovery.append(first_step_at(run, 1, t_kill))
+        after = min(s for t, s, w in run.steps() if t > t_kill and w == 1)
+        lost.append(max(0, before - after + 1))
+        time.sleep(2)  # a few steps at the smaller size
+        t_add = time.time()
+        cluster.nodes.append(cluster.add_node())
+        scale_up.append(first_step_at(run, 2, t_add))
+        print(f"  {run.name} trial {i + 1}: recovery {recovery[-1]:.1f}s, scale-up "
+              f"{scale_up[-1]:.1f}s, steps re-done {lost[-1]}", flush=True)
+        time.sleep(2)
+    return {"recovery_s": _stats(recovery), "scale_up_s": _stats(scale_up),
+            "lost_steps": _stats(lost)}
+
+
+def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_after_s: float = 20.0):
+    """A node lost every `every_s` seconds, a replacement `replace_after_s` later. Goodput =
+    undisturbed step time x steps of the final trajectory / wall time."""
+    first_step_at(run, 2, 0, timeout_s=300)
+    t0 = time.time()
+    next_kill = t0 + every_s
+    while time.time() < t0 + duration_s:
+        if time.time() >= next_kill:
+            cluster.kill_node(cluster.node_hosting_a_worker())
+            time.sleep(replace_after_s)
+            cluster.nodes.append(cluster.add_node())
+            next_kill += every_s
+        time.sleep(0.5)
+    wall = time.time() - t0
+    steps = [(t, s, w) for t, s, w in run.steps() if t >= t0]
+    times = sorted(t for t, _, _ in steps)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b - a < 5)
+    undisturbed = statistics.median(gaps) if gaps else float("nan")
+    progress = max(s for _, s, _ in steps) - min(s for _, s, _ in steps)
+    return {"wall_s": round(wall, 1), "net_steps": progress,
+            "median_step_s": round(undisturbed, 3),
+            "goodput": round(progress * undisturbed / wall, 3)}
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": round(statistics.median(xs), 2), "max": round(max(xs), 2),
+            "n": len(xs), "all": [round(x, 2) for x in xs]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--goodput-s", type=float, default=200.0, help="0 skips the goodput runs")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "recovery.json"))
+    args = p.parse_args()
+
+    from data_pipelines.tokenize import prepare_data
+
+    root = tempfile.mkdtemp(prefix="bench_recovery_")
+    data = os.path.join(root, "data")
+    import sysconfig
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:40]
+    prepare_data(files, data, tokenizer="bytes", seq_len=64, engine="local", progress=False,
+                 max_bytes=500_000)
+    results = {}
+    systems = [ElasticGPTRun] + ([] if args.skip_baseline else [RayTrainBaseline])
+    for system in systems:
+        cluster = LocalCluster(workers=2)
+        try:
+            run = system(cluster, data, root, "trials")
+            print(f"{system.name}: {args.trials} trials of node kill + node add", flush=True)
+            results[system.name] = trials(cluster, run, args.trials)
+            run.stop()
+            wait_for(lambda: not training_workers(), timeout_s=60)
+            if args.goodput_s:
+                print(f"{system.name}: goodput with a node lost every 60 s for "
+                      f"{args.goodput_s:.0f} s", flush=True)
+                run = system(cluster, data, root, "goodput")
+                results[system.name]["goodput"] = goodput(cluster, run, args.goodput_s)
+                run.stop()
+        finally:
+            cluster.shutdown()
+    print("\n| system | recovery median / max (s) | scale-up median / max (s) | steps re-done "
+          "median | goodput (node lost / 60 s) |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        g = r.get("goodput", {}).get("goodput", "-")
+        print(f"| {name} | {r['recovery_s']['median']} / {r['recovery_s']['max']} | "
+              f"{r['scale_up_s']['median']} / {r['scale_up_s']['max']} | "
+              f"{r['lost_steps']['median']} | {g} |")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

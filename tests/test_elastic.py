@@ -1,0 +1,101 @@
+"""The elastic controller's pieces on their own: Ray internals still have the shape we rely on,
+failure-policy decisions, live capacity from a real GCS, and the goodput ledger arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_gpt.elastic import ElasticRestart, check_ray_internals, live_capacity, make_policies
+from elastic_gpt.errors import NonFiniteLossError
+from elastic_gpt.goodput import GoodputLedger
+
+
+def test_ray_train_internals_have_the_shape_elastic_py_relies_on():
+    check_ray_internals()  # raises, naming what changed, on any other ray version
+
+
+class _WorkerGroupError(Exception):
+    def __init__(self, failures):
+        super().__init__("workers failed")
+        self.worker_failures = failures
+
+
+@pytest.fixture
+def failure_policy(monkeypatch):
+    import elastic_gpt.elastic as elastic
+
+    monkeypatch.setattr(elastic, "_safe", lambda *a: None)  # no GCS needed for decisions
+    from ray.train import FailureConfig, ScalingConfig
+    _, policy = make_policies(ScalingConfig(num_workers=(1, 2)), FailureConfig(), "k", 3)
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(elastic.time, "monotonic", lambda: clock["t"])
+    return policy, clock
+
+
+def test_planned_restarts_are_free_fatal_errors_stop_at_once(failure_policy):
+    policy, _ = failure_policy
+    planned = _WorkerGroupError({0: ElasticRestart("resize: 1 -> 2 workers", 5),
+                                 1: ElasticRestart("resize: 1 -> 2 workers", 5)})
+    for _ in range(10):
+        assert policy.make_decision(planned).name == "RETRY"
+    assert len(policy.window) == 0
+    fatal = _WorkerGroupError({0: NonFiniteLossError("loss is nan"), 1: RuntimeError("peer")})
+    assert policy.make_decision(fatal).name == "RAISE"
+
+
+def test_failures_are_budgeted_per_sliding_hour(failure_policy):
+    policy, clock = failure_policy
+    crash = _WorkerGroupError({1: RuntimeError("worker died")})
+    assert [policy.make_decision(crash).name for _ in range(3)] == ["RETRY"] * 3
+    assert policy.make_decision(crash).name == "RAISE"  # a 4th within the hour: budget is 3
+    clock["t"] += 3601  # an hour later the old failures no longer count
+    assert policy.make_decision(crash).name == "RETRY"
+
+
+def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):
+    import ray
+
+    cap = live_capacity({"CPU": 1})
+    assert sum(cap.values()) == 4  # the fixture's 4 CPUs, nothing running
+
+    @ray.remote(num_cpus=1)
+    class Hog:
+        def ping(self):
+            return 1
+
+    hogs = [Hog.remote() for _ in range(3)]
+    ray.get([h.ping.remote() for h in hogs])
+    import time
+    deadline = time.time() + 10
+    while sum(live_capacity({"CPU": 1}).values()) != 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert sum(live_capacity({"CPU": 1}).values()) == 1
+    node = next(iter(cap))
+    assert live_capacity({"CPU": 1}, held={node: 2})[node] == 3  # our own group's share counts
+    assert live_capacity({"CPU": 1}, exclude={node}) == {}
+    for h in hogs:
+        ray.kill(h)
+
+
+def test_goodput_ledger_moves_redone_work_from_productive_to_lost():
+    ledger = GoodputLedger(_attempt_started=100.0)
+    assert ledger.on_resume(restored_step=0, world_size=2, previous=None, cause=None,
+                            attempt_started=100.0) is None
+    ledger.on_first_step_started(now=105.0)  # 5 s of startup
+    for _ in range(10):
+        ledger.on_step(1.0)
+    ledger.on_checkpoint(0.5)
+    # The attempt died at step 10 with the newest checkpoint at step 8: 2 steps to redo.
+    event = ledger.on_resume(
+        restored_step=8, world_size=1, attempt_started=130.0,
+        previous={"step": 10, "world_size": 2, "avg_step_s": 1.0, "at": 120.0},
+        cause={"kind": "failure", "error": "node died", "at": 121.0})
+    assert event["lost_steps"] == 2 and event["from_world_size"] == 2
+    ledger.on_first_step_started(now=131.0)
+    s = ledger.summary()
+    assert s["productive_s"] == 8.0 and s["lost_s"] == 2.0 and s["lost_steps"] == 2
+    assert s["recovery_s"] == 5.0 + 10.0  # startup + (first step 131 - failure 121)
+    assert s["goodput"] == pytest.approx(8.0 / (8.0 + 2.0 + 0.5 + 15.0), abs=1e-4)
+    assert ledger.events[0]["recovery_s"] == 10.0
+    restored = GoodputLedger.from_dict(ledger.to_dict())
+    assert restored.summary() == s
