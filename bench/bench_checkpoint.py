@@ -1,0 +1,131 @@
+"""Checkpoint stall: how long the training loop is blocked per checkpoint, async vs sync (issue 6).
+
+    .venv/bin/python bench/bench_checkpoint.py [--steps 15] [--every 3] [--json out.json]
+
+The real `Trainer.train()` loop (W=1, FSDP2 over gloo, in this process) runs twice on the same
+data: once with `checkpoint.async_save=false`, once with `true`, saving every `--every` steps to
+local disk (fsynced, committed, retention on). Blocked = wall time of each `save_checkpoint()` call
+(sync: the whole save and commit; async: waiting for the previous save + the copy to CPU). The
+async background write (DCP write + fsync + commit) is timed too. The dip: median step time of the
+steps that ran while an async write was in flight vs the steps that did not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+from common import PRESET, median, prepare_dataset
+
+_TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "jobs", "configs", "tiny.yaml")
+
+
+def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> dict:
+    from elastic_gpt.config import load_config
+    from elastic_gpt.train_loop import Trainer
+
+    ckpt = os.path.join(root, "async" if async_save else "sync")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    cfg = load_config(_TINY, [
+        f"model.preset={PRESET}", f"data.path={data}", "train.global_batch_size=4",
+        "train.micro_batch_size=2", f"train.max_steps={steps}", "train.warmup_steps=2",
+        "train.log_every=1000", "train.threads_per_worker=1", "scaling.cpus_per_worker=1",
+        f"checkpoint.every_steps={every}", "checkpoint.keep=2", f"checkpoint.path={ckpt}",
+        f"checkpoint.async_save={str(async_save).lower()}"])
+    steps_log: list[dict] = []
+    trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
+    flight = {"at_start": False}
+
+    def report(metrics, step):
+        ac = trainer.async_checkpointer
+        now = bool(ac and ac.in_flight)
+        steps_log.append({"step": step, "step_time_s": metrics["step_time_s"],
+                          "overlapped": flight["at_start"] or now})
+        flight["at_start"] = now
+
+    trainer.report = report
+    blocked, writes = [], []
+    original = trainer.save_checkpoint
+
+    def timed_save():
+        t0 = time.perf_counter()
+        original()
+        blocked.append(time.perf_counter() - t0)
+        ac = trainer.async_checkpointer
+        flight["at_start"] = bool(ac and ac.in_flight)
+        if ac is not None and len(blocked) > 1:
+            writes.append(ac.last_write_s)  # the previous save's background time
+
+    trainer.save_checkpoint = timed_save
+    trainer.train()
+    if trainer.async_checkpointer is not None:
+        writes.append(trainer.async_checkpointer.last_write_s)
+    # The final save at max_steps is waited for by finish(); keep the periodic ones only.
+    periodic = blocked[:-1] if steps % every == 0 else blocked
+    body = [s for s in steps_log if s["step"] >= 2]  # drop warm-up steps
+    return {
+        "blocked_s": [round(b, 4) for b in blocked], "blocked_median_s": median(periodic),
+        "background_write_s": [round(w, 4) for w in writes],
+        "background_write_median_s": median(writes) if writes else None,
+        "step_s_overlapped": median(s["step_time_s"] for s in body if s["overlapped"]),
+        "step_s_clear": median(s["step_time_s"] for s in body if not s["overlapped"]),
+        "n_overlapped": sum(s["overlapped"] for s in body),
+        "state_bytes": _dir_bytes(ckpt),
+    }
+
+
+def _dir_bytes(root: str) -> int:
+    """Bytes of the newest step directory (one checkpoint)."""
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+    d = os.path.join(root, steps[-1])
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+
+
+def run(steps: int, every: int, work: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    data = prepare_dataset(work)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    try:
+        sync = one_run(data, work, False, steps, every)
+        asyn = one_run(data, work, True, steps, every)
+    finally:
+        dist.destroy_process_group()
+    out = {"model": f"{PRESET} W=1, G=4, micro=2, local disk, fsync on",
+           "sync": sync, "async": asyn,
+           "sync_save_s": sync["blocked_median_s"],
+           "async_blocked_s": asyn["blocked_median_s"],
+           "blocked_fraction": asyn["blocked_median_s"] / sync["blocked_median_s"],
+           "dip": 1 - asyn["step_s_clear"] / asyn["step_s_overlapped"]
+           if asyn["n_overlapped"] else None}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix="bench_ckpt_")
+    res = run(args.steps, args.every, work)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("sync", "async")}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Trainer overhead, data-parallel scaling and MFU, measured side by side in one run (issue 6).
+
+    .venv/bin/python bench/bench_trainer.py [--repeats 2] [--steps 10] [--json out.json]
+
+Each repeat runs, back to back on the same cores:
+  plain   a single-process PyTorch loop: the same GPT, batch, micro-batches, AdamW param groups,
+          grad clipping and thread count, batches read into memory before the clock starts
+  W=1     elastic-gpt through `run_training` (Ray Train, FSDP2 at W=1 over gloo, the real data
+          stream, MLflow logging), 1 worker x 1 thread
+  W=2     the same, 2 workers x 1 thread (same global batch: each worker does half the micro-batches)
+
+What a step time includes. plain: forward/backward of every micro-batch, clip, AdamW step,
+zero_grad. Trainer: the figure it reports per step (`step_time_s`: waiting for the batch,
+forward/backward, FSDP collectives, clip, the metrics all-reduce and its host sync, AdamW), and as
+a cross-check the wall time between consecutive step records (MLflow timestamps), which adds
+everything else the loop does per step (metrics dict, logging enqueue). Startup (Ray, worker
+group, model build) and the final checkpoint are excluded: only steps >= --warmup count, and the
+figure is the median over those steps. Ratios are taken within a repeat, then the median over
+repeats is reported (this machine is shared; absolute times drift between repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+
+from common import PRESET, median, prepare_dataset
+
+G, MB = 8, 2  # 8 seqs * 256 tokens = 2,048 tokens per step; 4 micro-batches at W=1, 2 at W=2
+
+
+def plain_loop(data: str, steps: int, threads: int, warmup: int) -> list[float]:
+    """Step times of the plain loop; returns those after `warmup`."""
+    import torch
+
+    from data_pipelines.manifest import load_manifest
+    from data_pipelines.order import BatchPlan
+    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.model import GPT, preset_config, token_losses
+
+    torch.set_num_threads(threads)
+    manifest = load_manifest(data)
+    cfg = preset_config(PRESET, vocab_size=256, seq_len=manifest.seq_len)
+    model = GPT(cfg)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
+    stream = open_step_stream(data, plan=BatchPlan(G, MB), rank=0, world_size=1, start_step=0,
+                              seed=1234)
+    batches = [next(stream).tokens for _ in range(steps)]
+    stream.close()
+    T = cfg.seq_len
+    times = []
+    for micro in batches:
+        t0 = time.perf_counter()
+        for tokens in micro:
+            loss = token_losses(model(tokens[:, :T]), tokens[:, 1:T + 1]) / (G * T)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
+def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
+    """The trainer's step vs the plain loop's, alternating in one process (same noise for both).
+
+    Trainer side: `Trainer.train_step` exactly as the loop calls it (FSDP2 at W=1 over a gloo
+    group, the real prefetching data stream, the metrics all-reduce and host sync, AdamW on
+    DTensors), plus `next(stream)`. Both wall time and process CPU time (all threads: the data
+    prefetch thread counts against the trainer) per step; CPU time is what the noise of this
+    shared 2-core machine does not distort.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.config import load_config
+    from elastic_gpt.model import GPT, preset_config, token_losses
+    from elastic_gpt.train_loop import Trainer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    cfg = load_config(_TINY, [
+        f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
+        f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
+        "scaling.cpus_per_worker=1", "checkpoint.path=/nonexistent-unused"])
+    trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
+    stream = open_step_stream(data, plan=trainer.plan, rank=0, world_size=1, start_step=0,
+                              seed=cfg.data.seed)
+    model = GPT(preset_config(PRESET, vocab_size=256, seq_len=256))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
+    T = 256
+
+    def plain_step(batch):
+        for tokens in batch.tokens:
+            (token_losses(model(tokens[:, :T]), tokens[:, 1:T + 1]) / (G * T)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def trainer_step():
+        batch = next(stream)
+        trainer.train_step(batch)
+        trainer.step += 1
+
+    plain_batches = open_step_stream(data, plan=trainer.plan, rank=0, world_size=1, start_step=0,
+                                     seed=cfg.data.seed)
+    out = {"plain_wall": [], "plain_cpu": [], "trainer_wall": [], "trainer_cpu": []}
+    try:
+        for r in range(rounds + 1):  # round 0 warms both up and is dropped
+            for name, fn in (("plain", lambda: plain_step(next(plain_batches))),
+                             ("trainer", trainer_step)):
+                for _ in range(per_round):
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    fn()
+                    if r:
+                        out[f"{name}_wall"].append(time.perf_counter() - w0)
+                        out[f"{name}_cpu"].append(time.process_time() - c0)
+    finally:
+        stream.close()
+        plain_batches.close()
+        dist.destroy_process_group()
+    m = {k: median(v) for k, v in out.items()}
+    return {"steps": {k: [round(x, 4) for x in v] for k, v in out.items()},
+            **{f"{k}_s": v for k, v in m.items()},
+            "overhead_ratio_cpu": m["plain_cpu"] / m["trainer_cpu"],
+            "overhead_ratio_wall": m["plain_wall"] / m["trainer_wall"]}
+
+
+def trainer_run(data: str, root: str, name: str, workers: int, steps: int, warmup: int) -> dict:
+    """One elastic-gpt run; per-step reported step time and wall time between step records."""
+    import mlflow
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.launcher import run_training
+
+    uri = f"sqlite:///{root}/mlflow.db"
+    cfg = load_config(_TINY, [
+        f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
+        f"train.micro_batch_size={MB}", f"train.max_steps={steps}", "train.warmup_steps=2",
+        "train.lr=1e-3", "train.log_every=1000", "train.threads_per_worker=1",
+        f"scaling.min_workers={workers}", f"scaling.max_workers={workers}",
+        "scaling.cpus_per_worker=1", f"checkpoint.every_steps={steps}",
+        f"checkpoint.path={root}/ckpt-{name}", f"run.name={name}", f"tracking.uri={uri}",
+        f"run.storage_path={root}/ray", "elastic.max_failures_per_hour=0"])
+    summary = run_training(cfg)
+    client = mlflow.MlflowClient(uri)
+    hist = sorted(client.get_metric_history(summary["run_id"], "step_time_s"),
+                  key=lambda m: m.step)
+    reported = [m.value for m in hist if m.step >= warmup]
+    stamps = [m.timestamp / 1000 for m in hist]
+    wall = [b - a for i, (a, b) in enumerate(zip(stamps, stamps[1:])) if i + 1 >= warmup]
+    return {"reported": reported, "wall": wall, "steps": len(hist)}
+
+
+_TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "jobs", "configs", "tiny.yaml")
+
+
+def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
+    import ray
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.launcher import connect_ray
+    from elastic_gpt.model import flops_per_token, preset_config
+
+    data = prepare_dataset(work)
+    tokens_per_step = G * 256
+    fpt = flops_per_token(preset_config(PRESET, vocab_size=256, seq_len=256))
+    os.environ.setdefault("ELASTIC_GPT_OBJECT_STORE_BYTES", str(100 << 20))
+    connect_ray(load_config(_TINY, [f"data.path={data}"]))  # one local cluster for every run
+    rows = []
+    try:
+        for r in range(repeats):
+            peak1 = _peak(1)
+            plain = median(plain_loop(data, steps, 1, warmup))
+            w1 = trainer_run(data, work, f"w1-{r}-{int(time.time())}", 1, steps, warmup)
+            w2 = trainer_run(data, work, f"w2-{r}-{int(time.time())}", 2, steps, warmup)
+            peak2 = _peak(2)
+            row = {
+                "plain_step_s": plain, "w1_step_s": median(w1["reported"]),
+                "w1_wall_s": median(w1["wall"]), "w2_step_s": median(w2["reported"]),
+                "w2_wall_s": median(w2["wall"]), "peak_1thread_flops": peak1,
+                "peak_2thread_flops": peak2,
+            }
+            row["overhead_ratio"] = row["plain_step_s"] / row["w1_step_s"]
+            row["overhead_ratio_wall"] = row["plain_step_s"] / row["w1_wall_s"]
+            row["scaling_ratio"] = row["w1_step_s"] / row["w2_step_s"]
+            row["scaling_ratio_wall"] = row["w1_wall_s"] / row["w2_wall_s"]
+            print(f"[bench_trainer] repeat {r + 1}/{repeats}: " + ", ".join(
+                f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+            rows.append(row)
+    finally:
+        ray.shutdown()
+    m = {k: median(row[k] for row in rows) for k in rows[0]}
+    return {
+        "model": f"{PRESET} (6x384, byte vocab 256, seq 256, 10.7M params), G={G}, micro={MB}",
+        "flops_per_token": fpt,
+        "repeats": rows,
+        "plain_tokens_per_s": tokens_per_step / m["plain_step_s"],
+        "w1_tokens_per_s": tokens_per_step / m["w1_step_s"],
+        "w2_tokens_per_s": tokens_per_step / m["w2_step_s"],
+        "overhead_ratio": m["overhead_ratio"], "overhead_ratio_wall": m["overhead_ratio_wall"],
+        "scaling_ratio": m["scaling_ratio"], "scaling_ratio_wall": m["scaling_ratio_wall"],
+        "peak_1thread_flops": m["peak_1thread_flops"], "peak_2thread_flops": m["peak_2thread_flops"],
+        "mfu_plain": tokens_per_step / m["plain_step_s"] * fpt / m["peak_1thread_flops"],
+        "mfu_w1": tokens_per_step / m["w1_step_s"] * fpt / m["peak_1thread_flops"],
+        "mfu_w2": tokens_per_step / m["w2_step_s"] * fpt / m["peak_2thread_flops"],
+    }
+
+
+def _peak(threads: int) -> float:
+    """Fresh (uncached) matmul peak of `threads` threads: median of 3 best-of-0.3 s measurements,
+    taken next to the runs it normalises (the figure moves with the machine's load)."""
+    from elastic_gpt import metrics
+    vals = []
+    for _ in range(3):
+        metrics._cpu_peak_cache.pop(threads, None)
+        vals.append(metrics.measure_cpu_matmul_flops(threads))
+    metrics._cpu_peak_cache.pop(threads, None)
+    return median(vals)
+
+
+def cpu_time_matmul_peak(n: int = 512, reps: int = 20) -> float:
+    """1-thread fp32 GEMM FLOPs per CPU second (best of `reps` blocks): the same shape as
+    `metrics.measure_cpu_matmul_flops`, but timed in CPU time like the interleaved step figures,
+    so other processes' load does not deflate it."""
+    import torch
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = 0.0
+    for _ in range(reps):
+        c0 = time.process_time()
+        for _ in range(8):
+            a @ b
+        best = max(best, 8 * 2 * n**3 / max(time.process_time() - c0, 1e-9))
+    return best
+
+
+def _fpt() -> int:
+    from elastic_gpt.model import flops_per_token, preset_config
+    return flops_per_token(preset_config(PRESET, vocab_size=256, seq_len=256))
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=["interleaved", "ray"], default="ray")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved: alternations")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="steps excluded at the start of each run")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_")
+    if args.part == "interleaved":
+        res = interleaved(prepare_dataset(work), args.rounds, 2, port=_free_port())
+        peak_cpu, peak_wall = cpu_time_matmul_peak(), _peak(1)
+        res.update(peak_1thread_cpu_time_flops=peak_cpu, peak_1thread_wall_flops=peak_wall,
+                   mfu_plain_cpu=G * 256 / res["plain_cpu_s"] * _fpt() / peak_cpu,
+                   mfu_trainer_cpu=G * 256 / res["trainer_cpu_s"] * _fpt() / peak_cpu)
+        print({k: v for k, v in res.items() if k != "steps"})
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    res = run(args.repeats, args.steps, args.warmup, work)
+    for k in ("overhead_ratio", "overhead_ratio_wall", "scaling_ratio", "scaling_ratio_wall",
+              "mfu_plain", "mfu_w1", "mfu_w2"):
+        print(f"{k:22s} {res[k]:.3f}" if not math.isnan(res[k]) else f"{k:22s} nan")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""`make bench`: every benchmark that fits this machine, one table, bench/results.json (issue 6).
+
+    .venv/bin/python bench/run_all.py [--quick] [--skip-data] [--skip-recovery] [--skip-ray]
+
+Each part runs in its own process (a clean torch/Ray/process-group state each), one after the
+other on the same cores, so the ratios inside a part are measured side by side:
+
+  overhead (in-process)  Trainer.train_step (FSDP2 W=1, real data stream) vs a plain PyTorch loop,
+                         alternating in one process; CPU time and wall time per step
+  overhead + scaling     elastic-gpt through Ray Train: W=1 vs the plain loop, W=2 vs W=1 (wall)
+  checkpoint stall       async vs sync save blocking time, tokens/s dip while a save is in flight
+  MFU                    model FLOP/s vs the measured fp32 matmul peak of the same cores
+  data, recovery         bench/bench_data.py and bench/bench_recovery.py, when present
+
+The machine is shared: the load average before and after each part is recorded next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TARGETS = {"overhead": 0.95, "scaling": 1.6, "blocked_fraction": 0.10}
+
+
+def run_part(name: str, argv: list[str], out_json: str, timeout: float) -> dict:
+    load0, t0 = os.getloadavg()[0], time.time()
+    print(f"==> {name}: {' '.join(argv)}", flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("RAY_TMPDIR", "/tmp/ray_bench")
+    os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
+    try:
+        proc = subprocess.run([sys.executable, *argv, "--json", out_json], cwd=ROOT, env=env,
+                              timeout=timeout, capture_output=True, text=True)
+        ok = proc.returncode == 0 and os.path.exists(out_json)
+        tail = (proc.stdout + proc.stderr)[-1500:]
+    except subprocess.TimeoutExpired:
+        ok, tail = False, f"timed out after {timeout:.0f} s"
+    res = {}
+    if ok:
+        with open(out_json) as f:
+            res = json.load(f)
+    else:
+        print(f"    {name} FAILED:\n{tail}", flush=True)
+    res["_meta"] = {"ok": ok, "seconds": round(time.time() - t0, 1), "load_before": load0,
+                    "load_after": os.getloadavg()[0]}
+    print(f"    {name}: {res['_meta']}", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    ap.add_argument("--skip-ray", action="store_true", help="skip the Ray Train runs")
+    ap.add_argument("--skip-data", action="store_true", help="skip bench/bench_data.py")
+    ap.add_argument("--skip-recovery", action="store_true", help="skip bench/bench_recovery.py")
+    ap.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="elastic_gpt_bench_")
+    q = args.quick
+    results: dict = {"machine": {"cpus": os.cpu_count(), "started": time.strftime("%F %T")}}
+
+    results["overhead_inprocess"] = run_part(
+        "overhead (in-process, interleaved)",
+        ["bench/bench_trainer.py", "--part", "interleaved", "--rounds", "2" if q else "4",
+         "--workdir", work], f"{work}/inproc.json", 900)
+    if not args.skip_ray:
+        results["ray"] = run_part(
+            "overhead + scaling (Ray Train)",
+            ["bench/bench_trainer.py", "--part", "ray", "--repeats", "1" if q else "2",
+             "--steps", "8" if q else "10", "--workdir", work], f"{work}/ray.json", 900)
+    results["checkpoint"] = run_part(
+        "checkpoint stall", ["bench/bench_checkpoint.py", "--steps", "9" if q else "15",
+                             "--every", "3", "--workdir", work], f"{work}/ckpt.json", 600)
+    for name, script, skip in (("data", "bench_data.py", args.skip_data),
+                               ("recovery", "bench_recovery.py", args.skip_recovery)):
+        if not skip and os.path.exists(os.path.join(HERE, script)):
+            results[name] = run_part(name, [f"bench/{script}"], f"{work}/{name}.json", 900)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print_table(results)
+    print(f"\nwrote {args.out}")
+
+
+def print_table(r: dict) -> None:
+    rows = []
+    ip = r.get("overhead_inprocess", {})
+    if ip.get("_meta", {}).get("ok"):
+        rows += [
+            ("trainer overhead, CPU time (in-process)", ip["overhead_ratio_cpu"], ">= 0.95",
+             f"plain {ip['plain_cpu_s']:.2f} s vs trainer {ip['trainer_cpu_s']:.2f} s CPU/step"),
+            ("trainer overhead, wall (in-process)", ip["overhead_ratio_wall"], ">= 0.95",
+             f"plain {ip['plain_wall_s']:.2f} s vs trainer {ip['trainer_wall_s']:.2f} s/step"),
+            ("MFU plain loop (CPU time, 1 thread)", ip["mfu_plain_cpu"], "",
+             f"peak {ip['peak_1thread_cpu_time_flops'] / 1e9:.0f} GFLOP/s per CPU-second"),
+            ("MFU elastic-gpt W=1 (CPU time)", ip["mfu_trainer_cpu"], "", ""),
+        ]
+    ray = r.get("ray", {})
+    if ray.get("_meta", {}).get("ok"):
+        rows += [
+            ("trainer overhead via Ray, wall", ray["overhead_ratio"], ">= 0.95",
+             f"{ray['w1_tokens_per_s']:.0f} vs plain {ray['plain_tokens_per_s']:.0f} tok/s"),
+            ("scaling 2x1 vs 1x1 workers, wall", ray["scaling_ratio"], ">= 1.6",
+             f"{ray['w2_tokens_per_s']:.0f} vs {ray['w1_tokens_per_s']:.0f} tok/s"),
+            ("MFU W=1 via Ray (wall)", ray["mfu_w1"], "",
+             f"peak {ray['peak_1thread_flops'] / 1e9:.0f} GFLOP/s (1 thread, wall)"),
+            ("MFU W=2 via Ray (wall)", ray["mfu_w2"], "",
+             f"peak {ray['peak_2thread_flops'] / 1e9:.0f} GFLOP/s (2 threads, wall)"),
+        ]
+    ck = r.get("checkpoint", {})
+    if ck.get("_meta", {}).get("ok"):
+        rows += [
+            ("checkpoint blocked, async / sync", ck["blocked_fraction"], "<= 0.10",
+             f"{ck['async_blocked_s'] * 1e3:.0f} ms vs {ck['sync_save_s'] * 1e3:.0f} ms "
+             f"({ck['sync']['state_bytes'] / 1e6:.0f} MB)"),
+            ("tokens/s dip while a save is in flight", ck["dip"], "",
+             f"{ck['async']['n_overlapped']} overlapped steps"),
+        ]
+    for name in ("data", "recovery"):
+        part = r.get(name, {})
+        if part.get("_meta", {}).get("ok"):
+            for k, v in part.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    rows.append((f"{name}: {k}", v, "", ""))
+    print(f"\n{'figure':44s} {'value':>8s} {'target':>8s}  detail")
+    for name, value, target, detail in rows:
+        v = "n/a" if value is None else f"{value:8.3f}"
+        print(f"{name:44s} {v:>8s} {target:>8s}  {detail}")
+    for k in ("overhead_inprocess", "ray", "checkpoint", "data", "recovery"):
+        if k in r:
+            m = r[k]["_meta"]
+            print(f"  [{k}: {'ok' if m['ok'] else 'FAILED'}, {m['seconds']} s, load average "
+                  f"{m['load_before']:.1f} -> {m['load_after']:.1f} on {r['machine']['cpus']} cores]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Every piece of the bf16 / FSDP2 / NCCL path that can run without a GPU, so `bench/gpu.sh` on a
+real GPU is a confirmation, not a first try: dtypes under the mixed-precision policy, wrapping
+order, dtype and optimizer choices per device, autocast in the trainer's step, and a bf16 step
+through FSDP2 (gloo, W=1) whose loss matches fp32."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from elastic_gpt.config import load_config
+from elastic_gpt.model import GPT, GPTConfig, preset_config, token_losses
+from elastic_gpt.parallelize import (
+    init_sharded_weights,
+    mixed_precision_policy,
+    parallelize,
+    resolve_dtype,
+)
+
+SMALL = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def world1():
+    """A real gloo process group of one rank (what a single-GPU run has, with nccl)."""
+    owned = not dist.is_initialized()
+    if owned:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    if owned:
+        dist.destroy_process_group()
+
+
+def _sharded(cfg: GPTConfig, mesh, dtype, **kw) -> GPT:
+    with torch.device("meta"):
+        model = GPT(cfg)
+    parallelize(model, mesh, compute_dtype=dtype, **kw)
+    model.to_empty(device="cpu")
+    init_sharded_weights(model, seed=0)
+    return model
+
+
+def test_resolve_dtype_picks_bf16_only_on_cuda():
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
+
+
+def test_mixed_precision_policy_computes_in_bf16_and_reduces_in_fp32():
+    mp = mixed_precision_policy(torch.bfloat16)
+    assert mp.param_dtype == torch.bfloat16 and mp.reduce_dtype == torch.float32
+    assert mixed_precision_policy(torch.float32).reduce_dtype == torch.float32
+
+
+def test_bf16_compute_fp32_master_weights_and_fp32_gradients(world1):
+    model = _sharded(SMALL, world1, torch.bfloat16)
+    seen = {}
+    model.h[0].attn.c_attn.register_forward_hook(
+        lambda m, args, out: seen.update(weight=m.weight.dtype, out=out.dtype))
+    x = torch.randint(0, 64, (2, 17))
+    logits = model(x[:, :16])
+    assert seen == {"weight": torch.bfloat16, "out": torch.bfloat16}  # gathered in bf16
+    assert logits.dtype == torch.bfloat16
+    token_losses(logits, x[:, 1:]).backward()
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name  # every parameter is an FSDP2 shard
+        assert p.dtype == torch.float32, f"{name}: master weights must stay fp32"
+        assert p.grad is not None and p.grad.dtype == torch.float32, f"{name}: grads reduce in fp32"
+        assert torch.isfinite(p.grad.to_local()).all(), name
+
+
+def test_wrapping_order_ac_and_compile_inside_fully_shard_per_block_root_last(world1):
+    with torch.device("meta"):
+        model = GPT(SMALL)
+    parallelize(model, world1, compute_dtype=torch.bfloat16, activation_checkpointing=True,
+                compile=True)
+    root_group = model._get_fsdp_state()._fsdp_param_group
+    root_params = {id(fp.sharded_param) for fp in root_group.fsdp_params}
+    block_param_ids = set()
+    last = len(model.h) - 1
+    for i, block in enumerate(model.h):
+        # fully_shard(compile(checkpoint_wrapper(Block))): one all-gather per block, compiled
+        # and recomputed inside it.
+        assert isinstance(block, FSDPModule), i
+        assert isinstance(block, torch._dynamo.eval_frame.OptimizedModule), i
+        assert isinstance(block._orig_mod, CheckpointWrapper), i
+        group = block._get_fsdp_state()._fsdp_param_group
+        ids = {id(fp.sharded_param) for fp in group.fsdp_params}
+        assert ids == {id(p) for p in block.parameters()}, f"block {i} owns exactly its params"
+        block_param_ids |= ids
+        # Backward starts with the last block: it stays gathered after forward.
+        assert (group.post_forward_mesh_info is None) == (i == last), i
+    assert isinstance(model, FSDPModule)  # the root, sharded last, holds the rest
+    assert root_params == {id(p) for p in model.parameters()} - block_param_ids
+    assert {id(model.wte.weight), id(model.wpe.weight), id(model.ln_f.weight)} <= root_params
+
+
+def test_attention_calls_sdpa_causally_with_no_mask_in_bf16(world1, monkeypatch):
+    """Flash attention needs: SDPA, is_causal with no explicit mask, fp16/bf16 q/k/v, head_dim
+    a multiple of 8 and <= 256 (true for every GPU preset)."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.dtype, q.shape, args, kwargs))
+        return real(q, k, v, *args, **kwargs)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = _sharded(SMALL, world1, torch.bfloat16)
+    model(torch.randint(0, 64, (2, 16)))
+    assert len(calls) == SMALL.n_layer
+    for dtype, shape, args, kwargs in calls:
+        assert dtype == torch.bfloat16 and shape == (2, SMALL.n_head, 16, SMALL.head_dim)
+        assert kwargs.get("is_causal") is True and kwargs.get("attn_mask") is None and not args
+    for name in ("gpt2-124m", "gpt2-350m", "gpt3-1.3b"):
+        hd = preset_config(name).head_dim
+        assert hd % 8 == 0 and hd <= 256, (name, hd)
+
+
+def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
+    from elastic_gpt.launcher import build_trainer
+    cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused", "scaling.use_gpu=true"])
+    trainer = build_trainer(cfg, None)
+    assert trainer.backend_config.backend == "nccl"
+    assert trainer.scaling_config.use_gpu and trainer.scaling_config.resources_per_worker["GPU"] == 1
+    cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused", "scaling.use_gpu=false"])
+    assert build_trainer(cfg, None).backend_config.backend == "gloo"
+
+
+def test_fused_adamw_runs_and_matches_the_unfused_step():
+    """The GPU path asks for fused AdamW; torch has a fused CPU kernel too, so check it here."""
+    from elastic_gpt.train_loop import build_optimizer
+    cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused"])
+    models = [GPT(SMALL), GPT(SMALL)]
+    opts = [build_optimizer(models[0], cfg, fused=True), build_optimizer(models[1], cfg, fused=False)]
+    assert opts[0].defaults["fused"] is True and not opts[1].defaults["fused"]
+    x = torch.randint(0, 64, (2, 17))
+    for m, o in zip(models, opts):
+        token_losses(m(x[:, :16]), x[:, 1:]).backward()
+        o.step()
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.fixture(scope="module")
+def trainers(world1, stdlib_dataset, tmp_path_factory):
+    """The real Trainer at W=1 in fp32 and in bf16 (the GPU dtype), on the same data."""
+    from elastic_gpt.train_loop import Trainer
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config("jobs/configs/tiny.yaml", [
+            "model.preset=tiny", f"data.path={stdlib_dataset}", "train.global_batch_size=4",
+            "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=1",
+            f"train.dtype={dtype}", f"checkpoint.path={tmp_path_factory.mktemp(dtype)}"])
+        out[dtype] = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
+    return out
+
+
+def test_trainer_on_cpu_is_unfused_and_autocasts_only_for_bf16(trainers, stdlib_dataset):
+    from data_pipelines.stream import open_step_stream
+    losses = {}
+    for dtype, tr in trainers.items():
+        assert not tr.optimizer.defaults["fused"]  # fused only on CUDA (Trainer: device == cuda)
+        autocast = []
+        tr.model.h[0].register_forward_pre_hook(lambda m, a: autocast.append(
+            (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+        stream = open_step_stream(stdlib_dataset, plan=tr.plan, rank=0, world_size=1,
+                                  start_step=0, seed=tr.cfg.data.seed)
+        try:
+            result = tr.train_step(next(stream))
+        finally:
+            stream.close()
+        assert all(e == (dtype == "bfloat16") for e, _ in autocast) and autocast
+        if dtype == "bfloat16":
+            assert all(d == torch.bfloat16 for _, d in autocast)
+        assert all(p.dtype == torch.float32 for p in tr.model.parameters())
+        state = tr.optimizer.state[next(iter(tr.model.parameters()))]
+        assert state["exp_avg"].dtype == torch.float32
+        losses[dtype] = result.loss
+    assert all(map(torch.isfinite, map(torch.tensor, losses.values())))
+    # The same batch and weights: bf16 compute shifts the loss by bf16 rounding only.
+    assert abs(losses["bfloat16"] - losses["float32"]) < 0.02 * losses["float32"], losses
