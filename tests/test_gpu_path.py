@@ -174,7 +174,7 @@ def test_trainer_on_cpu_is_unfused_and_autocasts_only_for_bf16(trainers, stdlib_
     for dtype, tr in trainers.items():
         assert not tr.optimizer.defaults["fused"]  # fused only on CUDA (Trainer: device == cuda)
         autocast = []
-        tr.model.h[0].register_forward_pre_hook(lambda m, a: autocast.append(
+        tr.model.h[0].register_forward_pre_hook(lambda m, a, seen=autocast: seen.append(
             (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
         stream = open_step_stream(stdlib_dataset, plan=tr.plan, rank=0, world_size=1,
                                   start_step=0, seed=tr.cfg.data.seed)
