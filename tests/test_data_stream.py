@@ -203,3 +203,11 @@ def test_ray_data_engine_gives_the_same_steps(dataset, ray_local):
                 x, y = next(a), next(b)
                 assert (x.step, x.fingerprint, x.weights) == (y.step, y.fingerprint, y.weights)
                 assert all(torch.equal(p, q) for p, q in zip(x.tokens, y.tokens))
+
+
+def test_unreachable_storage_is_one_line():
+    so = {"key": "k", "secret": "s", "config_kwargs": {"retries": {"max_attempts": 1}},
+          "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"}}
+    with pytest.raises(ValueError, match="cannot reach the storage behind s3://corpus/ds.*"
+                                         "check the endpoint URL"):
+        load_manifest("s3://corpus/ds", so)
