@@ -1,0 +1,139 @@
+"""MFU and tokens/s on one NVIDIA GPU: the trainer's own GPU path, model by model (issue 6).
+
+    python bench/gpu_mfu.py [--models gpt2-124m,gpt2-350m,gpt3-1.3b] [--steps 20] [--json out]
+
+Exactly the pieces the trainer uses on a GPU: the model built on "meta" and sharded with
+`parallelize` (FSDP2 on a world-size-1 NCCL group, bf16 params / fp32 reduce, each block
+`torch.compile`d inside its `fully_shard`), SDPA attention (flash kernels in bf16), fused AdamW
+from `build_optimizer`, autocast to bf16, the summed cross-entropy of `token_losses`.
+Batches are random token ids already on the GPU (the data pipeline has its own benchmark).
+MFU = tokens/s x model FLOPs per token (`flops_per_token`: 6N + 12 L d T) / the chip's dense
+bf16 peak (`GPU_PEAK_BF16`). Timed: --steps steps after --warmup steps (compile happens there),
+with CUDA synchronisation only at the ends of the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# micro-batch x seq_len per model: sized for one 80-141 GB GPU without activation checkpointing.
+DEFAULT_BATCH = {"gpt2-124m": 32, "gpt2-350m": 16, "gpt3-1.3b": 8, "gpt2-774m": 16, "small": 64}
+
+
+def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, ac: bool,
+                device: torch.device) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.metrics import peak_flops
+    from elastic_gpt.model import GPT, flops_per_token, preset_config, token_losses
+    from elastic_gpt.parallelize import init_sharded_weights, parallelize
+    from elastic_gpt.train_loop import build_optimizer
+
+    cuda = device.type == "cuda"
+    cfg = preset_config(name)  # GPT-2 vocab padded to 50304, the preset's seq_len
+    with torch.device("meta"):
+        model = GPT(cfg)
+    parallelize(model, init_device_mesh(device.type, (1,)), compute_dtype=torch.bfloat16,
+                activation_checkpointing=ac, compile=compile)
+    model.to_empty(device=device)
+    init_sharded_weights(model, seed=0)
+    run_cfg = load_config(None, ["data.path=unused"])
+    opt = build_optimizer(model, run_cfg, fused=cuda)
+    T, V = cfg.seq_len, cfg.vocab_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    data = torch.randint(0, V, (4, batch, T + 1), device=device, generator=gen)
+
+    def step(i: int) -> torch.Tensor:
+        x = data[i % 4]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(x[:, :T])
+        loss = token_losses(logits, x[:, 1:]) / (batch * T)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    warm_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    losses = [step(i) for i in range(steps)]  # no host sync inside the window
+    sync()
+    dt = time.perf_counter() - t0
+    tokens_per_s = steps * batch * T / dt
+    fpt = flops_per_token(cfg)
+    peak = peak_flops(device, torch.get_num_threads())
+    return {
+        "model": name, "params": sum(p.numel() for p in model.parameters()),
+        "batch": batch, "seq_len": T, "step_s": dt / steps, "tokens_per_s": tokens_per_s,
+        "model_tflops": tokens_per_s * fpt / 1e12, "peak_tflops": peak / 1e12,
+        "mfu": tokens_per_s * fpt / peak, "warmup_s": warm_s,
+        "max_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+        "last_loss": float(losses[-1]), "compile": compile, "activation_checkpointing": ac,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt2-124m,gpt2-350m,gpt3-1.3b")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--json", default="bench/gpu_results.json")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="run the same code on CPU with gloo (checks the script, not a figure)")
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if args.cpu_dry_run:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    else:
+        assert torch.cuda.is_available(), "bench/gpu_mfu.py needs an NVIDIA GPU"
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
+    out = {"device": name, "torch": torch.__version__, "results": []}
+    try:
+        for name in args.models.split(","):
+            batch = 2 if args.cpu_dry_run else DEFAULT_BATCH.get(name, 8)
+            while True:
+                try:
+                    r = bench_model(name, batch, args.steps, args.warmup,
+                                    compile=not args.no_compile, ac=False, device=device)
+                    break
+                except torch.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    if batch == 1:
+                        raise
+                    batch //= 2  # the figure is still meaningful with a smaller batch
+                    print(f"[gpu] {name}: out of memory, retrying with batch {batch}", flush=True)
+            print(f"[gpu] {name}: {r['tokens_per_s']:,.0f} tok/s, {r['model_tflops']:.0f} TFLOP/s, "
+                  f"MFU {r['mfu']:.1%} (batch {r['batch']}x{r['seq_len']}, {r['step_s'] * 1e3:.0f} "
+                  f"ms/step, {r['max_mem_gb']:.0f} GB, warmup {r['warmup_s']:.0f} s)", flush=True)
+            out["results"].append(r)
+            with open(args.json, "w") as f:  # partial results survive a timeout
+                json.dump(out, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
