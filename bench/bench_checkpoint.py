@@ -50,13 +50,14 @@ def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> d
         flight["at_start"] = now
 
     trainer.report = report
-    blocked, writes = [], []
+    blocked, blocked_cpu, writes = [], [], []
     original = trainer.save_checkpoint
 
     def timed_save():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         original()
         blocked.append(time.perf_counter() - t0)
+        blocked_cpu.append(time.thread_time() - c0)  # this (the training) thread's CPU only
         ac = trainer.async_checkpointer
         flight["at_start"] = bool(ac and ac.in_flight)
         if ac is not None and len(blocked) > 1:
@@ -71,6 +72,8 @@ def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> d
     body = [s for s in steps_log if s["step"] >= 2]  # drop warm-up steps
     return {
         "blocked_s": [round(b, 4) for b in blocked], "blocked_median_s": median(periodic),
+        "blocked_cpu_s": [round(b, 4) for b in blocked_cpu],
+        "blocked_cpu_median_s": median(blocked_cpu[:len(periodic)]),
         "background_write_s": [round(w, 4) for w in writes],
         "background_write_median_s": median(writes) if writes else None,
         "step_s_overlapped": median(s["step_time_s"] for s in body if s["overlapped"]),
@@ -107,6 +110,7 @@ def run(steps: int, every: int, work: str) -> dict:
            "sync_save_s": sync["blocked_median_s"],
            "async_blocked_s": asyn["blocked_median_s"],
            "blocked_fraction": asyn["blocked_median_s"] / sync["blocked_median_s"],
+           "blocked_fraction_cpu": asyn["blocked_cpu_median_s"] / sync["blocked_cpu_median_s"],
            "dip": 1 - asyn["step_s_clear"] / asyn["step_s_overlapped"]
            if asyn["n_overlapped"] else None}
     return out
