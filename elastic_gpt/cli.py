@@ -14,7 +14,15 @@ def _train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, config_path=args.config)
-    print(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}")
+    g = summary["goodput"]
+    print(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}\n"
+          f"[elastic-gpt] goodput {g['goodput']:.1%}: productive {g['productive_s']:.0f}s, "
+          f"recovery {g['recovery_s']:.0f}s, checkpoint {g['checkpoint_s']:.0f}s, lost "
+          f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)")
+    for e in summary["events"]:
+        print(f"[elastic-gpt]   {e['kind']}: W {e['from_world_size']} -> {e['to_world_size']} "
+              f"at step {e['resumed_from_step']}, recovered in {e.get('recovery_s', 0):.1f}s, "
+              f"{e['lost_steps']} step(s) re-done ({e['detail'][:80]})")
     if summary["run_id"]:
         print(f"[elastic-gpt] MLflow run {summary['run_id']} in {cfg.tracking.uri}\n"
               f"[elastic-gpt] look at it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")

@@ -14,6 +14,7 @@ import time
 from elastic_gpt.checkpoint import CheckpointStore
 from elastic_gpt.config import Config, resolve_paths
 from elastic_gpt.errors import check_checkpoint_shape
+from elastic_gpt.goodput import GoodputLedger
 
 log = logging.getLogger("elastic_gpt")
 
@@ -205,8 +206,12 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
             import ray
             ray.shutdown()
     final = store.latest()
+    # The ledger travels in the checkpoints (Ray Train V2 keeps reported metrics only with
+    # reported checkpoints, and we keep our own), so the newest one has every attempt's events.
+    ledger = GoodputLedger.from_dict(final.state.get("ledger") if final else None)
     summary = {"run_id": run_id, "step": final.step if final else 0,
-               "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {})}
+               "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {}),
+               "goodput": ledger.summary(), "events": ledger.events}
     if run_id:
         tracking.finish_run(cfg.tracking.uri, run_id, config_path=config_path,
                             finished=bool(final and final.step >= cfg.train.max_steps),
