@@ -56,7 +56,8 @@ def bench_tokenization(corpus: str, max_bytes: int, out: str) -> dict:
     import ray
 
     t = time.perf_counter()
-    ray.init(num_cpus=CPUS, object_store_memory=100 << 20, include_dashboard=False,
+    ray.init(address="local", num_cpus=CPUS, object_store_memory=100 << 20,
+             include_dashboard=False,
              log_to_driver=False, _temp_dir=os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"),
                                                          "ray_bench_data"))
     init_s = time.perf_counter() - t

@@ -484,7 +484,7 @@ def _run_parts_ray(todo, output, options, storage_options, on_done, num_workers,
             ray.init(log_to_driver=False)
         else:
             tmp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray_prepare_data")
-            ray.init(num_cpus=num_workers or min(2, os.cpu_count() or 1),
+            ray.init(address="local", num_cpus=num_workers or min(2, os.cpu_count() or 1),
                      object_store_memory=100 << 20, include_dashboard=False,
                      _temp_dir=tmp, log_to_driver=False)
         started = True
@@ -522,11 +522,25 @@ def _run_parts_ray(todo, output, options, storage_options, on_done, num_workers,
             ray.shutdown()
 
 
+ENGINES = ("auto", "ray", "local")
+AUTO_RAY_BYTES = 32 << 20
+
+
+def choose_engine(engine: str, pending_bytes: int) -> str:
+    if engine != "auto":
+        return engine
+    import ray
+
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or pending_bytes >= AUTO_RAY_BYTES:
+        return "ray"
+    return "local"
+
+
 def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
                  seq_len: int = 1024, *, storage_options: dict | None = None,
                  progress: bool = True, text_field: str = "text", bad_utf8: str = "replace",
                  max_files: int | None = None, max_bytes: int | None = None,
-                 part_bytes: int | None = None, engine: str = "ray",
+                 part_bytes: int | None = None, engine: str = "auto",
                  num_workers: int | None = None, overwrite: bool = False) -> dict:
     """Tokenize `input` (URL, glob, directory, or a list of them) into a dataset at `output`.
     Returns the summary dict (also stored in the manifest's `stats`)."""
@@ -535,8 +549,8 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
         raise ValueError(f"--seq-len must be positive, got {seq_len}")
     if bad_utf8 not in BAD_UTF8_POLICIES:
         raise ValueError(f"--bad-utf8 must be one of {BAD_UTF8_POLICIES}, got {bad_utf8!r}")
-    if engine not in ("ray", "local"):
-        raise ValueError(f"engine must be 'ray' or 'local', got {engine!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     tok = get_tokenizer(tokenizer)
     output = output.rstrip("/")
     if "://" not in output:  # Ray workers may run in another directory
@@ -555,6 +569,7 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
         if m is not None:
             markers[i] = m
     todo = [(i, parts[i]) for i in range(len(parts)) if i not in markers]
+    engine = choose_engine(engine, sum(f.size for _, p in todo for f in p))
     bar = _Progress(sum(f.size for i, p in todo for f in p), progress)
     errors: list[str] = []
 
@@ -582,7 +597,8 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
                               job_key, storage_options)
     summary.update(parts_reused=len(parts) - len(todo), parts_built=len(todo),
                    seconds=round(time.perf_counter() - t0, 3),
-                   tokenize_seconds=round(bar.seconds if todo else 0.0, 3), output=output)
+                   tokenize_seconds=round(bar.seconds if todo else 0.0, 3),
+                   tokenized_bytes=bar.bytes, engine=engine, output=output)
     return summary
 
 
@@ -641,13 +657,14 @@ def _write_manifest(output, tokenizer, tok, options, parts, markers, files, inpu
 
 def format_summary(s: dict) -> str:
     mb = s["input_bytes"] / 1e6
-    rate = mb / s["tokenize_seconds"] if s.get("tokenize_seconds") else 0.0
+    rate = s["tokenized_bytes"] / 1e6 / s["tokenize_seconds"] if s.get("tokenize_seconds") else 0.0
+    work = (f"tokenizing ({s['engine']}) {s['tokenize_seconds']:.1f} s at {rate:.1f} MB/s; "
+            f"{s['parts_built']} shards built, {s['parts_reused']} reused") if s["parts_built"] \
+        else "every shard was already committed, nothing to tokenize"
     lines = [
         f"prepared {s['output']}: {s['files']:,} files ({mb:.1f} MB) -> {s['docs']:,} documents, "
         f"{s['tokens']:,} tokens, {s['samples']:,} samples in {s['shards']} shards "
-        f"({s['seconds']:.1f} s; tokenizing {s['tokenize_seconds']:.1f} s at {rate:.1f} MB/s; "
-        f"{s['parts_built']} parts built, "
-        f"{s['parts_reused']} reused)",
+        f"({s['seconds']:.1f} s; {work})",
     ]
     skips = {k: s[k] for k in ("bad_utf8_docs", "bad_utf8_bytes", "skipped_docs", "bad_records",
                                "empty_docs", "split_docs") if s.get(k)}
@@ -677,8 +694,11 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop adding files after this much raw input (e.g. 8MB)")
     parser.add_argument("--part-bytes", type=_parse_size, default=None,
                         help="raw input per shard (default: input/64, within 256KB..64MB)")
-    parser.add_argument("--engine", choices=("ray", "local"), default="ray",
-                        help="ray: Ray Data job (default); local: in this process")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="ray: the Ray Data job; local: in this process; auto (default): ray "
+                             "when a cluster is connected or RAY_ADDRESS is set, or the input "
+                             "is over 32 MB, else local (a fresh Ray instance costs more to "
+                             "start than a few MB take to tokenize)")
     parser.add_argument("--num-workers", type=int, default=None,
                         help="tokenizer actors (default: the cluster's CPUs)")
     parser.add_argument("--overwrite", action="store_true",

@@ -69,16 +69,17 @@ def s3():
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def ray_local(tmp_path_factory):
-    """A small local Ray instance, stopped afterwards (only the one this fixture started)."""
+@pytest.fixture(scope="session")
+def ray_local():
+    """A small local Ray instance shared by the data tests (starting one costs 10-40 s here),
+    stopped at the end of the session (only if this fixture started it)."""
     import ray
 
     if ray.is_initialized():
         yield None
         return
     tmp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray_data_tests")
-    ray.init(num_cpus=2, object_store_memory=100 << 20, include_dashboard=False,
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False,
              _temp_dir=tmp, log_to_driver=False)
     yield ray
     ray.shutdown()

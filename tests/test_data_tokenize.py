@@ -232,3 +232,17 @@ def test_storage_errors_are_one_line(s3):
     with s3.enforce_credentials(), pytest.raises(ValueError, match="denied.*credentials"):
         prepare_data("s3://corpus/creds", "s3://corpus/ds", "bytes", engine="local",
                      storage_options=s3.storage_options("AKIDWRONG", "wrong"))
+
+
+def test_auto_engine_uses_ray_for_big_inputs_or_a_connected_cluster(monkeypatch):
+    import ray
+
+    from data_pipelines.tokenize import AUTO_RAY_BYTES, choose_engine
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the ray_local fixture may be up
+    assert choose_engine("auto", 10 << 20) == "local"
+    assert choose_engine("auto", AUTO_RAY_BYTES) == "ray"
+    assert choose_engine("local", AUTO_RAY_BYTES) == "local"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert choose_engine("auto", 1) == "ray"
