@@ -529,9 +529,9 @@ AUTO_RAY_BYTES = 32 << 20
 def choose_engine(engine: str, pending_bytes: int) -> str:
     if engine != "auto":
         return engine
-    import ray
-
-    if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or pending_bytes >= AUTO_RAY_BYTES:
+    ray = sys.modules.get("ray")  # a connected driver has imported it; importing costs seconds
+    connected = ray is not None and ray.is_initialized()
+    if connected or os.environ.get("RAY_ADDRESS") or pending_bytes >= AUTO_RAY_BYTES:
         return "ray"
     return "local"
 
