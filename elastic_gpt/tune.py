@@ -1,0 +1,555 @@
+"""`elastic-gpt tune`: measure micro-batch size x activation checkpointing x torch.compile on the
+cluster's own workers, then write the fastest config that fits in memory with a margin.
+
+One Ray Train job (the config's worker count, tracking off, no checkpoints written) whose workers
+loop over the candidates: each builds a fresh Trainer, runs 1-2 warm-up steps and then --steps
+timed steps on the real data stream, and measures its peak memory per worker. A candidate that
+runs out of memory is recorded as "does not fit". compile is only tried on CUDA (on CPU compiling
+costs minutes, so it is skipped and the output says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import yaml
+
+from elastic_gpt.config import Config, load_config, resolve_paths
+from elastic_gpt.hardware import GPU, GPUS, GiB, get_gpu
+
+MiB = 1 << 20
+TABLE_FILE = "tune_table.json"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    micro_batch: int
+    activation_checkpointing: bool
+    compile: bool
+
+    @property
+    def label(self) -> str:
+        return (f"mb={self.micro_batch} ckpt={'on' if self.activation_checkpointing else 'off'} "
+                f"compile={'on' if self.compile else 'off'}")
+
+
+def candidate_list(global_batch: int, world: int, micro_batch_sizes: list[int] | None,
+                   cuda: bool) -> list[Candidate]:
+    """Micro-batch sizes that divide the global batch (C1) and leave every worker >= 1 micro-batch,
+    times checkpointing off/on, times compile off/on where it is worth trying (CUDA)."""
+    usable = [m for m in range(1, global_batch // world + 1) if global_batch % m == 0]
+    if micro_batch_sizes:
+        bad = [m for m in micro_batch_sizes if m not in usable]
+        if bad:
+            raise ValueError(f"--micro-batch-sizes {','.join(map(str, bad))} cannot be used with "
+                             f"train.global_batch_size={global_batch} on {world} worker(s): a "
+                             f"micro-batch must divide the global batch and leave every worker "
+                             f"one; usable: {','.join(map(str, usable))}")
+        usable = sorted(set(micro_batch_sizes))
+    compiles = [False, True] if cuda else [False]
+    return [Candidate(m, ckpt, comp) for m in usable for ckpt in (False, True) for comp in compiles]
+
+
+# ---- peak memory of one candidate ------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak memory one candidate adds to a worker process.
+
+    CUDA: torch.cuda.max_memory_reserved (what the caching allocator took, fragmentation
+    included) with the peak reset and the cache emptied before the candidate.
+    CPU: the process's peak resident set (the kernel's VmHWM, reset through /proc/self/clear_refs)
+    minus the resident set just before the candidate. Workers run with a fixed
+    MALLOC_MMAP_THRESHOLD_ so freed tensors go back to the kernel and the baseline is honest.
+    Falls back to a thread sampling the RSS every millisecond where clear_refs is not writable.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._sampler: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._sampled = 0
+
+    @property
+    def method(self) -> str:
+        if self.cuda:
+            return "torch.cuda.max_memory_reserved per candidate (peak reset before each)"
+        if _hwm_resettable():
+            return ("peak RSS above the process's RSS before the candidate (VmHWM reset via "
+                    "/proc/self/clear_refs)")
+        return "peak RSS above the process's RSS before the candidate (sampled every 1 ms)"
+
+    def start(self) -> None:
+        import torch
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_reserved(self.device)
+            return
+        _malloc_trim()
+        self.baseline = _rss()
+        if _hwm_resettable():
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return
+        self._stop.clear()
+        self._sampled = self.baseline
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._sampled = max(self._sampled, _rss())
+
+    def peak(self) -> int:
+        """Bytes above the baseline at the peak since start()."""
+        import torch
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_reserved(self.device) - self.baseline
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            self._sampler = None
+            return max(0, max(self._sampled, _rss()) - self.baseline)
+        return max(0, _hwm() - self.baseline)
+
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return _rss()
+
+
+def _hwm_resettable() -> bool:
+    return os.access("/proc/self/clear_refs", os.W_OK) and os.path.exists("/proc/self/status")
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def memory_budget(device, local_world_size: int) -> tuple[int, int]:
+    """(bytes a worker may use, bytes already used by others) on this worker's device.
+    CUDA: the GPU's memory; what the CUDA context, NCCL and other processes hold is counted
+    against it. CPU: the node's RAM shared by the workers on that node."""
+    if device.type == "cuda":
+        import torch
+        free, total = torch.cuda.mem_get_info(device)
+        return total, (total - free) - torch.cuda.memory_reserved(device)
+    import psutil
+    return psutil.virtual_memory().total // max(1, local_world_size), _rss()
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+    if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(e).lower()
+    return "out of memory" in text or "can't allocate memory" in text
+
+
+# ---- the worker side ---------------------------------------------------------------------------
+
+
+def measure(cfg: Config, cand: Candidate, *, rank: int, world: int, steps: int) -> dict:
+    """Build a fresh Trainer for `cand`, run warm-up + timed steps; this rank's figures."""
+    import torch
+
+    from data_pipelines.order import BatchPlan
+    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.train_loop import Trainer, _device
+
+    c = copy.deepcopy(cfg)
+    c.train.micro_batch_size = cand.micro_batch
+    c.train.activation_checkpointing = cand.activation_checkpointing
+    c.train.compile = cand.compile
+    warmup = 2 if cand.compile else 1
+    device = _device()
+    # Batches are read before the baseline: the measured peak is the trainer's, not the reader's.
+    stream = open_step_stream(c.data.path, plan=BatchPlan(c.train.global_batch_size,
+                                                          cand.micro_batch),
+                              rank=rank, world_size=world, start_step=0, seed=c.data.seed,
+                              shuffle_window=c.data.shuffle_window, prefetch_steps=1)
+    try:
+        batches = [next(stream) for _ in range(warmup + steps)]
+    finally:
+        stream.close()
+    mem = PeakMemory(device)
+    mem.start()
+    times, oom, error = [], False, None
+    trainer = None
+    try:
+        trainer = Trainer(c, rank=rank, world_size=world, mlflow_run_id=None)
+        for i, batch in enumerate(batches):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            trainer.train_step(batch)  # ends in an all-reduce + .item(): the ranks are in step
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - recorded per candidate, the loop goes on
+        if _is_oom(e):
+            oom = True
+        else:
+            error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+    peak = mem.peak()
+    del trainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_s": statistics.median(times) if times else None, "peak_bytes": peak,
+            "baseline_bytes": mem.baseline, "oom": oom, "error": error, "method": mem.method}
+
+
+def warm_up_process(cfg: Config, cand: Candidate, *, rank: int, world: int) -> None:
+    measure(cfg, Candidate(1, cand.activation_checkpointing, False), rank=rank, world=world,
+            steps=1)
+
+
+def agree(row: dict, device) -> dict:
+    """Combine the ranks' figures: the slowest step, the largest peak, anyone's failure.
+    Every rank allocates the same shapes (data parallel), so an OOM normally hits all of them at
+    the same point and they all arrive here; a lone OOM inside a collective would instead stall
+    the others until the process group's timeout."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([row["step_s"] or 0.0, row["peak_bytes"], row["baseline_bytes"],
+                      float(row["oom"]), float(row["error"] is not None),
+                      float(row["step_s"] is None)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, row["error"])
+    failed = t[3].item() > 0 or t[4].item() > 0 or t[5].item() > 0
+    return {"step_s": None if failed else t[0].item(), "peak_bytes": int(t[1].item()),
+            "baseline_bytes": int(t[2].item()), "oom": t[3].item() > 0,
+            "error": next((e for e in errors if e), None), "method": row["method"]}
+
+
+def tune_loop_per_worker(loop_config: dict) -> None:
+    """Ray Train entry point: every rank runs every candidate; all report the same table."""
+    import ray.train
+
+    from elastic_gpt.config import config_from_dict
+    from elastic_gpt.train_loop import _device, say
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    cfg = config_from_dict(loop_config["config"])
+    device = _device()
+    budget, others = memory_budget(device, ctx.get_local_world_size())
+    if loop_config.get("budget_bytes"):
+        budget = int(loop_config["budget_bytes"])
+    margin = loop_config["memory_margin"]
+    cands = [Candidate(**c) for c in loop_config["candidates"]]
+    G, T = cfg.train.global_batch_size, loop_config["seq_len"]
+    # One untimed pass first: thread pools, kernels and gloo buffers are allocated once per process,
+    # and would otherwise be counted in the first candidate's peak.
+    warm_up_process(cfg, cands[0], rank=rank, world=world)
+    rows: list[dict] = []
+    for i, cand in enumerate(cands):
+        # A candidate needs at least the memory of a smaller micro-batch with the same settings.
+        smaller_oom = next((r for r in rows if r["oom"] and r["micro_batch"] < cand.micro_batch
+                            and r["activation_checkpointing"] == cand.activation_checkpointing
+                            and r["compile"] == cand.compile), None)
+        if smaller_oom:
+            row = {"step_s": None, "peak_bytes": 0, "baseline_bytes": 0, "oom": True,
+                   "error": None, "method": "", "skipped": f"mb={smaller_oom['micro_batch']} "
+                   "already ran out of memory"}
+        else:
+            row = agree(measure(cfg, cand, rank=rank, world=world,
+                                steps=loop_config["steps"]), device)
+        row.update(asdict(cand))
+        row["tokens_per_s"] = G * T / row["step_s"] if row["step_s"] else None
+        # What the worker holds at the candidate's peak, against its share of the device.
+        held = row["peak_bytes"] + (row["baseline_bytes"] if device.type == "cpu" else others)
+        row["held_bytes"] = held
+        row["budget_bytes"] = budget
+        row["fits"] = (row["step_s"] is not None and not row["oom"]
+                       and held <= budget * (1 - margin))
+        rows.append(row)
+        if rank == 0:
+            say(f"[elastic-gpt tune] {i + 1}/{len(cands)} {cand.label}: "
+                + _row_summary(row))
+    # Ray Train V2 keeps reported metrics only with a checkpoint: the table travels as one
+    # (through run.storage_path, so it reaches the driver from any node). Model state is never saved.
+    table = {"rows": rows, "device": device.type, "world_size": world}
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if rank == 0:
+            with open(os.path.join(d, TABLE_FILE), "w") as f:
+                json.dump(table, f)
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"candidates": len(rows)}, checkpoint=checkpoint)
+
+
+def _row_summary(row: dict) -> str:
+    if row.get("skipped"):
+        return f"does not fit ({row['skipped']})"
+    if row["oom"]:
+        return "does not fit (out of memory)"
+    if row["error"]:
+        return f"failed: {row['error']}"
+    fit = "fits" if row["fits"] else "over the memory budget"
+    return (f"{row['step_s']:.3f} s/step, {row['tokens_per_s']:,.0f} tokens/s, peak "
+            f"{row['peak_bytes'] / MiB:,.1f} MiB per worker, {fit}")
+
+
+# ---- the driver side -----------------------------------------------------------------------------
+
+
+def predicted_bytes(shape, world: int, G: int, cand: Candidate, dtype: str, cuda: bool) -> float:
+    """The planner's figure for a candidate (CPU: no CUDA context, no fragmentation term)."""
+    from data_pipelines.order import BatchPlan
+    from elastic_gpt.plan import memory_per_gpu
+    k = BatchPlan(G, cand.micro_batch).slots(world)
+    extra = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
+    return memory_per_gpu(shape, world, cand.micro_batch,
+                          activation_checkpointing=cand.activation_checkpointing, dtype=dtype,
+                          grad_sync="step", micro_batches_per_rank=k, **extra).total
+
+
+def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: float, dtype: str,
+                   gpu: GPU | None) -> str | None:
+    """None if the planner says micro-batch 1 with checkpointing fits; else one line naming what
+    would (more workers, a bigger chip or more memory per worker)."""
+    from elastic_gpt.plan import PlanError, PlanInputs, memory_per_gpu, model_shape, plan_training
+    if gpu is not None:  # a GPU of the table, or its memory replaced by --memory-budget-gib
+        chip = gpu if budget_bytes == gpu.memory_bytes else GPU(
+            f"{gpu.name}@{budget_bytes / GiB:g}GiB", gpu.peak_flops, budget_bytes / GiB,
+            gpu.hbm_gbps, gpu.intra_node_gbps, gpu.inter_node_gbps, gpu.gpus_per_node,
+            gpu.on_demand_usd, gpu.spot_usd)
+        table, extra = {**GPUS, chip.name: chip}, {}
+    else:  # CPU workers: fp32, no CUDA context; only more workers or more memory help
+        chip = GPU("CPU-worker", 1e12, budget_bytes / GiB, 20, 10, 10, 1, 0, 0)
+        table, extra = {chip.name: chip}, {"context_gib": 0.0, "fragmentation": 0.0}
+    try:
+        plan_training(PlanInputs(model=gpt_cfg, gpu=chip.name, n_gpus=world, global_batch_size=G,
+                                 dtype=dtype, memory_margin=margin, hardware=table, **extra))
+        return None
+    except PlanError as e:
+        line = str(e)
+    if gpu is None:
+        need = memory_per_gpu(model_shape(gpt_cfg), world, 1, activation_checkpointing=True,
+                              dtype=dtype, context_bytes=0, fragmentation=0).total
+        line += f"; or give each worker at least {need / (1 - margin) / GiB:.3g} GiB"
+    return line
+
+
+def format_table(rows: list[dict], predicted: list[float], winner: dict | None) -> str:
+    head = (f"{'micro-batch':>11} {'ckpt':>4} {'compile':>7} {'s/step':>8} {'tokens/s':>10} "
+            f"{'peak MiB':>9} {'planner MiB':>11}  result")
+    lines = [head, "-" * len(head)]
+    for row, pred in zip(rows, predicted):
+        if row.get("skipped") or row["oom"]:
+            result = "does not fit" + (f" ({row['skipped']})" if row.get("skipped") else " (OOM)")
+        elif row["error"]:
+            result = f"failed: {row['error']}"
+        else:
+            result = "fits" if row["fits"] else "over budget"
+        if row is winner:
+            result += "  <- fastest that fits"
+        step = f"{row['step_s']:.3f}" if row["step_s"] else "-"
+        tps = f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] else "-"
+        peak = f"{row['peak_bytes'] / MiB:,.1f}" if row["peak_bytes"] else "-"
+        lines.append(f"{row['micro_batch']:>11} {'on' if row['activation_checkpointing'] else 'off':>4}"
+                     f" {'on' if row['compile'] else 'off':>7} {step:>8} {tps:>10} {peak:>9} "
+                     f"{pred / MiB:>11,.1f}  {result}")
+    return "\n".join(lines)
+
+
+def pick_winner(rows: list[dict]) -> dict | None:
+    fitting = [r for r in rows if r["fits"]]
+    return min(fitting, key=lambda r: (r["step_s"], -r["micro_batch"])) if fitting else None
+
+
+def tuned_config_dict(config_path: str, overrides: list[str], winner: dict) -> dict:
+    """The input YAML with the overrides applied and the winner's train keys."""
+    with open(config_path) as f:
+        raw = yaml.safe_load(f) or {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        section, _, name = key.strip().partition(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value) if value.strip() else ""
+    train = raw.setdefault("train", {})
+    train["micro_batch_size"] = winner["micro_batch"]
+    train["activation_checkpointing"] = winner["activation_checkpointing"]
+    train["compile"] = winner["compile"]
+    return raw
+
+
+def run_tune(args) -> int:
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from data_pipelines.manifest import load_manifest
+    from elastic_gpt.launcher import _worker_env, connect_ray, use_gpu
+    from elastic_gpt.model import count_params
+    from elastic_gpt.plan import model_shape
+    from elastic_gpt.train_loop import model_config_for
+
+    cfg = load_config(args.config, args.overrides)
+    if args.steps < 1:
+        raise ValueError(f"--steps={args.steps} must be at least 1")
+    if not 0 <= args.memory_margin < 1:
+        raise ValueError(f"--memory-margin={args.memory_margin} must be in [0, 1)")
+    gpu_name = args.gpu or cfg.scaling.accelerator_type
+    chip = get_gpu(gpu_name) if gpu_name else None  # an unknown name: a ValueError listing them
+    budget = args.memory_budget_gib * GiB if args.memory_budget_gib else None
+    if budget is not None and budget <= 0:
+        raise ValueError(f"--memory-budget-gib={args.memory_budget_gib} must be positive")
+    cfg.tracking.enabled = False
+    resolve_paths(cfg)
+    manifest = load_manifest(cfg.data.path)
+    gpt_cfg = model_config_for(cfg, manifest)
+    world = args.workers or cfg.scaling.max_workers
+    G = cfg.train.global_batch_size
+    if G < world:
+        raise ValueError(f"train.global_batch_size={G} gives fewer sequences than {world} workers")
+    mbs = [int(x) for x in args.micro_batch_sizes.split(",")] if args.micro_batch_sizes else None
+
+    started = connect_ray(cfg)
+    try:
+        gpu = use_gpu(cfg)
+        device = "cuda" if gpu else "cpu"
+        dtype = cfg.train.dtype if cfg.train.dtype != "auto" else (
+            "bfloat16" if gpu else "float32")  # parallelize.resolve_dtype's rule
+        cands = candidate_list(G, world, mbs, cuda=gpu)
+        shape = model_shape(gpt_cfg)
+        # The planner first: a model that cannot fit even at micro-batch 1 with checkpointing is
+        # refused before any worker starts, with what would fit instead.
+        if chip is not None or budget is not None:
+            usable_chip = chip if gpu else None
+            line = what_would_fit(gpt_cfg, world, G, budget or chip.memory_bytes,
+                                  args.memory_margin, dtype, usable_chip)
+            if line:
+                raise ValueError(line)
+        print(f"[elastic-gpt tune] {count_params(gpt_cfg)['total'] / 1e6:.2f}M params, "
+              f"G={G} x T={gpt_cfg.seq_len}, {world} {device.upper()} worker(s), {dtype}: "
+              f"{len(cands)} candidates, {args.steps} timed step(s) each", flush=True)
+        if not gpu:
+            print("[elastic-gpt tune] torch.compile not tried: no CUDA on the workers "
+                  "(compiling on CPU costs minutes)", flush=True)
+        s = cfg.scaling
+        resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+        env = {**_worker_env(), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+        trainer = TorchTrainer(
+            tune_loop_per_worker,
+            train_loop_config={
+                "config": cfg.to_dict(), "candidates": [asdict(c) for c in cands],
+                "steps": args.steps, "memory_margin": args.memory_margin,
+                "budget_bytes": budget or (chip.memory_bytes if chip and gpu else None),
+                "seq_len": gpt_cfg.seq_len},
+            scaling_config=ScalingConfig(num_workers=world, use_gpu=gpu,
+                                         resources_per_worker=resources,
+                                         accelerator_type=s.accelerator_type),
+            run_config=RunConfig(name=f"tune-{cfg.run.name}-{int(time.time())}",
+                                 storage_path=cfg.run.storage_path,
+                                 failure_config=FailureConfig(max_failures=0),
+                                 worker_runtime_env={"env_vars": env}),
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=300))
+        result = trainer.fit()
+    finally:
+        if started:
+            ray.shutdown()
+    with result.checkpoint.as_directory() as d, open(os.path.join(d, TABLE_FILE)) as f:
+        out = json.load(f)
+    rows = out["rows"]
+    predicted = [predicted_bytes(shape, world, G, Candidate(r["micro_batch"],
+                                 r["activation_checkpointing"], r["compile"]), dtype, gpu)
+                 for r in rows]
+    winner = pick_winner(rows)
+    method = next((r["method"] for r in rows if r["method"]), "")
+    budget_b = rows[0]["budget_bytes"]
+    print(f"\nmemory: {method}; budget {budget_b / GiB:.2f} GiB per worker, "
+          f"{args.memory_margin:.0%} kept free\n")
+    print(format_table(rows, predicted, winner))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "predicted_bytes": predicted, "winner": winner,
+                       "memory_method": method, "world_size": world, "device": device}, f,
+                      indent=1)
+    if winner is None:
+        usable = budget_b * (1 - args.memory_margin)
+        measured = [r for r in rows if r["held_bytes"] and not r["oom"]]
+        least = (f" (the smallest measured: {min(r['held_bytes'] for r in measured) / GiB:.2f} "
+                 "GiB)" if measured else "")
+        line = what_would_fit(gpt_cfg, world, G, budget_b, args.memory_margin, dtype,
+                              chip if gpu else None)
+        raise ValueError(f"no candidate fits in {usable / GiB:.2f} GiB per worker{least}; "
+                         + (line or "use more workers (a smaller shard each) or workers with "
+                                    "more memory"))
+    label = Candidate(winner["micro_batch"], winner["activation_checkpointing"],
+                      winner["compile"]).label
+    print(f"\nfastest that fits: {label} ({winner['tokens_per_s']:,.0f} tokens/s)")
+    if args.write_config:
+        tuned = tuned_config_dict(args.config, args.overrides, winner)
+        with open(args.write_config, "w") as f:
+            f.write(f"# tuned by `elastic-gpt tune` on {world} {device.upper()} worker(s): "
+                    f"{winner['tokens_per_s']:,.0f} tokens/s, peak "
+                    f"{winner['peak_bytes'] / MiB:,.1f} MiB per worker\n")
+            yaml.safe_dump(tuned, f, sort_keys=False)
+        load_config(args.write_config)  # what we wrote must load
+        print(f"wrote {args.write_config}")
+    return 0
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. scaling.max_workers=4")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed steps per candidate, after 1 warm-up step (2 with compile)")
+    parser.add_argument("--micro-batch-sizes", metavar="1,2,4",
+                        help="candidates (default: every divisor of the global batch that leaves "
+                             "each worker a micro-batch)")
+    parser.add_argument("--memory-margin", type=float, default=0.10,
+                        help="fraction of the memory budget kept free (default 0.1)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="memory per worker (default: the GPU's memory, or on CPU the "
+                             "node's RAM / workers on the node)")
+    parser.add_argument("--gpu", help="GPU type for the planner's pre-check (default "
+                                      "scaling.accelerator_type), e.g. H100")
+    parser.add_argument("--workers", type=int, help="workers to tune on (default "
+                                                    "scaling.max_workers)")
+    parser.add_argument("--write-config", metavar="OUT.yaml",
+                        help="write the input config with the winner's train keys")
+    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+
+
+def run_from_args(args) -> int:
+    try:
+        return run_tune(args)
+    except ValueError as e:  # bad input or nothing fits: one readable line, exit 2
+        print(f"elastic-gpt tune: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,89 @@
+"""`elastic-gpt tune` on a real local Ray cluster: one Ray Train job measures every candidate on
+2 FSDP2 workers, picks the fastest that fits, writes a config that loads; an impossible memory
+budget or an unknown GPU is refused with one line saying what would fit, exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic_gpt.cli import build_parser
+from elastic_gpt.config import load_config
+from elastic_gpt.tune import Candidate, candidate_list, pick_winner
+
+
+def tune(tmp_path, data: str, *flags: str) -> tuple[int, dict]:
+    overrides = [f"data.path={data}", "model.preset=tiny", "train.global_batch_size=8",
+                 "scaling.min_workers=2", "scaling.max_workers=2",
+                 f"run.storage_path={tmp_path}/ray", f"checkpoint.path={tmp_path}/ckpt"]
+    args = build_parser().parse_args(["tune", "--config", "jobs/configs/tiny.yaml", *overrides,
+                                      *flags])
+    return args.func(args), args
+
+
+def test_candidates_divide_the_global_batch_and_leave_every_worker_one():
+    got = candidate_list(8, 3, None, cuda=False)
+    assert sorted({c.micro_batch for c in got}) == [1, 2]  # 4 would leave a worker idle
+    assert {c.compile for c in got} == {False}  # no compile on CPU
+    assert len(candidate_list(8, 2, None, cuda=True)) == 3 * 2 * 2
+    with pytest.raises(ValueError, match="micro-batch-sizes 3"):
+        candidate_list(8, 2, [1, 3], cuda=False)
+
+
+def test_tune_measures_every_candidate_and_writes_the_fastest_that_fits(
+        stdlib_dataset, ray_cluster, tmp_path, capsys):
+    out, table = tmp_path / "tuned.yaml", tmp_path / "table.json"
+    rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "2", "--micro-batch-sizes", "2,4",
+                 "--write-config", str(out), "--json", str(table))
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    res = json.loads(table.read_text())
+    rows = res["rows"]
+    tried = {(r["micro_batch"], r["activation_checkpointing"], r["compile"]) for r in rows}
+    assert tried == {(m, ck, False) for m in (2, 4) for ck in (False, True)}
+    for r in rows:  # every candidate ran, was timed and had its memory measured
+        assert r["fits"] and r["step_s"] > 0 and r["peak_bytes"] > 0, r
+    # The printed table has a line per candidate and marks the winner.
+    assert printed.count("fits") >= len(rows) and "<- fastest that fits" in printed
+    assert "torch.compile not tried" in printed and "VmHWM" in res["memory_method"]
+    winner = res["winner"]
+    assert winner["step_s"] == min(r["step_s"] for r in rows if r["fits"])
+    assert winner == pick_winner(rows)
+    # Activation checkpointing keeps less in memory at the largest micro-batch.
+    peak = {(r["micro_batch"], r["activation_checkpointing"]): r["peak_bytes"] for r in rows}
+    assert peak[(4, True)] < peak[(4, False)]
+    cfg = load_config(str(out))
+    assert cfg.train.micro_batch_size == winner["micro_batch"]
+    assert cfg.train.activation_checkpointing == winner["activation_checkpointing"]
+    assert cfg.train.compile is False
+    assert cfg.train.global_batch_size == 8 and cfg.data.path == stdlib_dataset
+
+
+def test_an_impossible_memory_budget_says_what_would_fit(stdlib_dataset, ray_cluster, tmp_path,
+                                                        capsys):
+    out = tmp_path / "never.yaml"
+    rc, _ = tune(tmp_path, stdlib_dataset, "--memory-budget-gib", "0.0001",
+                 "--write-config", str(out))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1, err
+    assert "does not fit on 2 x CPU-worker even at micro-batch 1 with activation checkpointing" \
+        in err[0]
+    assert "give each worker at least" in err[0]
+    assert not out.exists()
+
+
+def test_an_unknown_gpu_lists_the_known_ones(stdlib_dataset, tmp_path, capsys):
+    rc, _ = tune(tmp_path, stdlib_dataset, "--gpu", "TPU-v9")
+    err = capsys.readouterr().err
+    assert rc == 2 and "unknown GPU 'TPU-v9'" in err and "H100" in err
+
+
+def test_the_winner_is_the_fastest_fitting_row():
+    rows = [{"micro_batch": 1, "fits": True, "step_s": 0.3},
+            {"micro_batch": 2, "fits": False, "step_s": 0.1},
+            {"micro_batch": 4, "fits": True, "step_s": 0.2}]
+    assert pick_winner(rows)["micro_batch"] == 4
+    assert pick_winner([dict(r, fits=False) for r in rows]) is None
+    assert Candidate(2, True, False).label == "mb=2 ckpt=on compile=off"
