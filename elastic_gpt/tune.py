@@ -298,7 +298,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
             say(f"[elastic-gpt tune] {i + 1}/{len(cands)} {cand.label}: "
                 + _row_summary(row))
     # Ray Train V2 keeps reported metrics only with a checkpoint: the table travels as one
-    # (through run.storage_path, so it reaches the driver from any node). Model state is never saved.
+    # (through run.storage_path, so it reaches the driver from any node); no model state is saved.
     table = {"rows": rows, "device": device.type, "world_size": world}
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
@@ -378,7 +378,8 @@ def format_table(rows: list[dict], predicted: list[float], winner: dict | None) 
         step = f"{row['step_s']:.3f}" if row["step_s"] else "-"
         tps = f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] else "-"
         peak = f"{row['peak_bytes'] / MiB:,.1f}" if row["peak_bytes"] else "-"
-        lines.append(f"{row['micro_batch']:>11} {'on' if row['activation_checkpointing'] else 'off':>4}"
+        ckpt = "on" if row["activation_checkpointing"] else "off"
+        lines.append(f"{row['micro_batch']:>11} {ckpt:>4}"
                      f" {'on' if row['compile'] else 'off':>7} {step:>8} {tps:>10} {peak:>9} "
                      f"{pred / MiB:>11,.1f}  {result}")
     return "\n".join(lines)

@@ -1,0 +1,328 @@
+"""The planner (`elastic-gpt plan`, elastic_gpt/plan.py) checked against measurements here (issue 7).
+
+    .venv/bin/python bench/bench_planner.py [--only memory,comm,goodput] [--goodput-s 200]
+
+Prints predicted / measured ratios for:
+  memory   peak memory per worker, presets `tiny` and `small`, fp32 on CPU, 2 FSDP2 ranks (gloo):
+           plan.memory_per_gpu(dtype="float32", context_bytes=0, fragmentation=0) vs the peak
+           resident set of the worker process above its baseline, measured the way `elastic-gpt
+           tune` measures it (tune.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs)
+  comm     bytes each rank sends per step in FSDP2's all-gathers and reduce-scatters: the planner's
+           step_time(...).all_gather_bytes / .reduce_scatter_bytes (grad_sync="step": the trainer
+           reduce-scatters once per step) vs the sum over the collectives actually issued, counted
+           by wrapping torch.distributed.all_gather_single / reduce_scatter_single, each call
+           counted as (N-1)/N x the full (gathered / pre-reduction) tensor, the ring formula the
+           planner uses
+  goodput  a chaos run (bench/bench_recovery.py's: tiny model, 2 one-CPU Ray nodes, a node killed
+           every 60 s and replaced 20 s later): measured goodput vs plan.goodput(...) fed the
+           measured recovery time, checkpoint interval and checkpoint write time
+Takes ~6 min (the chaos run is most of it). Each part runs in its own processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]
+os.environ.setdefault("RAY_TMPDIR", "/tmp/ray_bench_planner")
+os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
+def stdlib_data(root: str, seq_len: int, max_bytes: int = 500_000) -> str:
+    import sysconfig
+
+    from data_pipelines.tokenize import prepare_data
+    out = os.path.join(root, f"stdlib-{seq_len}")
+    if not os.path.exists(os.path.join(out, "manifest.json")):
+        stdlib = sysconfig.get_paths()["stdlib"]
+        files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))
+        prepare_data(files[:80], out, tokenizer="bytes", seq_len=seq_len, engine="local",
+                     progress=False, max_bytes=max_bytes)
+    return out
+
+
+# ---- memory and communication: 2 FSDP2 ranks over gloo, the trainer's own step ------------------
+
+MEM_CASES = [  # (preset, seq_len = the preset's, global batch, micro-batch, checkpointing)
+    ("tiny", 128, 8, 4, False), ("tiny", 128, 8, 1, False),
+    ("small", 256, 8, 4, False), ("small", 256, 8, 4, True), ("small", 256, 8, 2, False),
+    ("small", 256, 8, 1, True),
+]
+WORLD = 2
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CollectiveCounter:
+    """Wraps the torch.distributed collectives FSDP2 issues; bytes each rank sends by the ring
+    formula: (N-1)/N x the gathered tensor (all-gather) or the pre-reduction tensor (RS)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist, self.bytes = dist, {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.calls = dict.fromkeys(self.bytes, 0)
+        self._orig = {}
+        for name, kind, pick in [("all_gather_single", "all_gather", lambda a, k: a[0]),
+                                 ("all_gather_into_tensor", "all_gather", lambda a, k: a[0]),
+                                 ("reduce_scatter_single", "reduce_scatter",
+                                  lambda a, k: k.get("input", a[1] if len(a) > 1 else None)),
+                                 ("reduce_scatter_tensor", "reduce_scatter",
+                                  lambda a, k: k.get("input", a[1] if len(a) > 1 else None)),
+                                 ("all_reduce", "all_reduce", lambda a, k: a[0])]:
+            self._wrap(name, kind, pick)
+
+    def _wrap(self, name, kind, pick):
+        orig = getattr(self.dist, name)
+        self._orig[name] = orig
+
+        def wrapped(*args, **kwargs):
+            t = pick(args, kwargs)
+            n = self.dist.get_world_size(kwargs.get("group"))
+            ring = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+            self.bytes[kind] += ring * t.numel() * t.element_size()
+            self.calls[kind] += 1
+            return orig(*args, **kwargs)
+        setattr(self.dist, name, wrapped)
+
+    def reset(self):
+        for k in self.bytes:
+            self.bytes[k], self.calls[k] = 0, 0
+
+
+def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+
+    from data_pipelines.order import BatchPlan
+    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.config import load_config
+    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.tune import Candidate, measure, warm_up_process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    counter = CollectiveCounter()
+    results = []
+    try:
+        first = True
+        for preset, seq, G, mb, ckpt in cases:
+            cfg = load_config("jobs/configs/tiny.yaml", [
+                f"model.preset={preset}", f"data.path={data[seq]}", f"train.global_batch_size={G}",
+                f"train.micro_batch_size={mb}", f"scaling.max_workers={WORLD}",
+                "scaling.min_workers=1", "checkpoint.path=/tmp/unused-bench-planner",
+                "tracking.enabled=false", "train.threads_per_worker=1"])
+            if first:  # as tune does: one-time allocations of the process are not a candidate's
+                warm_up_process(cfg, Candidate(1, False, False), rank=rank, world=WORLD)
+                first = False
+            row = measure(cfg, Candidate(mb, ckpt, False), rank=rank, world=WORLD, steps=steps)
+            # Communication: a fresh trainer, one warm-up step, then count `steps` steps.
+            c = copy.deepcopy(cfg)
+            c.train.activation_checkpointing = ckpt
+            trainer = Trainer(c, rank=rank, world_size=WORLD, mlflow_run_id=None)
+            stream = open_step_stream(c.data.path, plan=BatchPlan(G, mb), rank=rank,
+                                      world_size=WORLD, start_step=0, seed=c.data.seed)
+            trainer.train_step(next(stream))
+            counter.reset()
+            for _ in range(steps):
+                trainer.train_step(next(stream))
+            stream.close()
+            del trainer
+            peaks = [None] * WORLD
+            dist.all_gather_object(peaks, row["peak_bytes"])
+            results.append({"case": [preset, seq, G, mb, ckpt], "peak_bytes": max(peaks),
+                            "step_s": row["step_s"],
+                            "bytes_per_step": {k: v / steps for k, v in counter.bytes.items()},
+                            "calls_per_step": {k: v / steps for k, v in counter.calls.items()}})
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_memory_comm(root: str, steps: int = 2) -> list[dict]:
+    import torch.multiprocessing as mp
+    data = {seq: stdlib_data(root, seq) for seq in sorted({c[1] for c in MEM_CASES})}
+    # As `elastic-gpt tune` runs its workers: freed tensors return to the kernel (honest baseline).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
+    out = os.path.join(root, "memcomm.json")
+    mp.start_processes(_mem_worker, args=(_free_port(), MEM_CASES, data, steps, out),
+                       nprocs=WORLD, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def predict_memory_comm(row: dict) -> dict:
+    from data_pipelines.order import BatchPlan
+    from elastic_gpt import plan
+    from elastic_gpt.hardware import GPUS
+    from elastic_gpt.model import pad_vocab, preset_config
+
+    preset, seq, G, mb, ckpt = row["case"]
+    # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
+    cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))
+    shape = plan.model_shape(cfg)
+    k = BatchPlan(G, mb).slots(WORLD)
+    mem = plan.memory_per_gpu(shape, WORLD, mb, activation_checkpointing=ckpt, dtype="float32",
+                              grad_sync="step", micro_batches_per_rank=k, context_bytes=0,
+                              fragmentation=0)
+    net = plan.Network(gpus_per_node=8, intra_node_gbps=10, inter_node_gbps=10)
+    st = plan.step_time(shape, GPUS["H100"], net, WORLD, mb, k, activation_checkpointing=ckpt,
+                        dtype="float32", grad_sync="step")
+    return {"memory": mem, "all_gather_bytes": st.all_gather_bytes,
+            "reduce_scatter_bytes": st.reduce_scatter_bytes}
+
+
+def report_memory_comm(rows: list[dict]) -> list[dict]:
+    MiB = 1 << 20
+    out = []
+    print("\nmemory per worker (fp32, CPU, W=2): planner memory_per_gpu(context 0, fragmentation 0)"
+          " vs measured peak RSS above the pre-candidate baseline")
+    print(f"{'case':<28}{'predicted MiB':>14}{'measured MiB':>14}{'pred/meas':>11}   "
+          "predicted parts (state/gathered/accum/acts/logits MiB)")
+    for r in rows:
+        p = predict_memory_comm(r)
+        m = p["memory"]
+        preset, seq, G, mb, ckpt = r["case"]
+        name = f"{preset} T={seq} mb={mb} ckpt={'on' if ckpt else 'off'}"
+        ratio = m.total / r["peak_bytes"]
+        parts = "/".join(f"{x / MiB:.1f}" for x in (m.sharded_state, m.gathered_params,
+                                                     m.accumulated_grads, m.activations,
+                                                     m.logits))
+        print(f"{name:<28}{m.total / MiB:>14.1f}{r['peak_bytes'] / MiB:>14.1f}{ratio:>11.2f}   "
+              f"{parts}")
+        out.append({**r, "case": name, "predicted_bytes": m.total,
+                    "measured_bytes": r["peak_bytes"], "ratio": ratio,
+                    "predicted_ag": p["all_gather_bytes"],
+                    "predicted_rs": p["reduce_scatter_bytes"]})
+    print("\nbytes sent per rank per step (ring formula), W=2: planner step_time(grad_sync='step')"
+          " vs counted collectives")
+    print(f"{'case':<28}{'AG pred MB':>11}{'AG count':>10}{'ratio':>7}{'RS pred MB':>11}"
+          f"{'RS count':>10}{'ratio':>7}{'AG/RS calls':>13}{'all-reduce MB':>14}")
+    for o in out:
+        b, c = o["bytes_per_step"], o["calls_per_step"]
+        print(f"{o['case']:<28}{o['predicted_ag'] / 1e6:>11.3f}{b['all_gather'] / 1e6:>10.3f}"
+              f"{o['predicted_ag'] / b['all_gather']:>7.3f}{o['predicted_rs'] / 1e6:>11.3f}"
+              f"{b['reduce_scatter'] / 1e6:>10.3f}{o['predicted_rs'] / b['reduce_scatter']:>7.3f}"
+              f"{c['all_gather']:>7.0f}/{c['reduce_scatter']:<5.0f}{b['all_reduce'] / 1e6:>14.4f}")
+    return out
+
+
+# ---- goodput of a chaos run ---------------------------------------------------------------------
+
+
+def measure_goodput(root: str, duration_s: float, n_trials: int, every_s: float = 60.0) -> dict:
+    """bench_recovery's chaos run, plus what the goodput model needs: the recovery time (node
+    kill -> first step at the smaller size), the scale-up restart, the step time and the blocking
+    checkpoint time (the extra gap after every checkpointed step)."""
+    from bench_recovery import ElasticGPTRun, goodput, trials
+    from cluster_harness import LocalCluster, training_workers, wait_for
+
+    class Run(ElasticGPTRun):
+        def steps(self):
+            try:
+                return super().steps()
+            except AttributeError:  # the driver has not created the MLflow experiment yet
+                return []
+
+    data = stdlib_data(root, 64)
+    cluster = LocalCluster(workers=2)
+    try:
+        run = Run(cluster, data, root, "trials")
+        print(f"goodput: {n_trials} trial(s) of node kill + node add", flush=True)
+        tr = trials(cluster, run, n_trials)
+        run.stop()
+        wait_for(lambda: not training_workers(), timeout_s=60)
+        print(f"goodput: a node lost every {every_s:.0f} s for {duration_s:.0f} s", flush=True)
+        run = Run(cluster, data, root, "goodput")
+        g = goodput(cluster, run, duration_s, every_s=every_s)
+        steps = run.steps()
+        run.stop()
+    finally:
+        cluster.shutdown()
+    # Gaps between consecutive step records at full size: a checkpoint (every 10 steps) is written
+    # after step 10k's record and before step 10k+1's, so its gap is longer by the write time.
+    by_step = {}
+    for t, s, w in steps:
+        by_step[s] = (t, w)
+    plain, after_ckpt, w1 = [], [], []
+    for s in sorted(by_step):
+        if s - 1 in by_step and by_step[s][1] == by_step[s - 1][1]:
+            gap = by_step[s][0] - by_step[s - 1][0]
+            if gap > 5:
+                continue  # a restart in between
+            if by_step[s][1] == 1:
+                w1.append(gap)
+            elif (s - 1 + 1) % 10 == 0:  # step index s-1 completed the 10k-th step: checkpointed
+                after_ckpt.append(gap)
+            else:
+                plain.append(gap)
+    step_s = statistics.median(plain)
+    ckpt_s = max(0.0, statistics.median(after_ckpt) - step_s) if after_ckpt else 0.0
+    step_w1 = statistics.median(w1) if w1 else float("nan")
+    return {"trials": tr, "chaos": g, "step_s": step_s, "step_w1_s": step_w1,
+            "ckpt_write_s": ckpt_s, "ckpt_every_steps": 10, "every_s": every_s}
+
+
+def predict_goodput(m: dict, every_s: float = 60.0) -> dict:
+    from elastic_gpt import plan
+
+    R = m["trials"]["recovery_s"]["median"]
+    interval = m["ckpt_every_steps"] * m["step_s"]
+    out = {"recovery_s": R, "interval_s": interval, "ckpt_write_s": m["ckpt_write_s"],
+           "mtbf_s": every_s,
+           "planner": plan.goodput(interval, m["ckpt_write_s"], R, every_s)}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("--only", default="memory,comm,goodput")
+    ap.add_argument("--goodput-s", type=float, default=200.0)
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--every-s", type=float, default=60.0, help="seconds between node kills")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    parts = set(args.only.split(","))
+    root = tempfile.mkdtemp(prefix="bench_planner_")
+    results: dict = {}
+    if parts & {"memory", "comm"}:
+        results["memory_comm"] = report_memory_comm(measure_memory_comm(root))
+    if "goodput" in parts:
+        m = measure_goodput(root, args.goodput_s, args.trials, args.every_s)
+        p = predict_goodput(m, args.every_s)
+        results["goodput"] = {"measured": m, "predicted": p}
+        meas = m["chaos"]["goodput"]
+        print(f"\ngoodput (node lost every {args.every_s:.0f} s, replaced 20 s later): "
+              f"measured {meas:.3f}; "
+              f"recovery {p['recovery_s']:.1f} s, scale-up {m['trials']['scale_up_s']['median']}"
+              f" s, checkpoint every {p['interval_s']:.2f} s, write {p['ckpt_write_s']:.3f} s, "
+              f"step {m['step_s']:.3f} s (W=1: {m['step_w1_s']:.3f} s)")
+        print(f"  plan.goodput(interval, write, recovery, MTBF={args.every_s:.0f} s) = "
+              f"{p['planner']:.3f}; "
+              f"predicted/measured {p['planner'] / meas if meas else float('nan'):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"({time.time() - t0:.0f} s)")
+    sys.exit(rc)
