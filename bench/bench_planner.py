@@ -1,4 +1,4 @@
-"""The planner (`elastic-gpt plan`, elastic_gpt/plan.py) checked against measurements here (issue 7).
+"""The planner (elastic_gpt/plan.py) checked against measurements on this machine (issue 7).
 
     .venv/bin/python bench/bench_planner.py [--only memory,comm,goodput] [--goodput-s 200]
 
