@@ -64,7 +64,9 @@ def connect_ray(cfg: Config) -> bool:
                              "`ray start --head` or unset RAY_ADDRESS for a local cluster") from None
         return False
     need = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
-    ray.init(num_cpus=max(need, os.cpu_count() or 1),
+    # address="local": a new cluster even where `ray start` left one in this RAY_TMPDIR (ray.init
+    # would otherwise join it, and refuse num_cpus for an existing cluster).
+    ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1),
              object_store_memory=int(os.environ.get("ELASTIC_GPT_OBJECT_STORE_BYTES", 200 << 20)),
              include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": _worker_env()})

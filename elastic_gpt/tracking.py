@@ -234,7 +234,8 @@ def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str |
             run_id = _reuse_run(client, uri, existing_run_id)
             if run_id is None:
                 exp = client.get_experiment_by_name(experiment)
-                exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+                exp_id = exp.experiment_id if exp else client.create_experiment(
+                    experiment, artifact_location=local_artifact_root(uri))
                 run = client.create_run(exp_id, run_name=run_name, tags=_redacted_tags(tags))
                 run_id = run.info.run_id
                 log_params(client, run_id, {**params, **{f"env.{k}": v for k, v in
@@ -251,6 +252,18 @@ def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str |
             return existing_run_id
         raise ValueError(f"tracking.uri={redact(uri)} cannot be used ({redact(_first_line(e))}); "
                          "fix the path, or set tracking.enabled=false") from None
+
+
+def local_artifact_root(uri: str) -> str | None:
+    """For a sqlite store, artifacts go beside the database (mlartifacts/), not into MLflow's
+    default ./mlruns under whatever the current directory is (inside `ray job submit`, the job's
+    throwaway copy of the working dir). None (the store's default) for servers."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri.removeprefix("sqlite:///")
+    if not os.path.isabs(db):
+        return None
+    return "file://" + os.path.join(os.path.dirname(db), "mlartifacts")
 
 
 def _reuse_run(client, uri: str, run_id: str | None) -> str | None:
@@ -402,6 +415,7 @@ class MetricLogger:
         self.system_every_s = system_every_s
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # flush() and close() cut the wait short
         self._last_step = 0
         self._sampler = SystemSampler() if system_every_s else None
         self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
@@ -413,8 +427,18 @@ class MetricLogger:
         for k, v in metrics.items():
             self._q.put((k, float(v), ts, step))
 
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Block until everything logged so far is stored (True), or `timeout_s` passed (False).
+        Call it before committing a checkpoint: a job stopped right after the commit then has
+        every step up to the checkpoint in MLflow, not all but the last flush interval's."""
+        done = threading.Event()
+        self._q.put(("__flush__", done))
+        self._wake.set()
+        return done.wait(timeout_s)
+
     def close(self, timeout: float = 30.0) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout)
 
     def _sample_system(self) -> None:
@@ -426,23 +450,32 @@ class MetricLogger:
 
     def _run(self) -> None:
         from mlflow.entities import Metric
-        client, pending, warned, next_sample = None, [], False, 0.0
+        client, pending, warned, next_sample, final_tries = None, [], False, 0.0, 0
         while True:
-            stopping = self._stop.wait(self.flush_every_s)
+            self._wake.wait(self.flush_every_s)
+            self._wake.clear()
+            stopping = self._stop.is_set()
             if self._sampler is not None and (time.time() >= next_sample or stopping):
                 self._sample_system()
                 next_sample = time.time() + self.system_every_s
+            flushes = []
             while True:
                 try:
-                    pending.append(self._q.get_nowait())
+                    item = self._q.get_nowait()
                 except queue.Empty:
                     break
+                if item[0] == "__flush__":
+                    flushes.append(item[1])
+                else:
+                    pending.append(item)
             if pending:
                 try:
                     client = client or _client(self.uri)
-                    for i in range(0, len(pending), 1000):
-                        client.log_batch(self.run_id, metrics=[Metric(*m) for m in
-                                                               pending[i:i + 1000]])
+                    # Our loop retries forever; MLflow's own retries would block it ~4 min.
+                    with bounded_http(max_retries=2, timeout_s=30):
+                        for i in range(0, len(pending), 1000):
+                            client.log_batch(self.run_id, metrics=[Metric(*m) for m in
+                                                                   pending[i:i + 1000]])
                     if warned:
                         log.warning("MLflow logging to %s works again", redact(self.uri))
                     pending, warned = [], False
@@ -452,8 +485,16 @@ class MetricLogger:
                                     redact(self.uri), redact(_first_line(e)))
                         warned = True
                     pending = pending[-100_000:]  # bounded memory while the server is away
+            if not pending:
+                for done in flushes:
+                    done.set()
+            else:  # not stored yet: the waiters time out, or see the next successful round
+                for done in flushes:
+                    self._q.put(("__flush__", done))
             if stopping:
-                return
+                final_tries += 1
+                if not pending or final_tries >= 3:  # a few more tries for the last batch
+                    return
 
 
 class SystemSampler:
@@ -630,8 +671,8 @@ def finish_run(uri: str, run_id: str, config_path: str | None = None, finished: 
             try:
                 part()
             except Exception as e:
-                log.warning("MLflow: could not log the %s of run %s (%s)", name, run_id,
-                            redact(_first_line(e)))
+                log.warning("MLflow: could not log the %s of run %s (%s: %s)", name, run_id,
+                            type(e).__name__, redact(_describe(e)))
         try:
             client.set_terminated(run_id, status="FINISHED" if finished else "KILLED")
         except Exception as e:
@@ -752,6 +793,13 @@ def plot_loss_curve(client, run_id: str, path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _describe(e: BaseException) -> str:
+    """First line of the error, plus the file it names (OSError's message often lacks it)."""
+    text = _first_line(e)
+    filename = getattr(e, "filename", None)
+    return f"{text}: {filename}" if filename and str(filename) not in text else text
 
 
 def _first_line(e: BaseException) -> str:

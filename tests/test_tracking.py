@@ -1,0 +1,329 @@
+"""MLflow tracking: a real `mlflow server` (artifacts proxied through it) holds everything a user
+looks for in a run; no secret reaches MLflow or the driver's output; an unreachable server or Ray
+address degrades or fails with one clear line (C6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow_server import MlflowServer, free_port
+
+from elastic_gpt import tracking
+from elastic_gpt.checkpoint import CheckpointStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.join(os.path.dirname(sys.executable), "elastic-gpt")
+STEPS = 6
+C5_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "world_size", "grad_accum",
+           "samples_seen", "step_time_s", "data_wait_s", "data_fingerprint")
+PASSWORD = "pw-Zq81xLmT0pSecret"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
+HF_TOKEN = "hf_" + "Ab1" * 12
+SECRETS = (PASSWORD, AWS_SECRET, HF_TOKEN)
+
+
+def train_cli(args: list[str], env_extra: dict | None = None, cwd: str | None = None,
+              timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env.pop("RAY_ADDRESS", None) if "RAY_ADDRESS" not in (env_extra or {}) else None
+    return subprocess.run([CLI, "train", *args], cwd=cwd or REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def overrides(data: str, root: str, uri: str, *extra: str) -> list[str]:
+    return ["--config", "jobs/configs/tiny.yaml", "model.preset=tiny", f"data.path={data}",
+            f"checkpoint.path={root}/ckpt", f"run.storage_path={root}/ray", f"tracking.uri={uri}",
+            "run.name=server-run", f"train.max_steps={STEPS}", "train.global_batch_size=8",
+            "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every=1",
+            "checkpoint.every_steps=3", "scaling.min_workers=1", "scaling.max_workers=1", *extra]
+
+
+# ---------------------------------------------------------------------------- redaction
+
+@pytest.mark.parametrize("text, secret", [
+    ("http://alice:hunter2hunter2@mlflow:5000/api", "hunter2hunter2"),
+    ("s3://b/k?X-Amz-Credential=AKIAIOSFODNN7EXAMPLE%2F20240101&X-Amz-Signature=deadbeef0123",
+     "deadbeef0123"),
+    ("https://acct.blob.core.windows.net/c/b?sv=2020-08-04&sig=AbCdEf123%3D&se=x", "AbCdEf123"),
+    ("https://storage.googleapis.com/b/o?X-Goog-Signature=0a1b2c3d4e5f", "0a1b2c3d4e5f"),
+    ("https://ghp_abcdefghijklmnopqrstuvwxyz0123456789@github.com/o/r.git",
+     "ghp_abcdefghijklmnopqrstuvwxyz0123456789"),
+    ("aws_secret_access_key = wJalrXUtnFEMIK7MDENG", "wJalrXUtnFEMIK7MDENG"),
+    ('{"password": "correct-horse", "user": "bob"}', "correct-horse"),
+    ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload", "eyJhbGciOiJIUzI1NiJ9"),
+    ("key id AKIAIOSFODNN7EXAMPLE in a message", "AKIAIOSFODNN7EXAMPLE"),
+    ("https://host/p?access_token=ya29.a0AfH6SMB&x=1", "ya29.a0AfH6SMB"),
+])
+def test_redact_masks_credentials(text, secret):
+    out = tracking.redact(text)
+    assert secret not in out and tracking.MASK in out
+
+
+def test_redact_leaves_ordinary_text_alone(monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    for text in ["[elastic-gpt] step 3/6 | loss 4.1 | 9,155 tok/s | W=2 accum=1",
+                 "tokenizer: gpt2, num_tokens=1050985, tokens_per_s 12.5",
+                 "file:///work/main/data/stdlib s3://bucket/runs/tiny ssh://git@github.com/o/r",
+                 "checkpoint.keep=3 data.num_tokens=100 RAY_AUTH_MODE=disabled"]:
+        assert tracking.redact(text) == text
+
+
+def test_secret_environment_values_and_registered_secrets_are_masked(monkeypatch):
+    monkeypatch.setenv("MY_SERVICE_API_KEY", "k-7f3a9c2e1b")
+    monkeypatch.setenv("SOME_PATH", "k-not-a-secret")
+    tracking.register_secrets_in({"tracking": {"uri": "https://u:Pa55-w0rd-x@h/"}})
+    out = tracking.redact("k-7f3a9c2e1b k-not-a-secret decoded: Pa55-w0rd-x")
+    assert out == "*** k-not-a-secret decoded: ***"
+    params = tracking.redacted_params({"tracking.uri": "https://u:Pa55-w0rd-x@h/",
+                                       "storage.secret_key": "abc", "data.num_tokens": 7})
+    assert params == {"tracking.uri": "https://u:***@h/", "storage.secret_key": "***",
+                      "data.num_tokens": 7}
+
+
+def test_install_redaction_masks_printed_lines_and_log_records():
+    code = f"""
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+from elastic_gpt import tracking
+tracking.install_redaction({{"tracking": {{"uri": "http://al:{PASSWORD}@h:5000"}}}})
+print("uri http://al:{PASSWORD}@h:5000 and env {AWS_SECRET}")
+print("bare {PASSWORD}", file=sys.stderr)
+logging.getLogger("x").warning("failed for %s", "http://al:{PASSWORD}@h:5000")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "AWS_SECRET_ACCESS_KEY": AWS_SECRET}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout + out.stderr
+    assert "uri http://al:***@h:5000 and env ***" in out.stdout
+    assert "bare ***" in out.stderr and "WARNING failed for http://al:***@h:5000" in out.stderr
+    assert not any(s in text for s in SECRETS)
+
+
+# ---------------------------------------------------------------------------- local store
+
+def test_events_merge_across_submissions_and_goodput_metrics(tmp_path):
+    import mlflow
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = tracking.resolve_run(uri, "exp", "r", None, {"train.lr": 0.1}, resumed_from_step=None)
+    assert tracking.resolve_run(uri, "exp", "r", run_id, {}, resumed_from_step=40) == run_id
+    tracking.log_events(uri, run_id, [{"kind": "preemption", "at": 5.0, "detail": "node lost"}])
+    tracking.log_events(uri, run_id, [{"kind": "preemption", "at": 5.0, "detail": "node lost"},
+                                      {"kind": "resize", "at": 7.0, "to_world_size": 3}])
+    client = mlflow.MlflowClient(uri)
+    path = client.download_artifacts(run_id, tracking.EVENTS_ARTIFACT, str(tmp_path / "dl"))
+    events = [json.loads(line) for line in open(path)]
+    kinds = [e["kind"] for e in events]
+    assert kinds == ["preemption", "resize", "submission", "submission"]  # by time, no repeats
+    assert [e["resumed_from_step"] for e in events if e["kind"] == "submission"] == [None, 40]
+    # Artifacts beside the database, not in ./mlruns of whatever directory we run in.
+    assert client.get_run(run_id).info.artifact_uri.startswith(f"file://{tmp_path}/mlartifacts")
+
+    ledger = {"productive_s": 30.0, "lost_s": 5.0, "checkpoint_s": 3.0, "recovery_s": 12.0,
+              "lost_steps": 4, "events": [{"kind": "x"}]}
+    got = tracking.log_goodput(uri, run_id, ledger, step=50)
+    assert got["goodput"] == pytest.approx(0.6) and got["goodput_wall_s"] == pytest.approx(50.0)
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["goodput_lost_steps"] == 4 and metrics["goodput_events"] == 1
+    assert metrics["goodput_recovery_s"] == 12.0
+    # What the trainer reports today (Ray Train result metrics) maps to the same names.
+    ledger2, events2 = tracking.ledger_from_result(
+        {"step": 9, "goodput_productive_s": 1.0, "goodput_goodput": 0.5,
+         "events_json": json.dumps([{"kind": "resume", "at": 1.0}])})
+    assert ledger2 == {"productive_s": 1.0, "goodput": 0.5} and events2[0]["kind"] == "resume"
+
+
+def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
+    import mlflow
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    logger = tracking.MetricLogger(uri, run_id, flush_every_s=60)  # only flush() ships
+    for step in range(5):
+        logger.log({"loss": 1.0 / (step + 1)}, step)
+    assert logger.flush(timeout_s=60)
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(5))
+    logger.close()
+    assert "system/cpu_utilization_percentage" in client.get_run(run_id).data.metrics
+
+
+def test_unreachable_server_degrades_quickly_with_a_warning(caplog):
+    uri = f"http://user:{PASSWORD}@127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.time()
+    with caplog.at_level("WARNING"):
+        assert tracking.resolve_run(uri, "exp", "r", None, {}) is None
+        assert tracking.resolve_run(uri, "exp", "r", "abc123", {}) == "abc123"
+        tracking.finish_run(uri, "abc123", finished=True)  # never raises
+        logger = tracking.MetricLogger(uri, "abc123", flush_every_s=0.2)
+        logger.log({"loss": 1.0}, 0)
+        assert not logger.flush(timeout_s=1)
+        logger.close(timeout=20)
+    assert time.time() - t0 < 60  # MLflow's own defaults retry for ~4 minutes per call
+    text = caplog.text
+    assert "training continues WITHOUT tracking" in text and "keep run abc123's metrics" in text
+    assert "MLflow logging to" in text and PASSWORD not in text
+
+
+def test_a_local_store_that_cannot_be_opened_is_a_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"tracking.uri=sqlite:///.*cannot be used"):
+        tracking.resolve_run(f"sqlite:///{blocker}/sub/mlflow.db", "e", "r", None, {})
+
+
+# ---------------------------------------------------------------------------- bad input (C6)
+
+def test_missing_config_is_one_line_and_exit_2(tmp_path):
+    for cmd in ([CLI, "train", "--config", "jobs/configs/nope.yaml"],
+                [sys.executable, "jobs/pretrain.py", "--config", "jobs/configs/nope.yaml"]):
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2
+        assert out.stderr.strip().splitlines() == [
+            "elastic-gpt: error: config file jobs/configs/nope.yaml does not exist; pass --config "
+            "with a YAML file such as jobs/configs/tiny.yaml"]
+
+
+def test_unreachable_ray_address_is_one_line_and_exit_2(stdlib_dataset, tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.time()
+    out = train_cli(overrides(stdlib_dataset, str(tmp_path), f"sqlite:///{tmp_path}/m.db"),
+                    env_extra={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=180)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"elastic-gpt: error: cannot reach the Ray cluster at RAY_ADDRESS="
+                           f"127.0.0.1:{port}") and "ray start --head" in last
+    assert "Traceback" not in out.stderr and time.time() - t0 < 120
+    assert CheckpointStore(f"file://{tmp_path}/ckpt").latest() is None
+
+
+# ---------------------------------------------------------------------------- mlflow server
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = MlflowServer(str(tmp_path_factory.mktemp("mlflow-server")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server_run(server, stdlib_dataset, tmp_path_factory):
+    """A short training run tracked on the server, with credentials in the tracking URI and
+    secrets in the environment."""
+    root = str(tmp_path_factory.mktemp("server-run"))
+    uri = server.uri.replace("http://", f"http://alice:{PASSWORD}@")
+    out = train_cli(overrides(stdlib_dataset, root, uri),
+                    env_extra={"AWS_SECRET_ACCESS_KEY": AWS_SECRET, "HF_TOKEN": HF_TOKEN})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    final = CheckpointStore(f"file://{root}/ckpt").latest()
+    return {"out": out, "root": root, "uri": uri, "run_id": final.state["mlflow_run_id"],
+            "ckpt": final.url}
+
+
+def _artifact_files(client, run_id: str, path: str | None = None) -> list[str]:
+    files = []
+    for f in client.list_artifacts(run_id, path):
+        files += _artifact_files(client, run_id, f.path) if f.is_dir else [f.path]
+    return files
+
+
+def test_server_run_has_config_cluster_versions_metrics_events_plot_and_model(server,
+                                                                              server_run):
+    import mlflow
+    import ray
+    import torch
+
+    client = mlflow.MlflowClient(server.uri)
+    run = client.get_run(server_run["run_id"])
+    assert run.info.status == "FINISHED"
+    p = run.data.params
+    assert p["train.max_steps"] == str(STEPS) and p["model.preset"] == "tiny"
+    assert p["tracking.uri"] == f"http://alice:***@127.0.0.1:{server.port}"
+    assert (p["cluster.nodes"], p["cluster.gpus"]) == ("1", "0") and int(p["cluster.cpus"]) >= 1
+    assert p["env.ray_version"] == ray.__version__ and p["env.torch_version"] == torch.__version__
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    assert p["env.git_commit"].startswith(head)
+
+    for key in C5_KEYS:
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == \
+            list(range(STEPS)), key
+    metrics = run.data.metrics
+    assert metrics["system/cpu_utilization_percentage"] >= 0
+    assert metrics["system/system_memory_usage_megabytes"] > 0
+    assert 0 < metrics["goodput"] <= 1 and metrics["goodput_productive_s"] > 0
+
+    files = _artifact_files(client, run.info.run_id)
+    for f in ("config/tiny.yaml", "config/resolved.yaml", "events/events.jsonl",
+              "plots/loss_curve.png", "model_hf/config.json", "model_hf/model.safetensors"):
+        assert f in files
+        # Proxied: the bytes went through the server into its --artifacts-destination.
+        assert any(os.path.join(dirpath, os.path.basename(f)).endswith(f)
+                   for dirpath, _, names in os.walk(server.artifacts)
+                   if os.path.basename(f) in names), f
+    events = open(client.download_artifacts(run.info.run_id, "events/events.jsonl",
+                                            server_run["root"] + "/dl")).read()
+    assert '"kind": "submission"' in events and '"finished": true' in events
+
+
+def test_logged_pytorch_model_gives_the_same_logits_as_the_checkpoint(server, server_run):
+    import mlflow
+    import torch
+
+    from elastic_gpt.inference import load_model
+
+    client = mlflow.MlflowClient(server.uri)
+    model_uri = client.get_run(server_run["run_id"]).data.tags["elastic_gpt.model_uri"]
+    mlflow.set_tracking_uri(server.uri)
+    try:
+        logged = mlflow.pytorch.load_model(model_uri)
+    finally:
+        mlflow.set_tracking_uri(None)
+    original, _ = load_model(server_run["ckpt"])
+    idx = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(logged.eval()(idx), original(idx))
+
+
+def test_no_secret_reaches_mlflow_or_the_driver_output(server, server_run):
+    import mlflow
+
+    out = server_run["out"]
+    driver_output = out.stdout + out.stderr
+    assert "[elastic-gpt] step 6/6" in driver_output  # the output is there, only masked
+    assert "alice:***@" in driver_output
+    client = mlflow.MlflowClient(server.uri)
+    run = client.get_run(server_run["run_id"])
+    texts = [driver_output, json.dumps(run.data.params), json.dumps(run.data.tags)]
+    for secret in SECRETS:
+        for text in texts:
+            assert secret not in text
+    # Everything the server stored (database and every artifact, the model files included).
+    for dirpath, _, names in os.walk(server.root):
+        for name in names:
+            if name == "server.log":
+                continue
+            data = open(os.path.join(dirpath, name), "rb").read()
+            for secret in SECRETS:
+                assert secret.encode() not in data, os.path.join(dirpath, name)
+
+
+def test_training_goes_on_when_the_server_is_down(server, server_run, stdlib_dataset):
+    """Resume the same run with the server stopped: a warning, the stored run id kept, every
+    step trained and checkpointed; the run's metrics wait in the workers' queue."""
+    server.stop()
+    t0 = time.time()
+    out = train_cli(overrides(stdlib_dataset, server_run["root"], server_run["uri"],
+                              f"train.max_steps={STEPS + 3}"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "is unreachable" in out.stderr and server_run["run_id"] in out.stderr
+    assert PASSWORD not in out.stdout + out.stderr
+    final = CheckpointStore(f"file://{server_run['root']}/ckpt").latest()
+    assert final.step == STEPS + 3 and final.state["mlflow_run_id"] == server_run["run_id"]
+    assert time.time() - t0 < 300
