@@ -81,12 +81,15 @@ class Trainer:
     """One worker's share of the run. All ranks construct it and call `train()` together."""
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
-                 report=None, membership=None):
+                 report=None, membership=None, flush_metrics=None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.report = report or (lambda metrics, step: None)
         # Rank 0's view of cluster membership (elastic.WorkerMembership): `.reason` turns
         # non-None when this group should checkpoint and restart; `.publish()` shares progress.
         self.membership = membership
+        # Makes the metrics of every step up to a checkpoint durable before the checkpoint is
+        # committed, so a hard kill right after a commit loses no step's record (C5).
+        self.flush_metrics = flush_metrics
         self.mlflow_run_id = mlflow_run_id
         self.started = time.time()
         self.device = _device()
@@ -212,6 +215,8 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         t0 = time.time()
+        if self.flush_metrics is not None and not self.flush_metrics(5.0):
+            log.warning("step metrics not yet stored in MLflow at the step-%d checkpoint", self.step)
         if self.cfg.checkpoint.async_save:
             # Blocks only to wait for the previous save and copy the shards to CPU; rank 0 commits
             # in the background once every rank's shard is durable (see async_checkpoint.py).
@@ -373,7 +378,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     membership = WorkerMembership(loop_config["run_key"], nodes, world) if rank == 0 else None
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id,
                       report=(lambda m, s: logger.log(m, s)) if logger else None,
-                      membership=membership)
+                      membership=membership, flush_metrics=logger.flush if logger else None)
     try:
         summary = trainer.train()
     finally:

@@ -21,7 +21,7 @@ from elastic_gpt.checkpoint import CheckpointStore
 from elastic_gpt.config import load_config
 from elastic_gpt.launcher import run_key, run_training
 
-STEPS = 40
+STEPS = 32
 # preset mini on 64-token samples: ~0.3-0.5 s per step here, so faults land mid-run.
 ARGS = ["model.preset=mini", "train.global_batch_size=12", "train.micro_batch_size=2",
         f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=10",
