@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,12 +37,17 @@ def run_part(name: str, argv: list[str], out_json: str, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")])}
     env.setdefault("RAY_TMPDIR", "/tmp/ray_bench")
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
+    # A session of its own: on timeout the whole group goes (a part's local Ray cluster too).
+    proc = subprocess.Popen([sys.executable, *argv, "--json", out_json], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run([sys.executable, *argv, "--json", out_json], cwd=ROOT, env=env,
-                              timeout=timeout, capture_output=True, text=True)
+        out, _ = proc.communicate(timeout=timeout)
         ok = proc.returncode == 0 and os.path.exists(out_json)
-        tail = (proc.stdout + proc.stderr)[-1500:]
+        tail = out[-1500:]
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         ok, tail = False, f"timed out after {timeout:.0f} s"
     res = {}
     if ok:
