@@ -229,6 +229,7 @@ def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str |
         _warn_degraded(uri, problem, existing_run_id)
         return existing_run_id
     try:
+        env = environment_info()
         with bounded_http():
             client = _client(uri)
             run_id = _reuse_run(client, uri, existing_run_id)
@@ -239,19 +240,29 @@ def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str |
                 run = client.create_run(exp_id, run_name=run_name, tags=_redacted_tags(tags))
                 run_id = run.info.run_id
                 log_params(client, run_id, {**params, **{f"env.{k}": v for k, v in
-                                                         environment_info().items()}})
-            for k, v in {**environment_info(), **job_info(), **(tags or {})}.items():
+                                                         env.items()}})
+            for k, v in {**env, **job_info(), **(tags or {})}.items():
                 client.set_tag(run_id, k, redact(v)[:5000])
             _log_events_with(client, run_id, [{
                 "kind": "submission", "at": time.time(), "resumed_from_step": resumed_from_step,
                 **job_info()}])
             return run_id
     except Exception as e:
+        if _is_auth_error(e):  # not transient: a retry would fail the same way
+            raise ValueError(f"the MLflow server at tracking.uri={redact(uri)} refused the "
+                             f"credentials ({redact(_first_line(e))}); fix the user:password in "
+                             "tracking.uri or MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN") from None
         if _is_remote(uri):
             _warn_degraded(uri, _first_line(e), existing_run_id)
             return existing_run_id
         raise ValueError(f"tracking.uri={redact(uri)} cannot be used ({redact(_first_line(e))}); "
                          "fix the path, or set tracking.enabled=false") from None
+
+
+def _is_auth_error(e: Exception) -> bool:
+    code = str(getattr(e, "error_code", ""))
+    return code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or \
+        re.search(r"error code 40[13]\b", str(e)) is not None
 
 
 def local_artifact_root(uri: str) -> str | None:

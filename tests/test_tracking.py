@@ -169,6 +169,36 @@ def test_unreachable_server_degrades_quickly_with_a_warning(caplog):
     assert "MLflow logging to" in text and PASSWORD not in text
 
 
+def test_a_server_that_refuses_the_credentials_is_a_config_error():
+    """Not transient, so no degrading: a loopback HTTP server that answers 401 to everything."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Refuse(BaseHTTPRequestHandler):
+        def _refuse(self):
+            body = json.dumps({"error_code": "UNAUTHENTICATED", "message": "bad password"})
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        do_GET = do_POST = _refuse
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://bob:{PASSWORD}@127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(ValueError, match="refused the credentials") as err:
+            tracking.resolve_run(uri, "e", "r", None, {})
+        assert PASSWORD not in str(err.value) and "bob:***@" in str(err.value)
+    finally:
+        httpd.shutdown()
+
+
 def test_a_local_store_that_cannot_be_opened_is_a_config_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
