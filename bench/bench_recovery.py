@@ -57,7 +57,8 @@ class ElasticGPTRun:
         import mlflow
 
         client = mlflow.MlflowClient(self.uri)
-        runs = client.search_runs(client.get_experiment_by_name("elastic-gpt").experiment_id)
+        experiment = client.get_experiment_by_name("elastic-gpt")
+        runs = client.search_runs(experiment.experiment_id) if experiment else []
         if not runs:
             return []
         hist = client.get_metric_history(runs[0].info.run_id, "world_size")

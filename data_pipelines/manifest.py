@@ -83,8 +83,8 @@ class Manifest:
                 f"model.vocab_size >= {self.vocab_size} or re-tokenize with a smaller tokenizer")
         if block_size is not None and self.seq_len > block_size:
             raise ValueError(
-                f"dataset {self.url} has seq_len={self.seq_len}, longer than model.block_size="
-                f"{block_size}; set model.block_size >= {self.seq_len} or re-run prepare-data "
+                f"dataset {self.url} has seq_len={self.seq_len}, longer than model.seq_len="
+                f"{block_size}; set model.seq_len >= {self.seq_len} or re-run prepare-data "
                 f"with --seq-len {block_size}")
 
     def to_json(self) -> str:

@@ -47,10 +47,7 @@ def model_config_for(cfg: Config, manifest) -> GPTConfig:
                    .items() if v is not None})
     fields["seq_len"] = m.seq_len or manifest.seq_len
     fields["vocab_size"] = m.vocab_size or pad_vocab(manifest.vocab_size)
-    if manifest.vocab_size > fields["vocab_size"]:
-        raise ValueError(f"dataset {manifest.url} has token ids up to {manifest.vocab_size - 1} but "
-                         f"model.vocab_size={fields['vocab_size']}; unset model.vocab_size or "
-                         f"raise it to at least {manifest.vocab_size}")
+    manifest.check_model(fields["vocab_size"])
     if manifest.seq_len < fields["seq_len"]:
         raise ValueError(f"dataset samples have {manifest.seq_len} tokens but model.seq_len="
                          f"{fields['seq_len']}; unset model.seq_len or re-run prepare-data with "

@@ -166,7 +166,7 @@ def test_manifest_errors_are_one_line(tmp_path, dataset):
     m = load_manifest(dataset + "/manifest.json")
     with pytest.raises(ValueError, match=r"vocab_size=257, larger than model.vocab_size=100"):
         m.check_model(vocab_size=100)
-    with pytest.raises(ValueError, match=r"seq_len=16, longer than model.block_size=8"):
+    with pytest.raises(ValueError, match=r"seq_len=16, longer than model.seq_len=8"):
         m.check_model(vocab_size=50304, block_size=8)
 
 
