@@ -54,16 +54,21 @@ class ElasticRestart(Exception):
 def live_capacity(resources_per_worker: dict[str, float], held: dict[str, int] | None = None,
                   exclude: set[str] = frozenset()) -> dict[str, int]:
     """Workers that fit per node now: alive, not draining, free resources plus what our own
-    current group holds there (`held`: node id -> workers). Read from the GCS, never cached."""
+    current group holds there (`held`: node id -> workers). Read from the GCS, never cached.
+
+    Nodes that hosted our group are also probed directly: right after a node is lost, its
+    workers' errors reach the controller before the GCS's health checks declare it dead, and a
+    group sized with it would wait out the placement timeout."""
     from ray._private.state import state
 
     draining = set(state.get_draining_nodes())
     totals = state.total_resources_per_node()  # alive nodes only
     available = state.available_resources_per_node()
     held = held or {}
+    lost = unreachable_nodes(set(held) & set(totals))
     out = {}
     for node, total in totals.items():
-        if node in draining or node in exclude:
+        if node in draining or node in exclude or node in lost:
             continue
         free = dict(available.get(node, {}))
         fits = min(int((free.get(r, 0.0) + held.get(node, 0) * need) // need)
@@ -72,6 +77,27 @@ def live_capacity(resources_per_worker: dict[str, float], held: dict[str, int] |
                   if need > 0)
         out[node] = max(0, min(fits, cap))
     return out
+
+
+def unreachable_nodes(node_ids: set[str], timeout_s: float = 0.5) -> set[str]:
+    """Nodes whose raylet does not accept a TCP connection: dead, whatever the GCS says yet."""
+    import socket
+
+    from ray._private.state import state
+
+    if not node_ids:
+        return set()
+    lost = set()
+    for info in state.node_table():
+        if info["NodeID"] not in node_ids or not info["Alive"]:
+            continue
+        try:
+            with socket.create_connection((info["NodeManagerAddress"], info["NodeManagerPort"]),
+                                          timeout=timeout_s):
+                pass
+        except OSError:
+            lost.add(info["NodeID"])
+    return lost
 
 
 def kv_key(run_key: str, what: str) -> bytes:
