@@ -31,14 +31,15 @@ ROOT = os.path.dirname(HERE)
 TARGETS = {"overhead": 0.95, "scaling": 1.6, "blocked_fraction": 0.10}
 
 
-def run_part(name: str, argv: list[str], out_json: str, timeout: float) -> dict:
+def run_part(name: str, argv: list[str], out_json: str, timeout: float,
+             json_flag: str = "--json") -> dict:
     load0, t0 = os.getloadavg()[0], time.time()
     print(f"==> {name}: {' '.join(argv)}", flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")])}
     env.setdefault("RAY_TMPDIR", "/tmp/ray_bench")
     os.makedirs(env["RAY_TMPDIR"], exist_ok=True)
     # A session of its own: on timeout the whole group goes (a part's local Ray cluster too).
-    proc = subprocess.Popen([sys.executable, *argv, "--json", out_json], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, *argv, json_flag, out_json], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -90,10 +91,13 @@ def main() -> None:
     results["checkpoint"] = run_part(
         "checkpoint stall", ["bench/bench_checkpoint.py", "--steps", "9" if q else "15",
                              "--every", "3", "--workdir", work], f"{work}/ckpt.json", 600)
-    for name, script, skip in (("data", "bench_data.py", args.skip_data),
-                               ("recovery", "bench_recovery.py", args.skip_recovery)):
+    # The other developers' benches, each with its own JSON flag.
+    for name, script, flag, skip in (("data", "bench_data.py", "--json", args.skip_data),
+                                     ("recovery", "bench_recovery.py", "--out",
+                                      args.skip_recovery)):
         if not skip and os.path.exists(os.path.join(HERE, script)):
-            results[name] = run_part(name, [f"bench/{script}"], f"{work}/{name}.json", 420)
+            results[name] = run_part(name, [f"bench/{script}"], f"{work}/{name}.json", 600,
+                                     json_flag=flag)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print_table(results)
