@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_trainer.py [--repeats 2] [--steps 10] [--json out.json]
 
 Each repeat runs, back to back on the same cores:
-  plain   a single-process PyTorch loop: the same GPT, batch, micro-batches, AdamW param groups,
+  plain   (before and after the two Ray runs) a single-process PyTorch loop: the same GPT, batch, micro-batches, AdamW param groups,
           grad clipping and thread count, batches read into memory before the clock starts
   W=1     elastic-gpt through `run_training` (Ray Train, FSDP2 at W=1 over gloo, the real data
           stream, MLflow logging), 1 worker x 1 thread
@@ -183,12 +183,17 @@ def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
     try:
         for r in range(repeats):
             peak1 = _peak(1)
-            plain = median(plain_loop(data, steps, 1, warmup))
+            # The plain loop brackets the Ray runs (before and after), so a load change on this
+            # shared machine during the repeat moves both sides of the ratio alike.
+            before = plain_loop(data, steps, 1, warmup)
             w1 = trainer_run(data, work, f"w1-{r}-{int(time.time())}", 1, steps, warmup)
             w2 = trainer_run(data, work, f"w2-{r}-{int(time.time())}", 2, steps, warmup)
+            after = plain_loop(data, steps, 1, warmup)
+            plain = median(before + after)
             peak2 = _peak(2)
             row = {
-                "plain_step_s": plain, "w1_step_s": median(w1["reported"]),
+                "plain_step_s": plain, "plain_before_s": median(before),
+                "plain_after_s": median(after), "w1_step_s": median(w1["reported"]),
                 "w1_wall_s": median(w1["wall"]), "w2_step_s": median(w2["reported"]),
                 "w2_wall_s": median(w2["wall"]), "peak_1thread_flops": peak1,
                 "peak_2thread_flops": peak2,
