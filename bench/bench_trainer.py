@@ -3,7 +3,8 @@
     .venv/bin/python bench/bench_trainer.py [--repeats 2] [--steps 10] [--json out.json]
 
 Each repeat runs, back to back on the same cores:
-  plain   (before and after the two Ray runs) a single-process PyTorch loop: the same GPT, batch, micro-batches, AdamW param groups,
+  plain   (before and after the two Ray runs) a single-process PyTorch loop: the same GPT,
+          batch, micro-batches, AdamW param groups,
           grad clipping and thread count, batches read into memory before the clock starts
   W=1     elastic-gpt through `run_training` (Ray Train, FSDP2 at W=1 over gloo, the real data
           stream, MLflow logging), 1 worker x 1 thread
