@@ -64,6 +64,15 @@ class ElasticGPTRun:
         hist = client.get_metric_history(runs[0].info.run_id, "world_size")
         return sorted((m.timestamp / 1000, m.step, int(m.value)) for m in hist)
 
+    def lost_steps(self) -> list[int]:
+        """Steps re-done per failure, from the goodput ledger in the newest checkpoint (the
+        metric log misses the last seconds before a kill; the ledger counts from progress)."""
+        from elastic_gpt.checkpoint import CheckpointStore
+
+        latest = CheckpointStore(self.ckpt).latest()
+        events = (latest.state.get("ledger") or {}).get("events", []) if latest else []
+        return [e["lost_steps"] for e in events if e["kind"] == "failure"]
+
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
@@ -137,6 +146,7 @@ class RayTrainBaseline:
             f.write(BASELINE_DRIVER)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_TRAIN_")}
         env.update(RAY_ADDRESS=cluster.address, PYTHONPATH=code)
+        self._lost: list[int] = []
         self.proc = subprocess.Popen([sys.executable, os.path.join(code, "driver.py"), self.log,
                                       f"{root}/ray-baseline-{tag}", code], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -148,6 +158,11 @@ class RayTrainBaseline:
                 return [tuple(json.loads(line)) for line in f if line.strip()]
         except FileNotFoundError:
             return []
+
+    def lost_steps(self) -> list[int]:
+        """Per failure: last step before the kill minus the first step after it, plus one (every
+        step is in the log, written as it completes)."""
+        return self._lost
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -169,22 +184,24 @@ def first_step_at(run, size: int, after: float, timeout_s: float = 240) -> float
 def trials(cluster, run, n: int) -> dict:
     first_step_at(run, 2, 0, timeout_s=300)  # running at full size
     time.sleep(2)
-    recovery, scale_up, lost = [], [], []
+    recovery, scale_up = [], []
     for i in range(n):
         before = max(s for _, s, _ in run.steps())
         t_kill = cluster.kill_node(cluster.node_hosting_a_worker())
         recovery.append(first_step_at(run, 1, t_kill))
-        after = min(s for t, s, w in run.steps() if t > t_kill and w == 1)
-        lost.append(max(0, before - after + 1))
+        if isinstance(run, RayTrainBaseline):
+            after = min(s for t, s, w in run.steps() if t > t_kill and w == 1)
+            run._lost.append(max(0, before - after + 1))
         time.sleep(2)  # a few steps at the smaller size
         t_add = time.time()
         cluster.nodes.append(cluster.add_node())
         scale_up.append(first_step_at(run, 2, t_add))
         print(f"  {run.name} trial {i + 1}: recovery {recovery[-1]:.1f}s, scale-up "
-              f"{scale_up[-1]:.1f}s, steps re-done {lost[-1]}", flush=True)
+              f"{scale_up[-1]:.1f}s", flush=True)
         time.sleep(2)
+    lost = run.lost_steps()
     return {"recovery_s": _stats(recovery), "scale_up_s": _stats(scale_up),
-            "lost_steps": _stats(lost)}
+            "lost_steps": _stats(lost or [0])}
 
 
 def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_after_s: float = 20.0):
