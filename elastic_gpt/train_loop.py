@@ -99,7 +99,8 @@ class Trainer:
         self.compute_dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg, fused=self.device.type == "cuda")
+        # Fused AdamW: one kernel over all shards, on CUDA and (torch >= 2.4) on CPU alike.
+        self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.store = CheckpointStore(cfg.checkpoint.path)
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
@@ -178,7 +179,8 @@ class Trainer:
             group["lr"] = lr
         loss_sum = self.forward_backward(batch)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf)
+            self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
+            foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         # One collective and one host sync per step for the metrics, not one per micro-batch.
@@ -189,11 +191,13 @@ class Trainer:
         stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
         stats[0] = loss_sum
         dist.all_reduce(stats)
-        if stats[3].item() > 0:
+        # The step's only host sync: everything the host needs in one transfer.
+        loss_total, fp_lo, fp_hi, stop, grad_norm = torch.cat(
+            [stats, grad_norm.detach().to(stats).reshape(1)]).tolist()
+        if stop > 0:
             self.stop_reason = (self.membership.reason if self.membership is not None
                                 and self.membership.reason else "membership change")
-        loss = (stats[0] / (self.plan.global_batch_size * self.gpt_cfg.seq_len)).item()
-        grad_norm = float(grad_norm)
+        loss = loss_total / (self.plan.global_batch_size * self.gpt_cfg.seq_len)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             self._nonfinite_streak = 0
@@ -205,7 +209,7 @@ class Trainer:
                     f"{self._nonfinite_streak} step(s), beyond train.nan_patience="
                     f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
         self.optimizer.zero_grad(set_to_none=True)
-        fingerprint = join_fingerprint(stats[1].item(), stats[2].item())
+        fingerprint = join_fingerprint(fp_lo, fp_hi)
         return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr})
 
     # ---- checkpoint --------------------------------------------------------------------------

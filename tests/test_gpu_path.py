@@ -168,11 +168,11 @@ def trainers(world1, stdlib_dataset, tmp_path_factory):
     return out
 
 
-def test_trainer_on_cpu_is_unfused_and_autocasts_only_for_bf16(trainers, stdlib_dataset):
+def test_trainer_on_cpu_is_fused_and_autocasts_only_for_bf16(trainers, stdlib_dataset):
     from data_pipelines.stream import open_step_stream
     losses = {}
     for dtype, tr in trainers.items():
-        assert not tr.optimizer.defaults["fused"]  # fused only on CUDA (Trainer: device == cuda)
+        assert tr.optimizer.defaults["fused"]  # fused on CPU too: one kernel, ~30 ms/step less
         autocast = []
         tr.model.h[0].register_forward_pre_hook(lambda m, a, seen=autocast: seen.append(
             (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
