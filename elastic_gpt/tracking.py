@@ -504,7 +504,10 @@ class MetricLogger:
                     self._q.put(("__flush__", done))
             if stopping:
                 final_tries += 1
-                if not pending or final_tries >= 3:  # a few more tries for the last batch
+                if not pending or final_tries >= 2:  # one more try for the last batch
+                    if pending:
+                        log.warning("MLflow: %d metric values could not be sent to %s",
+                                    len(pending), redact(self.uri))
                     return
 
 
@@ -715,7 +718,7 @@ def _log_loss_curve(client, run_id: str) -> None:
 def log_final_model(uri: str, run_id: str, checkpoint_url: str, step: int = 0) -> str:
     """Log the trained model twice: `model_hf/` (config.json + model.safetensors for
     transformers.GPT2LMHeadModel) and an mlflow.pytorch model named `model`; returns the
-    latter's URI (also in the run's `elastic_gpt.model_uri` tag)."""
+    latter's URI (also in the run's `elastic_gpt.model_uri` tag). Leaves the run FINISHED."""
     import mlflow
     import numpy as np
     import torch
@@ -734,7 +737,9 @@ def log_final_model(uri: str, run_id: str, checkpoint_url: str, step: int = 0) -
         inputs=Schema([TensorSpec(np.dtype(np.int64), (-1, -1))]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, -1, model.cfg.vocab_size))]))
     package_dir = os.path.dirname(os.path.abspath(__file__))
-    with _tracking_uri(uri), _quiet("mlflow"):
+    # Inside the run, so MLflow files the logged model under the run's experiment (otherwise:
+    # the default experiment 0, whose artifacts a sqlite store puts in ./mlruns of the cwd).
+    with _tracking_uri(uri), _quiet("mlflow"), mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model, name="model", run_id=run_id, step=step, signature=signature,
             serialization_format="pickle",

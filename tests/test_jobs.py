@@ -274,6 +274,11 @@ def test_submit_stop_resubmit_resumes_the_same_run(nodes, stdlib_dataset, tmp_pa
     assert run.data.params["env.git_commit"] == commit
     assert run.data.tags["ray_job_submission_id"] == "job-2"
     assert int(run.data.params["cluster.nodes"]) == 2 and run.data.params["cluster.cpus"] == "3"
+    # The final model, filed under the run's experiment with artifacts beside the database
+    # (not in ./mlruns of the job's throwaway working dir).
+    model = client.get_logged_model(run.data.tags["elastic_gpt.model_uri"].split("/")[-1])
+    assert model.experiment_id == run.info.experiment_id
+    assert f"{root}/mlartifacts/" in model.artifact_location
     events = [json.loads(line) for line in open(client.download_artifacts(
         run_id, "events/events.jsonl", str(tmp_path / "dl")))]
     starts = [e for e in events if e["kind"] == "submission"]

@@ -309,7 +309,10 @@ def test_logged_pytorch_model_gives_the_same_logits_as_the_checkpoint(server, se
     from elastic_gpt.inference import load_model
 
     client = mlflow.MlflowClient(server.uri)
-    model_uri = client.get_run(server_run["run_id"]).data.tags["elastic_gpt.model_uri"]
+    run = client.get_run(server_run["run_id"])
+    model_uri = run.data.tags["elastic_gpt.model_uri"]
+    assert client.get_logged_model(model_uri.split("/")[-1]).experiment_id == \
+        run.info.experiment_id
     mlflow.set_tracking_uri(server.uri)
     try:
         logged = mlflow.pytorch.load_model(model_uri)
