@@ -7,11 +7,14 @@ cluster, checkpoint or MLflow run is touched (C6).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
+
+log = logging.getLogger("elastic_gpt")
 
 
 @dataclass
@@ -101,6 +104,8 @@ class TrackingSection:
     """MLflow tracking URI. Empty: MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db."""
     experiment: str = "elastic-gpt"
     enabled: bool = True
+    log_model: bool = True
+    """At the end of a finished run, log the model (HF format + mlflow.pytorch) to the run."""
 
 
 @dataclass
@@ -260,6 +265,14 @@ def validate(cfg: Config) -> None:
 def resolve_paths(cfg: Config, cwd: str | None = None) -> Config:
     """Make every local path absolute on the driver: Ray workers run in another directory."""
     cwd = cwd or os.getcwd()
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # inside `ray job submit`
+        relative = [k for k, v in (("data.path", cfg.data.path), ("checkpoint.path",
+                    cfg.checkpoint.path), ("run.storage_path", cfg.run.storage_path))
+                    if v and "://" not in v and not os.path.isabs(v)]
+        for key in relative:
+            log.warning("%s=%s is relative to the job's unpacked working dir, which is new at "
+                        "every submission; use an absolute path or a URL (docs/operations.md)",
+                        key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]))
     cfg.data.path = absolute_url(cfg.data.path, cwd)
     cfg.checkpoint.path = absolute_url(
         cfg.checkpoint.path or os.path.join("runs", cfg.run.name, "checkpoints"), cwd)

@@ -175,26 +175,16 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
 
     tracking.install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
-    run_info = store.read_run_info() or {}
-    existing = (latest.state.get("mlflow_run_id") if latest else None) or run_info.get("mlflow_run_id")
-    run_id = None
-    if cfg.tracking.enabled:
-        params = {**cfg.flat(), "model.n_params": _n_params(gpt_cfg),
-                  "data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens}
-        run_id = tracking.resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name,
-                                      existing, params,
-                                      resumed_from_step=latest.step if latest else None)
-        if run_id != run_info.get("mlflow_run_id"):
-            store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
-                                  "created_at": time.time()})
-    print(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
-          f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
-          f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
-          f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""),
-          flush=True)
+    # Ray before MLflow: an unreachable cluster must not leave an orphan RUNNING run behind.
     started_cluster = connect_ray(cfg)
-    tracking.log_cluster_shape(cfg.tracking.uri, run_id)
     try:
+        run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
+        print(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
+              f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
+              f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
+              f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""),
+              flush=True)
+        tracking.log_cluster_shape(cfg.tracking.uri, run_id)
         trainer = build_trainer(cfg, run_id)
         try:
             result = trainer.fit()
@@ -218,8 +208,29 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
         tracking.finish_run(cfg.tracking.uri, run_id, config_path=config_path,
                             finished=bool(final and final.step >= cfg.train.max_steps),
                             config=cfg.to_dict(), result_metrics=summary["metrics"],
-                            checkpoint_url=summary["checkpoint"], step=summary["step"])
+                            checkpoint_url=summary["checkpoint"], step=summary["step"],
+                            log_model=cfg.tracking.log_model)
     return summary
+
+
+def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:
+    """The run to continue (its id is stored with the checkpoints, C5) or a new one."""
+    from elastic_gpt import tracking
+
+    if not cfg.tracking.enabled:
+        return None
+    run_info = store.read_run_info() or {}
+    existing = (latest.state.get("mlflow_run_id") if latest else None) or \
+        run_info.get("mlflow_run_id")
+    params = {**cfg.flat(), "model.n_params": _n_params(gpt_cfg),
+              "data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens}
+    run_id = tracking.resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name,
+                                  existing, params,
+                                  resumed_from_step=latest.step if latest else None)
+    if run_id and run_id != run_info.get("mlflow_run_id"):
+        store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
+                              "created_at": time.time()})
+    return run_id
 
 
 def _n_params(gpt_cfg) -> int:
