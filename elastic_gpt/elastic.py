@@ -254,6 +254,12 @@ def make_policies(scaling_config, failure_config, run_key: str, max_failures_per
             kv_del(run_key, "resize")
             n = self._fit()
             if n < self.scaling_config.min_workers:
+                now = time.monotonic()
+                if now - getattr(self, "_warned_at", -1e9) > 30:
+                    self._warned_at = now
+                    log.warning("elastic-gpt: live capacity fits %d worker(s), fewer than "
+                                "scaling.min_workers=%d; waiting for nodes (or lower "
+                                "min_workers)", n, self.scaling_config.min_workers)
                 time.sleep(POLL_S)  # the controller loop calls again at once: don't spin
                 return NoopDecision()
             log.info("elastic-gpt: starting %d workers (live capacity)", n)

@@ -38,9 +38,11 @@ def ray_cluster():
     import ray
 
     if ray.is_initialized():
-        yield ray
-        return
-    ray.init(num_cpus=4, object_store_memory=120 << 20, include_dashboard=False,
+        if ray.cluster_resources().get("CPU", 0) >= 4:
+            yield ray
+            return
+        ray.shutdown()  # a smaller cluster left by another module: W=3 would never fit
+    ray.init(address="local", num_cpus=4, object_store_memory=120 << 20, include_dashboard=False,
              _temp_dir=os.path.join(os.environ["RAY_TMPDIR"], "train_tests"), log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -69,10 +69,10 @@ def s3():
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_local():
-    """A small local Ray instance shared by the data tests (starting one costs 10-40 s here),
-    stopped at the end of the session (only if this fixture started it)."""
+    """A small local Ray instance for a data test module, stopped at the module's end (only if
+    this fixture started it): other modules start clusters of other shapes."""
     import ray
 
     if ray.is_initialized():
