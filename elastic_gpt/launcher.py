@@ -175,10 +175,9 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
 
     tracking.install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
-    # Ray before MLflow: an unreachable cluster must not leave an orphan RUNNING run behind.
+    run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
     started_cluster = connect_ray(cfg)
     try:
-        run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
         print(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
               f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
               f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
