@@ -225,7 +225,6 @@ class SharedState:
 
     last_group_nodes: dict[str, int]
     last_group_pg: object | None = None
-    restarts: int = 0
 
 
 def make_policies(scaling_config, failure_config, run_key: str, max_failures_per_hour: float):
@@ -263,7 +262,6 @@ def make_policies(scaling_config, failure_config, run_key: str, max_failures_per
                 time.sleep(POLL_S)  # the controller loop calls again at once: don't spin
                 return NoopDecision()
             log.info("elastic-gpt: starting %d workers (live capacity)", n)
-            shared.restarts += 1
             return ResizeDecision(num_workers=n,
                                   resources_per_worker=self.scaling_config._resources_per_worker_not_none)
 

@@ -206,7 +206,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     if run_id:
         tracking.finish_run(cfg.tracking.uri, run_id, config_path=config_path,
                             finished=bool(final and final.step >= cfg.train.max_steps),
-                            config=cfg.to_dict(), result_metrics=summary["metrics"],
+                            config=cfg.to_dict(),
                             checkpoint_url=summary["checkpoint"], step=summary["step"],
                             log_model=cfg.tracking.log_model)
     return summary

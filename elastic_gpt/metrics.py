@@ -62,11 +62,6 @@ def measure_cpu_matmul_flops(threads: int, n: int = 512, seconds: float = 0.3) -
     return best
 
 
-def combine_fingerprints(parts) -> int:
-    """Order-independent: a sum mod 2^52 of per-sample hashes, so ranks can add theirs up."""
-    return int(sum(int(p) for p in parts) % FINGERPRINT_MOD)
-
-
 def split_fingerprint(fp: int) -> tuple[float, float]:
     """Two 26-bit halves: sums of a few of them stay exact in the float64 all-reduce."""
     return float(fp & ((1 << 26) - 1)), float(fp >> 26)

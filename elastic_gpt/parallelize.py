@@ -8,7 +8,6 @@ Nothing here knows about Ray; the device mesh is built by the caller from the pr
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -84,9 +83,3 @@ def init_sharded_weights(model: GPT, seed: int) -> None:
                 p.to_local().copy_(local.to_local())
             else:
                 p.copy_(full)
-
-
-def sharded_param_count(model: nn.Module) -> int:
-    """Elements of parameters held by this rank (the local shards of FSDP2's DTensors)."""
-    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-               for p in model.parameters())

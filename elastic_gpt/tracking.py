@@ -332,10 +332,6 @@ def environment_info() -> dict:
     return info
 
 
-def environment_tags() -> dict:  # kept for callers of the first version
-    return environment_info()
-
-
 def git_commit() -> str | None:
     """The code's commit: ELASTIC_GPT_GIT_COMMIT, `ray job submit --metadata-json
     '{"git_commit": ...}'`, the source checkout, or a `pip install git+...` record, in that order.
@@ -619,23 +615,6 @@ def log_goodput(uri: str, run_id: str, ledger: dict, step: int = 0) -> dict[str,
     return metrics
 
 
-def ledger_from_result(metrics: dict) -> tuple[dict, list[dict]]:
-    """The ledger and events the trainer reported (`goodput_*`/`ledger_*` keys, `events_json`)."""
-    ledger: dict = {}
-    for k, v in (metrics or {}).items():
-        for prefix in ("goodput_", "ledger_"):
-            if k.startswith(prefix):
-                ledger[k.removeprefix(prefix)] = v
-    events = []
-    raw = (metrics or {}).get("events_json")
-    if raw:
-        try:
-            events = list(json.loads(raw))
-        except ValueError:
-            pass
-    return ledger, events
-
-
 def ledger_from_checkpoint(checkpoint_url: str) -> tuple[dict, list[dict]]:
     """The ledger and events saved in a checkpoint's trainer state (Ray Train V2 keeps reported
     metrics only with reported checkpoints, so the run's result may not carry them)."""
@@ -653,7 +632,7 @@ def ledger_from_checkpoint(checkpoint_url: str) -> tuple[dict, list[dict]]:
 # ============================================================================ finishing
 
 def finish_run(uri: str, run_id: str, config_path: str | None = None, finished: bool = True, *,
-               config: dict | None = None, result_metrics: dict | None = None,
+               config: dict | None = None,
                checkpoint_url: str | None = None, step: int | None = None,
                log_model: bool = True) -> None:
     """Publish what a user looks for in the run, then close it (FINISHED, or KILLED if it
@@ -667,9 +646,8 @@ def finish_run(uri: str, run_id: str, config_path: str | None = None, finished: 
         return
     with bounded_http():
         client = _client(uri)
-        ledger, events = ledger_from_result(result_metrics or {})
-        if not ledger and checkpoint_url:
-            ledger, events = ledger_from_checkpoint(checkpoint_url)
+        # The ledger travels in the checkpoints: the newest one holds every attempt's events.
+        ledger, events = ledger_from_checkpoint(checkpoint_url) if checkpoint_url else ({}, [])
         parts = [
             ("config", lambda: _log_config(client, run_id, config_path, config)),
             ("goodput", lambda: ledger and log_goodput(uri, run_id, ledger, step or 0)),
