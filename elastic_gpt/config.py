@@ -65,6 +65,13 @@ class TrainSection:
     activation_checkpointing: bool = False
     compile: bool = False
     """torch.compile each transformer block (GPU; on CPU it costs minutes of compile time)."""
+    reshard_after_forward: str = "auto"
+    """always: free each block's gathered weights after forward and gather again in backward
+    (ZeRO-3, least memory); never: keep them into backward (one all-gather less per block and
+    micro-batch); auto: never while the gathered model fits in 1/8 of a worker's memory."""
+    grad_sync: str = "step"
+    """step: reduce-scatter gradients once per step, after the last micro-batch (fp32 gradients
+    accumulate unsharded); microbatch: after every micro-batch (sharded, more communication)."""
     seed: int = 0
     """Seeds weight init and dropout (dropout RNG is derived from (seed, step, micro-batch))."""
     log_every: int = 1
@@ -249,6 +256,11 @@ def validate(cfg: Config) -> None:
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
         raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps="
                          f"{t.max_steps}]")
+    if t.reshard_after_forward not in ("auto", "always", "never"):
+        raise ValueError(f"train.reshard_after_forward={t.reshard_after_forward!r} must be auto, "
+                         "always or never")
+    if t.grad_sync not in ("step", "microbatch"):
+        raise ValueError(f"train.grad_sync={t.grad_sync!r} must be step or microbatch")
     if t.dtype not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"train.dtype={t.dtype!r} must be auto, float32 or bfloat16")
     if str(s.use_gpu) not in ("auto", "True", "False"):

@@ -7,6 +7,8 @@ Nothing here knows about Ray; the device mesh is built by the caller from the pr
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
@@ -63,13 +65,41 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
     return model
 
 
+# `reshard_after_forward: auto` keeps the gathered weights when they take at most this share of
+# the device's memory. Keeping them removes L - 1 all-gathers per micro-batch (the backward
+# re-gather); on 2 CPU workers over gloo that was +18% tokens/s (docs/performance.md). ZeRO-3's
+# memory saving only matters when the gathered model is a large part of the memory.
+KEEP_GATHERED_MAX_FRACTION = 1 / 8
+
+
+def resolve_reshard_after_forward(policy: str, n_params: int, compute_dtype: torch.dtype,
+                                  device: torch.device) -> bool:
+    """always: ZeRO-3 (re-gather each block in backward); never: keep the gathered weights from
+    forward into backward (one all-gather per block per micro-batch); auto: never while the
+    gathered weights fit in KEEP_GATHERED_MAX_FRACTION of the device's memory."""
+    if policy in ("always", "never"):
+        return policy == "always"
+    gathered = n_params * compute_dtype.itemsize
+    return gathered > KEEP_GATHERED_MAX_FRACTION * device_memory_bytes(device)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory one worker may count on: its GPU's, or on CPU the host's shared by the workers
+    of this node (Ray Train sets LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
-                activation_checkpointing: bool = False, compile: bool = False) -> GPT:
+                activation_checkpointing: bool = False, compile: bool = False,
+                reshard_after_forward: bool = True) -> GPT:
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    return apply_fsdp(model, mesh, compute_dtype)
+    return apply_fsdp(model, mesh, compute_dtype, reshard_after_forward=reshard_after_forward)
 
 
 def init_sharded_weights(model: GPT, seed: int) -> None:

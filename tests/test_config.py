@@ -37,6 +37,9 @@ def test_file_then_overrides():
     (["model.preset=gpt5"], "model.preset='gpt5' is unknown"),
     (["data.path="], "data.path is empty"),
     (["train.dtype=fp8"], "train.dtype='fp8' must be auto, float32 or bfloat16"),
+    (["train.reshard_after_forward=sometimes"],
+     "train.reshard_after_forward='sometimes' must be auto, always or never"),
+    (["train.grad_sync=never"], "train.grad_sync='never' must be step or microbatch"),
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ValueError) as e:

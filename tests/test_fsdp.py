@@ -1,6 +1,7 @@
 """FSDP2 data parallelism (C1) with real gloo process groups: the loss and the full gradient of a
 step are the same at W=1, 2 and 4 (4 divides the 6 micro-batches unevenly: 2, 2, 1, 1 with a
-zero-weight repeat), and accumulating 6 micro-batches equals one batch of 12."""
+zero-weight repeat), and accumulating 6 micro-batches equals one batch of 12, with every
+reshard_after_forward / grad_sync choice."""
 
 from __future__ import annotations
 
@@ -45,11 +46,11 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
         dist.destroy_process_group()
 
 
-def run(world: int, micro_batch: int, data: str, tmp_path) -> dict:
+def run(world: int, micro_batch: int, data: str, tmp_path, extra: tuple[str, ...] = ()) -> dict:
     out = str(tmp_path / f"w{world}-m{micro_batch}.pt")
     overrides = ["model.preset=tiny", f"data.path={data}", "train.global_batch_size=12",
                  f"train.micro_batch_size={micro_batch}", f"scaling.max_workers={world}",
-                 "scaling.min_workers=1", "checkpoint.path=" + str(tmp_path / "unused")]
+                 "scaling.min_workers=1", "checkpoint.path=" + str(tmp_path / "unused"), *extra]
     mp.start_processes(_worker, args=(world, _free_port(), overrides, out), nprocs=world,
                        start_method="spawn")
     return torch.load(out, weights_only=True)
@@ -60,9 +61,17 @@ def single(stdlib_dataset, tmp_path_factory):
     return run(1, 2, stdlib_dataset, tmp_path_factory.mktemp("w1"))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_data_parallel_step_equals_single_process(single, world, stdlib_dataset, tmp_path):
-    got = run(world, 2, stdlib_dataset, tmp_path)
+# auto resolves to never for this model (the gathered weights keep across micro-batches); always is
+# ZeRO-3's re-gather in backward; microbatch reduce-scatters after every micro-batch.
+@pytest.mark.parametrize("world,extra", [
+    (2, ()),
+    (4, ()),
+    (2, ("train.reshard_after_forward=always",)),
+    (4, ("train.reshard_after_forward=always", "train.grad_sync=microbatch")),
+    (2, ("train.reshard_after_forward=never", "train.grad_sync=microbatch")),
+])
+def test_data_parallel_step_equals_single_process(single, world, extra, stdlib_dataset, tmp_path):
+    got = run(world, 2, stdlib_dataset, tmp_path, extra)
     torch.testing.assert_close(got["loss"], single["loss"], rtol=1e-6, atol=1e-6)
     assert got["grads"].keys() == single["grads"].keys()
     for name, g in single["grads"].items():

@@ -5,6 +5,7 @@ through FSDP2 (gloo, W=1) whose loss matches fp32."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -23,6 +24,7 @@ from elastic_gpt.parallelize import (
     mixed_precision_policy,
     parallelize,
     resolve_dtype,
+    resolve_reshard_after_forward,
 )
 
 SMALL = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
@@ -57,6 +59,35 @@ def test_resolve_dtype_picks_bf16_only_on_cuda():
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
+
+
+def test_reshard_after_forward_auto_keeps_the_gathered_model_only_while_it_is_small(monkeypatch):
+    cpu, gib = torch.device("cpu"), 1 << 30
+    assert resolve_reshard_after_forward("always", 10, torch.float32, cpu) is True
+    assert resolve_reshard_after_forward("never", 10**12, torch.float32, cpu) is False
+    # The GPU's memory: a stand-in for torch.cuda, which this machine lacks (80 GiB, an H100).
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": 80 * gib})())
+    h100 = torch.device("cuda", 0)
+    assert resolve_reshard_after_forward("auto", 1_300_000_000, torch.bfloat16, h100) is False
+    assert resolve_reshard_after_forward("auto", 7_000_000_000, torch.bfloat16, h100) is True
+    # On CPU the host's memory is shared by the workers of the node.
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    n = host // 4 // 10  # fp32 gathered model = 1/10 of the host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert resolve_reshard_after_forward("auto", n, torch.float32, cpu) is False
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_reshard_after_forward("auto", n, torch.float32, cpu) is True
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_blocks_reshard_after_forward_as_asked_and_the_root_never(world1, reshard):
+    model = _sharded(SMALL, world1, torch.float32, reshard_after_forward=reshard)
+    model(torch.zeros(1, SMALL.seq_len, dtype=torch.long))  # FSDP settles the root's policy here
+    groups = [b._get_fsdp_state()._fsdp_param_group for b in model.h]
+    # The last block's weights are the first backward needs: never freed in between.
+    assert [g.post_forward_mesh_info is not None for g in groups] == [reshard] * 2 + [False]
+    assert model._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
 
 
 def test_mixed_precision_policy_computes_in_bf16_and_reduces_in_fp32():
