@@ -164,11 +164,13 @@ def rank_samples(order: SampleOrder, plan: BatchPlan, rank: int, world_size: int
 
 
 def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, plan: BatchPlan,
-                  rank: int, world_size: int) -> StepBatch:
+                  rank: int, world_size: int, pin_memory: bool = False) -> StepBatch:
     """StepBatch from the rank's records (in rank_samples order) and their hashes."""
     n_real = len(plan.rank_micro_batches(rank, world_size))
     m = plan.micro_batch_size
     wide = torch.from_numpy(np.ascontiguousarray(records, dtype=np.int64))
+    if pin_memory:  # page-locked: the copy to the GPU is a real async DMA, not a staged memcpy
+        wide = wide.pin_memory()
     tokens = [wide[i * m:(i + 1) * m] for i in range(n_real)]
     weights = [1.0] * n_real
     for _ in range(plan.slots(world_size) - n_real):
@@ -184,7 +186,8 @@ class StepStream:
 
     def __init__(self, manifest: Manifest, *, plan: BatchPlan, rank: int, world_size: int,
                  start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
-                 prefetch_steps: int = 4, storage_options: dict | None = None):
+                 prefetch_steps: int = 4, storage_options: dict | None = None,
+                 pin_memory: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if plan.num_micro_batches < world_size:
@@ -194,6 +197,7 @@ class StepStream:
         self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
         self.reader = ShardReader(manifest, storage_options)
         self.next_step = start_step
+        self.pin_memory = pin_memory
         self._stop = threading.Event()
         self._thread = None
         if prefetch_steps > 0:  # 0: build each step in __next__ (debugging, exact byte counts)
@@ -210,7 +214,8 @@ class StepStream:
         """Read and assemble one step's batch for this rank (what the thread runs)."""
         samples = rank_samples(self.order, self.plan, self.rank, self.world_size, step)
         records, hashes = self.reader.read(samples)
-        return assemble_step(step, records, hashes, self.plan, self.rank, self.world_size)
+        return assemble_step(step, records, hashes, self.plan, self.rank, self.world_size,
+                             self.pin_memory)
 
     def _produce(self, step: int) -> None:
         while not self._stop.is_set():
@@ -273,17 +278,23 @@ class StepStream:
 def open_step_stream(data_url: str, *, plan: BatchPlan, rank: int, world_size: int,
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                      prefetch_steps: int = 4, storage_options: dict | None = None,
-                     engine: str = "thread") -> StepStream:
+                     engine: str = "thread", pin_memory: bool = False) -> StepStream:
     """Open rank `rank`'s stream of step batches from `start_step` on (C1 + C2).
     engine "thread" (default): ranged reads in a prefetch thread of this process;
-    "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream)."""
+    "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream).
+    pin_memory: batches in page-locked memory (CUDA training; the thread engine pins them
+    while prefetching, off the training thread)."""
     manifest = load_manifest(data_url, storage_options)
     if engine not in ("thread", "ray_data"):
         raise ValueError(f"data engine must be 'thread' or 'ray_data', got {engine!r}")
-    cls = RayDataStepStream if engine == "ray_data" else StepStream
-    return cls(manifest, plan=plan, rank=rank, world_size=world_size,
+    if engine == "ray_data":
+        return RayDataStepStream(manifest, plan=plan, rank=rank, world_size=world_size,
+                                 start_step=start_step, seed=seed, shuffle_window=shuffle_window,
+                                 prefetch_steps=prefetch_steps, storage_options=storage_options)
+    return StepStream(manifest, plan=plan, rank=rank, world_size=world_size,
                       start_step=start_step, seed=seed, shuffle_window=shuffle_window,
-                      prefetch_steps=prefetch_steps, storage_options=storage_options)
+                      prefetch_steps=prefetch_steps, storage_options=storage_options,
+                      pin_memory=pin_memory)
 
 
 def read_shard_stream(manifest: Manifest, k: int, storage_options: dict | None = None

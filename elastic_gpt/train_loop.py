@@ -305,7 +305,7 @@ class Trainer:
         stream = open_step_stream(
             cfg.data.path, plan=self.plan, rank=self.rank, world_size=self.world_size,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
-            prefetch_steps=cfg.data.prefetch_steps)
+            prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
         last = None
         try:

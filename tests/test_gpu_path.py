@@ -223,3 +223,20 @@ def test_trainer_on_cpu_is_fused_and_autocasts_only_for_bf16(trainers, stdlib_da
     assert all(map(torch.isfinite, map(torch.tensor, losses.values())))
     # The same batch and weights: bf16 compute shifts the loss by bf16 rounding only.
     assert abs(losses["bfloat16"] - losses["float32"]) < 0.02 * losses["float32"], losses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_batches_for_a_gpu_arrive_pinned(stdlib_dataset):
+    from data_pipelines.order import BatchPlan
+    from data_pipelines.stream import open_step_stream
+    with open_step_stream(stdlib_dataset, plan=BatchPlan(4, 2), rank=0, world_size=1,
+                          start_step=0, seed=1, pin_memory=True) as stream:
+        assert all(t.is_pinned() for t in next(stream).tokens)
+
+
+def test_batches_for_the_cpu_are_not_pinned(stdlib_dataset):
+    from data_pipelines.order import BatchPlan
+    from data_pipelines.stream import open_step_stream
+    with open_step_stream(stdlib_dataset, plan=BatchPlan(4, 2), rank=0, world_size=1,
+                          start_step=0, seed=1) as stream:
+        assert not any(t.is_pinned() for t in next(stream).tokens)
