@@ -2,7 +2,11 @@
 
     .venv/bin/python bench/bench_trainer.py [--repeats 2] [--steps 10] [--json out.json]
 
-Each repeat runs, back to back on the same cores:
+`--part scaling` runs W=1 and W=2 of the real Trainer in plain processes over gloo (no Ray: the
+trainer's own data-parallel efficiency), and two plain loops side by side vs one (the ceiling
+this machine's shared memory and caches leave for 2 workers).
+
+`--part ray` (the default): each repeat runs, back to back on the same cores:
   plain   (before and after the two Ray runs) a single-process PyTorch loop: the same GPT,
           batch, micro-batches, AdamW param groups,
           grad clipping and thread count, batches read into memory before the clock starts
@@ -138,6 +142,75 @@ def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
             "overhead_ratio_wall": m["plain_wall"] / m["trainer_wall"]}
 
 
+def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, warmup: int,
+                    mode: str, out: str) -> None:
+    """One process of the in-process scaling part: the real Trainer over a gloo group of `world`
+    processes (mode "trainer"), or the plain loop alone in its process (mode "plain")."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    if mode == "plain":
+        times = plain_loop(data, steps, 1, warmup)
+        json.dump({"wall": times}, open(f"{out}.{rank}", "w"))
+        return
+    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.config import load_config
+    from elastic_gpt.train_loop import Trainer
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        cfg = load_config(_TINY, [
+            f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
+            f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
+            "scaling.cpus_per_worker=1", "scaling.min_workers=1", f"scaling.max_workers={world}",
+            "checkpoint.path=/nonexistent-unused"])
+        trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
+        stream = open_step_stream(data, plan=trainer.plan, rank=rank, world_size=world,
+                                  start_step=0, seed=cfg.data.seed)
+        wall, cpu = [], []
+        for _ in range(steps):
+            w0, c0 = time.perf_counter(), time.process_time()
+            trainer.train_step(next(stream))
+            trainer.step += 1
+            wall.append(time.perf_counter() - w0)
+            cpu.append(time.process_time() - c0)
+        stream.close()
+        json.dump({"wall": wall[warmup:], "cpu": cpu[warmup:],
+                   "setup": trainer.setup_line()}, open(f"{out}.{rank}", "w"))
+    finally:
+        dist.destroy_process_group()
+
+
+def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: str) -> dict:
+    """W=2 vs W=1 with the real Trainer in plain processes (no Ray), and the machine's own ceiling:
+    two plain loops side by side vs one. Repeats alternate W=1 and W=2, so load drift hits both."""
+    import torch.multiprocessing as mp
+    rows = []
+    for r in range(repeats):
+        row = {}
+        for name, world, mode in (("w1", 1, "trainer"), ("w2", 2, "trainer"),
+                                  ("plain1", 1, "plain"), ("plain2", 2, "plain")):
+            out = os.path.join(work, f"scaling-{name}-{r}.json")
+            mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
+                               args=(world, _free_port(), data, steps, warmup, mode, out))
+            per_rank = [json.load(open(f"{out}.{k}")) for k in range(world)]
+            row[f"{name}_step_s"] = max(median(p["wall"]) for p in per_rank)
+            if mode == "trainer":
+                row[f"{name}_cpu_s"] = median(per_rank[0]["cpu"])
+                row["setup_" + name] = per_rank[0]["setup"]
+        # Tokens/s ratios: W=2 does the same global batch per step as W=1. Two plain loops each do
+        # a full step, so their aggregate throughput is 2 / step time.
+        row["scaling_ratio"] = row["w1_step_s"] / row["w2_step_s"]
+        row["ceiling_ratio"] = 2 * row["plain1_step_s"] / row["plain2_step_s"]
+        print(f"[bench_trainer] scaling repeat {r + 1}/{repeats}: " + ", ".join(
+            f"{k}={v:.3g}" for k, v in row.items() if not k.startswith("setup")), flush=True)
+        rows.append(row)
+    keys = [k for k in rows[0] if not k.startswith("setup")]
+    m = {k: median(row[k] for row in rows) for k in keys}
+    return {"repeats": rows, **m, "setup_w2": rows[0]["setup_w2"],
+            "w1_tokens_per_s": G * 256 / m["w1_step_s"], "w2_tokens_per_s": G * 256 / m["w2_step_s"]}
+
+
 def trainer_run(data: str, root: str, name: str, workers: int, steps: int, warmup: int) -> dict:
     """One elastic-gpt run; per-step reported step time and wall time between step records."""
     import mlflow
@@ -267,7 +340,7 @@ def _free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["interleaved", "ray"], default="ray")
+    ap.add_argument("--part", choices=["interleaved", "scaling", "ray"], default="ray")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved: alternations")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
@@ -283,6 +356,14 @@ def main() -> None:
                    mfu_plain_cpu=G * 256 / res["plain_cpu_s"] * _fpt() / peak_cpu,
                    mfu_trainer_cpu=G * 256 / res["trainer_cpu_s"] * _fpt() / peak_cpu)
         print({k: v for k, v in res.items() if k != "steps"})
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    if args.part == "scaling":
+        res = scaling_inprocess(prepare_dataset(work), args.repeats, args.steps, args.warmup, work)
+        print(f"scaling_ratio {res['scaling_ratio']:.3f} (machine ceiling "
+              f"{res['ceiling_ratio']:.3f}); {res['setup_w2']}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)

@@ -7,6 +7,8 @@ other on the same cores, so the ratios inside a part are measured side by side:
 
   overhead (in-process)  Trainer.train_step (FSDP2 W=1, real data stream) vs a plain PyTorch loop,
                          alternating in one process; CPU time and wall time per step
+  scaling (in-process)   the Trainer at W=2 vs W=1 in plain processes over gloo, and two plain
+                         loops vs one (the ceiling of 2 workers on this machine)
   overhead + scaling     elastic-gpt through Ray Train: W=1 vs the plain loop, W=2 vs W=1 (wall)
   checkpoint stall       async vs sync save blocking time, tokens/s dip while a save is in flight
   MFU                    model FLOP/s vs the measured fp32 matmul peak of the same cores
@@ -83,6 +85,10 @@ def main() -> None:
         "overhead (in-process, interleaved)",
         ["bench/bench_trainer.py", "--part", "interleaved", "--rounds", "2" if q else "4",
          "--workdir", work], f"{work}/inproc.json", 900)
+    results["scaling_inprocess"] = run_part(
+        "scaling (in-process, no Ray)",
+        ["bench/bench_trainer.py", "--part", "scaling", "--repeats", "1" if q else "2",
+         "--steps", "8" if q else "10", "--workdir", work], f"{work}/scaling.json", 900)
     if not args.skip_ray:
         results["ray"] = run_part(
             "overhead + scaling (Ray Train)",
@@ -116,6 +122,15 @@ def print_table(r: dict) -> None:
             ("MFU plain loop (CPU time, 1 thread)", ip["mfu_plain_cpu"], "",
              f"peak {ip['peak_1thread_cpu_time_flops'] / 1e9:.0f} GFLOP/s per CPU-second"),
             ("MFU elastic-gpt W=1 (CPU time)", ip["mfu_trainer_cpu"], "", ""),
+        ]
+    sc = r.get("scaling_inprocess", {})
+    if sc.get("_meta", {}).get("ok"):
+        rows += [
+            ("scaling 2x1 vs 1x1 workers, wall (no Ray)", sc["scaling_ratio"], ">= 1.6",
+             f"{sc['w2_tokens_per_s']:.0f} vs {sc['w1_tokens_per_s']:.0f} tok/s; CPU/step per "
+             f"worker {sc['w2_cpu_s']:.2f} s vs {sc['w1_cpu_s']:.2f} s"),
+            ("  machine ceiling: 2 plain loops vs 1", sc["ceiling_ratio"], "",
+             f"{sc['plain2_step_s']:.2f} s vs {sc['plain1_step_s']:.2f} s per step"),
         ]
     ray = r.get("ray", {})
     if ray.get("_meta", {}).get("ok"):
@@ -152,7 +167,7 @@ def print_table(r: dict) -> None:
     for name, value, target, detail in rows:
         v = "n/a" if value is None else f"{value:8.3f}"
         print(f"{name:44s} {v:>8s} {target:>8s}  {detail}")
-    for k in ("overhead_inprocess", "ray", "checkpoint", "data", "recovery"):
+    for k in ("overhead_inprocess", "scaling_inprocess", "ray", "checkpoint", "data", "recovery"):
         if k in r:
             m = r[k]["_meta"]
             print(f"  [{k}: {'ok' if m['ok'] else 'FAILED'}, {m['seconds']} s, load average "
