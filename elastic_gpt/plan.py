@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -119,8 +120,9 @@ class Memory:
     sharded_state: float
     """fp32 params + fp32 grads + Adam m, v: 16 bytes/param / N."""
     gathered_params: float
-    """Unsharded compute-dtype params in flight (root + current and prefetched block) and one
-    block's unsharded grads + fp32 reduce-scatter buffer."""
+    """Unsharded compute-dtype params (root + current and prefetched block with ZeRO-3; root +
+    every block when blocks stay gathered) and one block's unsharded grads + fp32 reduce-scatter
+    buffer."""
     accumulated_grads: float
     """Unsharded fp32 grads kept across micro-batches when reducing once per step (no_sync)."""
     activations: float
@@ -137,17 +139,25 @@ class Memory:
 def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                    activation_checkpointing: bool, dtype: str = "bfloat16",
                    grad_sync: str = "microbatch", micro_batches_per_rank: int = 1,
+                   reshard_after_forward: bool = True,
                    context_bytes: float = 1.0 * GiB, fragmentation: float = 0.05,
                    flash: bool = True) -> Memory:
-    """Peak memory of one FSDP2 rank (ZeRO-3, reshard_after_forward=True, one unit per block)."""
+    """Peak memory of one FSDP2 rank (one unit per block, then the root).
+
+    reshard_after_forward=True is ZeRO-3: a block's gathered params are freed after its forward
+    and gathered again in backward. False (the trainer's `never`) keeps every block gathered from
+    the first forward to the last backward of a step: + (L - 2) blocks in the compute dtype.
+    """
     cfg, pb = shape.cfg, _dtype_bytes(dtype)
     s, b, h, L = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_layer
     sharded = OPTIMIZER_BYTES_PER_PARAM * shape.params / n_gpus
     # The root stays gathered through forward and backward (FSDP2 never reshards the root after
     # forward) and its grads (wte is tied, so from the lm_head on) live until the end of backward.
-    # Blocks: current + prefetched params, plus in backward one block's grads in compute dtype and
-    # their fp32 copy in the reduce-scatter buffer.
-    gathered = shape.root_params * (pb + pb + FP32) + shape.block_params * (2 * pb + pb + FP32)
+    # Blocks: current + prefetched params (ZeRO-3) or all L of them (kept gathered), plus in
+    # backward one block's grads in compute dtype and their fp32 copy in the reduce-scatter buffer.
+    held_blocks = min(2, L) if reshard_after_forward else L
+    gathered = (shape.root_params * (pb + pb + FP32)
+                + shape.block_params * (held_blocks * pb + pb + FP32))
     accumulated = (FP32 * shape.params if grad_sync == "step" and micro_batches_per_rank > 1
                    else 0.0)
     per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=flash,
@@ -239,6 +249,11 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     backward. Exposed per block = max(0, comm - compute); the first gathers (root + block 0) of a
     micro-batch and the last reduce-scatters (block 0 + root) of a synced backward hide under
     nothing. Collectives share one network, so concurrent ones add up.
+
+    reshard_after_forward=True (ZeRO-3): every micro-batch gathers root + L blocks in forward and
+    L - 1 blocks again in backward (the last block is not resharded). False (the trainer's
+    `never`, which also keeps the weights gathered between micro-batches): root + L blocks are
+    gathered once per step, in the first micro-batch's forward, and never in backward.
     """
     cfg, pb, L, k = shape.cfg, _dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
     flops_s = gpu.peak_flops * efficiency
@@ -263,18 +278,20 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
 
     fwd_comm = ag_root + L * ag_blk
     fwd_exposed = ag_root + ag_blk + (L - 1) * max(0.0, ag_blk - fwd_blk)
+    n_fwd_gathers = k if reshard_after_forward else 1  # kept gathered: only the first micro-batch
     n_sync = k if grad_sync == "microbatch" else 1
     sync_comm, sync_exposed = backward_exposed(True)
     nosync_comm, nosync_exposed = backward_exposed(False)
-    comm_s = k * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
-    exposed_s = k * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
+    comm_s = n_fwd_gathers * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
+    exposed_s = n_fwd_gathers * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
 
     # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
     optimizer_s = 32 * shape.params / n_gpus / (0.7 * gpu.hbm_gbps * GB)
-    gather_elems = shape.root_params + (L + regathers) * shape.block_params
+    gather_elems = (n_fwd_gathers * (shape.root_params + L * shape.block_params)
+                    + k * regathers * shape.block_params)
     return StepTime(compute_s=k * compute_mb, comm_s=comm_s, exposed_comm_s=exposed_s,
                     optimizer_s=optimizer_s,
-                    all_gather_bytes=k * ring_bytes(pb * gather_elems, n_gpus),
+                    all_gather_bytes=ring_bytes(pb * gather_elems, n_gpus),
                     reduce_scatter_bytes=n_sync * ring_bytes(FP32 * shape.params, n_gpus))
 
 
@@ -375,6 +392,10 @@ class PlanInputs:
     grad_sync: str = "auto"
     """microbatch: reduce-scatter every micro-batch; step: once per step (no_sync, holds unsharded
     fp32 grads); auto: the faster that fits."""
+    reshard_after_forward: str = "auto"
+    """always: ZeRO-3, blocks re-gathered in backward and every micro-batch; never: every block
+    stays gathered for the whole step (one all-gather per block per step, L blocks in memory);
+    auto: the faster that fits."""
     dtype: str = "bfloat16"
     memory_margin: float = 0.10
     """Fraction of GPU memory left free on purpose (spikes, allocator rounding)."""
@@ -407,6 +428,13 @@ class Candidate:
     micro_batches_per_rank: int
     memory: Memory
     step: StepTime
+    reshard_after_forward: bool = True
+    """True: ZeRO-3 (the trainer's `always`); False: blocks stay gathered (`never`)."""
+
+    @property
+    def reshard_policy(self) -> str:
+        """The value of the trainer's `train.reshard_after_forward` that runs this candidate."""
+        return "always" if self.reshard_after_forward else "never"
 
 
 @dataclass
@@ -489,9 +517,12 @@ def plan_training(inputs: PlanInputs) -> Plan:
     if not fitting:
         raise PlanError(_what_would_fit(p, name, shape, gpu, G))
     if p.achieved_flops_per_gpu:  # measured throughput: pick the largest micro-batch that fits
-        chosen = max(fitting, key=lambda c: (c.micro_batch, not c.activation_checkpointing))
+        # (then the modelled-faster grad sync and resharding: the measured figure does not say)
+        chosen = max(fitting, key=lambda c: (c.micro_batch, not c.activation_checkpointing,
+                                             -c.step.step_s, -c.memory.total))
     else:
-        chosen = min(fitting, key=lambda c: (c.step.step_s, -c.micro_batch))
+        # Ties (one GPU: no communication to save) go to the smaller footprint.
+        chosen = min(fitting, key=lambda c: (c.step.step_s, -c.micro_batch, c.memory.total))
 
     max_mb = {ckpt: max((c.micro_batch for c in fitting if c.activation_checkpointing == ckpt),
                         default=0) for ckpt in (False, True)}
@@ -499,6 +530,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
                                   activation_checkpointing=ckpt, dtype=p.dtype,
                                   grad_sync=chosen.grad_sync,
                                   micro_batches_per_rank=chosen.micro_batches_per_rank,
+                                  reshard_after_forward=chosen.reshard_after_forward,
                                   context_bytes=p.context_gib * GiB,
                                   fragmentation=p.fragmentation) for ckpt in (False, True)}
 
@@ -532,6 +564,16 @@ def plan_training(inputs: PlanInputs) -> Plan:
     if nodes > 1:
         notes.append(f"{nodes} nodes: collectives run at the inter-node bandwidth "
                      f"({net.bus_gbps(p.n_gpus):.0f} GB/s)")
+    kept = next((c for c in candidates if not c.reshard_after_forward
+                 and (c.micro_batch, c.activation_checkpointing, c.grad_sync)
+                 == (chosen.micro_batch, chosen.activation_checkpointing, chosen.grad_sync)), None)
+    if chosen.reshard_after_forward and kept is not None and kept.memory.total > usable:
+        saving = chosen.step.step_s - kept.step.step_s
+        notes.append(f"reshard_after_forward=always (ZeRO-3): keeping every block gathered "
+                     f"(never) would need {kept.memory.total / GiB:.1f} GiB per GPU, more than "
+                     f"the {usable / GiB:.1f} usable"
+                     + (f"; it would save {saving:.3f} s/step" if saving > 0
+                        and not p.achieved_flops_per_gpu else ""))
     plan = Plan(
         model_name=name, cfg=cfg, shape=shape, gpu=gpu, n_gpus=p.n_gpus, nodes=nodes,
         global_batch_size=G, tokens=tokens, usable_bytes=usable, chosen=chosen,
@@ -592,36 +634,52 @@ def _candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, n_gpus
     if p.grad_sync not in ("auto", "microbatch", "step"):
         raise PlanError(f"--grad-sync={p.grad_sync!r} must be auto, microbatch or step")
     syncs = ["microbatch", "step"] if p.grad_sync == "auto" else [p.grad_sync]
+    reshards = _reshard_choices(p)
     out = []
     for mb in _micro_batch_sizes(p, G, n_gpus):
         k = BatchPlan(G, mb).slots(n_gpus)
-        for ckpt in ckpts:
-            for sync in syncs:
-                mem = memory_per_gpu(shape, n_gpus, mb, activation_checkpointing=ckpt,
-                                     dtype=p.dtype, grad_sync=sync, micro_batches_per_rank=k,
-                                     context_bytes=p.context_gib * GiB,
-                                     fragmentation=p.fragmentation)
-                st = step_time(shape, gpu, net, n_gpus, mb, k, activation_checkpointing=ckpt,
-                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency)
-                out.append(Candidate(mb, ckpt, sync, k, mem, st))
+        for ckpt, sync, reshard in itertools.product(ckpts, syncs, reshards):
+            mem = memory_per_gpu(shape, n_gpus, mb, activation_checkpointing=ckpt, dtype=p.dtype,
+                                 grad_sync=sync, micro_batches_per_rank=k,
+                                 reshard_after_forward=reshard,
+                                 context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
+            st = step_time(shape, gpu, net, n_gpus, mb, k, activation_checkpointing=ckpt,
+                           dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                           reshard_after_forward=reshard)
+            out.append(Candidate(mb, ckpt, sync, k, mem, st, reshard))
     return out
+
+
+def _reshard_choices(p: PlanInputs) -> list[bool]:
+    if p.reshard_after_forward not in ("auto", "always", "never"):
+        raise PlanError(f"--reshard-after-forward={p.reshard_after_forward!r} must be auto, "
+                        "always or never")
+    return {"auto": [True, False], "always": [True], "never": [False]}[p.reshard_after_forward]
 
 
 def _floor_fits(p: PlanInputs, shape: ModelShape, n_gpus: int, usable: float) -> bool:
     """Does micro-batch 1 with checkpointing (the smallest footprint) fit on n_gpus?"""
-    mem = memory_per_gpu(shape, n_gpus, 1, activation_checkpointing=True, dtype=p.dtype,
-                         context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
-    return mem.total <= usable
+    return _floor_memory(p, shape, n_gpus).total <= usable
+
+
+def _floor_memory(p: PlanInputs, shape: ModelShape, n_gpus: int) -> Memory:
+    """Micro-batch 1, checkpointing, reduce per micro-batch, and ZeRO-3 unless `never` is forced."""
+    return memory_per_gpu(shape, n_gpus, 1, activation_checkpointing=True, dtype=p.dtype,
+                          reshard_after_forward=p.reshard_after_forward != "never",
+                          context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
 
 
 def _min_workers(p: PlanInputs, shape: ModelShape, c: Candidate, usable: float, G: int) -> int:
-    """Fewest workers at which the chosen micro-batch and checkpointing still fit: the elastic floor.
-    Fewer workers means more micro-batches per worker but the same activations per micro-batch."""
+    """Fewest workers at which the chosen micro-batch, checkpointing, grad sync and resharding
+    still fit: the elastic floor (the written config fixes all four, so a smaller group runs them
+    too). Fewer workers means more micro-batches per worker but the same activations per
+    micro-batch."""
     for w in range(1, p.n_gpus + 1):
         k = BatchPlan(G, c.micro_batch).slots(w)
         mem = memory_per_gpu(shape, w, c.micro_batch,
                              activation_checkpointing=c.activation_checkpointing, dtype=p.dtype,
                              grad_sync=c.grad_sync, micro_batches_per_rank=k,
+                             reshard_after_forward=c.reshard_after_forward,
                              context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
         if mem.total <= usable:
             return w
@@ -630,12 +688,16 @@ def _min_workers(p: PlanInputs, shape: ModelShape, c: Candidate, usable: float, 
 
 def _what_would_fit(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, G: int) -> str:
     usable = gpu.memory_bytes * (1 - p.memory_margin)
-    need = memory_per_gpu(shape, p.n_gpus, 1, activation_checkpointing=True, dtype=p.dtype,
-                          context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
+    need = _floor_memory(p, shape, p.n_gpus)
+    forced = " and every block kept gathered" if p.reshard_after_forward == "never" else ""
     head = (f"{name} ({shape.params / 1e9:.2f}B params) does not fit on {p.n_gpus} x {gpu.name} "
-            f"even at micro-batch 1 with activation checkpointing (needs "
+            f"even at micro-batch 1 with activation checkpointing{forced} (needs "
             f"{need.total / GiB:.1f} GiB per GPU, {usable / GiB:.1f} GiB usable)")
     options = []
+    if forced and _floor_fits(dataclasses.replace(p, reshard_after_forward="always"), shape,
+                              p.n_gpus, usable):
+        options.append("--reshard-after-forward always (train.reshard_after_forward: always, "
+                       "ZeRO-3)")
     more = _fewest_gpus(p, shape, p.n_gpus, usable)
     if more is not None:
         options.append(f"at least {more} x {gpu.name}"
@@ -694,6 +756,7 @@ def training_config(plan: Plan) -> dict:
         "train": {"global_batch_size": plan.global_batch_size, "micro_batch_size": c.micro_batch,
                   "max_steps": plan.max_steps, "lr": plan.lr, "warmup_steps": plan.warmup_steps,
                   "activation_checkpointing": c.activation_checkpointing,
+                  "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
                   "dtype": "float32" if _dtype_bytes(plan.dtype) == 4 else "bfloat16"},
         "scaling": {"min_workers": plan.min_workers, "max_workers": plan.n_gpus, "use_gpu": True},
         "checkpoint": {"every_steps": plan.reliability.every_steps},
@@ -718,12 +781,15 @@ def format_report(plan: Plan) -> str:
         f"batch     {plan.global_batch_size} seqs x {cfg.seq_len} = {tok:,} tokens/step; "
         f"micro-batch {c.micro_batch}, {c.micro_batches_per_rank} per worker per step, "
         f"activation checkpointing {'on' if c.activation_checkpointing else 'off'}, "
-        f"grads reduced per {c.grad_sync}",
+        f"grads reduced per {c.grad_sync}, reshard_after_forward={c.reshard_policy}",
         "",
-        "memory per GPU (FSDP2 / ZeRO-3)",
+        ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward)"
+         if c.reshard_after_forward else
+         "memory per GPU (FSDP2, blocks kept gathered through the step)"),
         *(f"  {label:<50s}{value}" for label, value in [
             (f"params+grads+Adam, sharded (16 B/param / {plan.n_gpus})", gib(m.sharded_state)),
-            ("gathered blocks + root in flight", gib(m.gathered_params)),
+            ("gathered blocks + root in flight" if c.reshard_after_forward else
+             f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
             ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads)),
             ("activations, checkpointing off / on",
              f"{gib(plan.memory_at_chosen[False].activations)} / "
@@ -813,6 +879,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--micro-batch-size", type=int, help="force one (default: fastest that fits)")
     t.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto")
     t.add_argument("--grad-sync", choices=["auto", "microbatch", "step"], default="auto")
+    t.add_argument("--reshard-after-forward", choices=["auto", "always", "never"],
+                   default="auto", help="always: ZeRO-3; never: keep every block gathered for "
+                   "the step (one all-gather per block per step); auto: the faster that fits")
     t.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     h = parser.add_argument_group("hardware")
     h.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
@@ -860,7 +929,8 @@ def inputs_from_args(args) -> PlanInputs:
         inter_node_gbps=args.inter_node_bw, efficiency=args.efficiency,
         achieved_flops_per_gpu=args.achieved_tflops * 1e12 if args.achieved_tflops else None,
         micro_batch_size=args.micro_batch_size, activation_checkpointing=ckpt,
-        grad_sync=args.grad_sync, dtype=args.dtype, memory_margin=args.memory_margin,
+        grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward,
+        dtype=args.dtype, memory_margin=args.memory_margin,
         on_demand_usd=args.on_demand_price, spot_usd=args.spot_price, hardware=hardware,
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,
@@ -892,7 +962,8 @@ def plan_summary(plan: Plan) -> dict:
         "model": plan.model_name, "params": plan.shape.params, "gpu": plan.gpu.name,
         "n_gpus": plan.n_gpus, "nodes": plan.nodes,
         "micro_batch_size": c.micro_batch, "activation_checkpointing": c.activation_checkpointing,
-        "grad_sync": c.grad_sync, "memory_bytes": dataclasses.asdict(c.memory)
+        "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
+        "memory_bytes": dataclasses.asdict(c.memory)
         | {"total": c.memory.total},
         "max_micro_batch": {"no_ckpt": plan.max_micro_batch[False],
                             "ckpt": plan.max_micro_batch[True]},

@@ -220,12 +220,16 @@ def measure(cfg: Config, cand: Candidate, *, rank: int, world: int, steps: int) 
         else:
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
     peak = mem.peak()
+    # What the Trainer resolved for train.reshard_after_forward (auto: by its size against the
+    # device's memory): the planner's prediction for this row must assume the same.
+    resharded = trainer.reshard_after_forward if trainer is not None else None
     del trainer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"step_s": statistics.median(times) if times else None, "peak_bytes": peak,
-            "baseline_bytes": mem.baseline, "oom": oom, "error": error, "method": mem.method}
+            "baseline_bytes": mem.baseline, "oom": oom, "error": error, "method": mem.method,
+            "reshard_after_forward": resharded}
 
 
 def warm_up_process(cfg: Config, cand: Candidate, *, rank: int, world: int) -> None:
@@ -240,16 +244,18 @@ def agree(row: dict, device) -> dict:
     the others until the process group's timeout."""
     import torch
     import torch.distributed as dist
+    reshard = {None: -1.0, False: 0.0, True: 1.0}[row.get("reshard_after_forward")]
     t = torch.tensor([row["step_s"] or 0.0, row["peak_bytes"], row["baseline_bytes"],
                       float(row["oom"]), float(row["error"] is not None),
-                      float(row["step_s"] is None)], dtype=torch.float64, device=device)
+                      float(row["step_s"] is None), reshard], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, row["error"])
     failed = t[3].item() > 0 or t[4].item() > 0 or t[5].item() > 0
     return {"step_s": None if failed else t[0].item(), "peak_bytes": int(t[1].item()),
             "baseline_bytes": int(t[2].item()), "oom": t[3].item() > 0,
-            "error": next((e for e in errors if e), None), "method": row["method"]}
+            "error": next((e for e in errors if e), None), "method": row["method"],
+            "reshard_after_forward": None if t[6].item() < 0 else t[6].item() > 0}
 
 
 def tune_loop_per_worker(loop_config: dict) -> None:
@@ -257,6 +263,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     import ray.train
 
     from elastic_gpt.config import config_from_dict
+    from elastic_gpt.parallelize import resolve_dtype, resolve_reshard_after_forward
     from elastic_gpt.train_loop import _device, say
 
     ctx = ray.train.get_context()
@@ -269,6 +276,11 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     margin = loop_config["memory_margin"]
     cands = [Candidate(**c) for c in loop_config["candidates"]]
     G, T = cfg.train.global_batch_size, loop_config["seq_len"]
+    # The Trainer's own rule with its own inputs: what every candidate's Trainer will run, known
+    # even for rows where no Trainer could be built (the planner predicts those rows with it).
+    resharded = resolve_reshard_after_forward(cfg.train.reshard_after_forward,
+                                              loop_config["n_params"],
+                                              resolve_dtype(cfg.train.dtype, device), device)
     # One untimed pass first: thread pools, kernels and gloo buffers are allocated once per process,
     # and would otherwise be counted in the first candidate's peak.
     warm_up_process(cfg, cands[0], rank=rank, world=world)
@@ -280,12 +292,14 @@ def tune_loop_per_worker(loop_config: dict) -> None:
                             and r["compile"] == cand.compile), None)
         if smaller_oom:
             row = {"step_s": None, "peak_bytes": 0, "baseline_bytes": 0, "oom": True,
-                   "error": None, "method": "", "skipped": f"mb={smaller_oom['micro_batch']} "
-                   "already ran out of memory"}
+                   "error": None, "method": "", "reshard_after_forward": None,
+                   "skipped": f"mb={smaller_oom['micro_batch']} already ran out of memory"}
         else:
             row = agree(measure(cfg, cand, rank=rank, world=world,
                                 steps=loop_config["steps"]), device)
         row.update(asdict(cand))
+        if row["reshard_after_forward"] is None:
+            row["reshard_after_forward"] = resharded
         row["tokens_per_s"] = G * T / row["step_s"] if row["step_s"] else None
         # What the worker holds at the candidate's peak, against its share of the device.
         held = row["peak_bytes"] + (row["baseline_bytes"] if device.type == "cpu" else others)
@@ -299,7 +313,8 @@ def tune_loop_per_worker(loop_config: dict) -> None:
                 + _row_summary(row))
     # Ray Train V2 keeps reported metrics only with a checkpoint: the table travels as one
     # (through run.storage_path, so it reaches the driver from any node); no model state is saved.
-    table = {"rows": rows, "device": device.type, "world_size": world}
+    table = {"rows": rows, "device": device.type, "world_size": world,
+             "reshard_after_forward": resharded}
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
         if rank == 0:
@@ -324,21 +339,25 @@ def _row_summary(row: dict) -> str:
 # ---- the driver side -----------------------------------------------------------------------------
 
 
-def predicted_bytes(shape, world: int, G: int, cand: Candidate, dtype: str, cuda: bool) -> float:
-    """The planner's figure for a candidate (CPU: no CUDA context, no fragmentation term)."""
+def predicted_bytes(shape, world: int, G: int, cand: Candidate, dtype: str, cuda: bool, *,
+                    grad_sync: str, reshard_after_forward: bool) -> float:
+    """The planner's figure for a candidate as the Trainer runs it: the run's train.grad_sync and
+    the reshard_after_forward its Trainer resolved (CPU: no CUDA context, no fragmentation)."""
     from data_pipelines.order import BatchPlan
     from elastic_gpt.plan import memory_per_gpu
     k = BatchPlan(G, cand.micro_batch).slots(world)
     extra = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
     return memory_per_gpu(shape, world, cand.micro_batch,
                           activation_checkpointing=cand.activation_checkpointing, dtype=dtype,
-                          grad_sync="step", micro_batches_per_rank=k, **extra).total
+                          grad_sync=grad_sync, micro_batches_per_rank=k,
+                          reshard_after_forward=reshard_after_forward, **extra).total
 
 
 def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: float, dtype: str,
-                   gpu: GPU | None) -> str | None:
+                   gpu: GPU | None, reshard_after_forward: str = "auto") -> str | None:
     """None if the planner says micro-batch 1 with checkpointing fits; else one line naming what
-    would (more workers, a bigger chip or more memory per worker)."""
+    would (more workers, a bigger chip or more memory per worker). reshard_after_forward is the
+    run's train setting: `never` keeps every block gathered, so the floor is higher."""
     from elastic_gpt.plan import PlanError, PlanInputs, memory_per_gpu, model_shape, plan_training
     if gpu is not None:  # a GPU of the table, or its memory replaced by --memory-budget-gib
         chip = gpu if budget_bytes == gpu.memory_bytes else GPU(
@@ -351,18 +370,21 @@ def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: flo
         table, extra = {chip.name: chip}, {"context_gib": 0.0, "fragmentation": 0.0}
     try:
         plan_training(PlanInputs(model=gpt_cfg, gpu=chip.name, n_gpus=world, global_batch_size=G,
-                                 dtype=dtype, memory_margin=margin, hardware=table, **extra))
+                                 dtype=dtype, memory_margin=margin, hardware=table,
+                                 reshard_after_forward=reshard_after_forward, **extra))
         return None
     except PlanError as e:
         line = str(e)
     if gpu is None:
         need = memory_per_gpu(model_shape(gpt_cfg), world, 1, activation_checkpointing=True,
-                              dtype=dtype, context_bytes=0, fragmentation=0).total
+                              dtype=dtype, context_bytes=0, fragmentation=0,
+                              reshard_after_forward=reshard_after_forward != "never").total
         line += f"; or give each worker at least {need / (1 - margin) / GiB:.3g} GiB"
     return line
 
 
 def format_table(rows: list[dict], predicted: list[float], winner: dict | None) -> str:
+    """One line per candidate; 'planner MiB' is plan.memory_per_gpu for what the row ran."""
     head = (f"{'micro-batch':>11} {'ckpt':>4} {'compile':>7} {'s/step':>8} {'tokens/s':>10} "
             f"{'peak MiB':>9} {'planner MiB':>11}  result")
     lines = [head, "-" * len(head)]
@@ -449,7 +471,8 @@ def run_tune(args) -> int:
         if chip is not None or budget is not None:
             usable_chip = chip if gpu else None
             line = what_would_fit(gpt_cfg, world, G, budget or chip.memory_bytes,
-                                  args.memory_margin, dtype, usable_chip)
+                                  args.memory_margin, dtype, usable_chip,
+                                  cfg.train.reshard_after_forward)
             if line:
                 raise ValueError(line)
         print(f"[elastic-gpt tune] {count_params(gpt_cfg)['total'] / 1e6:.2f}M params, "
@@ -467,7 +490,7 @@ def run_tune(args) -> int:
                 "config": cfg.to_dict(), "candidates": [asdict(c) for c in cands],
                 "steps": args.steps, "memory_margin": args.memory_margin,
                 "budget_bytes": budget or (chip.memory_bytes if chip and gpu else None),
-                "seq_len": gpt_cfg.seq_len},
+                "seq_len": gpt_cfg.seq_len, "n_params": count_params(gpt_cfg)["total"]},
             scaling_config=ScalingConfig(num_workers=world, use_gpu=gpu,
                                          resources_per_worker=resources,
                                          accelerator_type=s.accelerator_type),
@@ -483,27 +506,35 @@ def run_tune(args) -> int:
     with result.checkpoint.as_directory() as d, open(os.path.join(d, TABLE_FILE)) as f:
         out = json.load(f)
     rows = out["rows"]
+    grad_sync = cfg.train.grad_sync
     predicted = [predicted_bytes(shape, world, G, Candidate(r["micro_batch"],
-                                 r["activation_checkpointing"], r["compile"]), dtype, gpu)
+                                 r["activation_checkpointing"], r["compile"]), dtype, gpu,
+                                 grad_sync=grad_sync,
+                                 reshard_after_forward=r["reshard_after_forward"])
                  for r in rows]
     winner = pick_winner(rows)
     method = next((r["method"] for r in rows if r["method"]), "")
     budget_b = rows[0]["budget_bytes"]
+    policy = "always" if out["reshard_after_forward"] else "never"
+    if cfg.train.reshard_after_forward == "auto":
+        policy += " (auto)"
     print(f"\nmemory: {method}; budget {budget_b / GiB:.2f} GiB per worker, "
-          f"{args.memory_margin:.0%} kept free\n")
+          f"{args.memory_margin:.0%} kept free; the trainer ran reshard_after_forward={policy}, "
+          f"grad_sync={grad_sync}\n")
     print(format_table(rows, predicted, winner))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "predicted_bytes": predicted, "winner": winner,
-                       "memory_method": method, "world_size": world, "device": device}, f,
-                      indent=1)
+                       "memory_method": method, "world_size": world, "device": device,
+                       "grad_sync": grad_sync,
+                       "reshard_after_forward": out["reshard_after_forward"]}, f, indent=1)
     if winner is None:
         usable = budget_b * (1 - args.memory_margin)
         measured = [r for r in rows if r["held_bytes"] and not r["oom"]]
         least = (f" (the smallest measured: {min(r['held_bytes'] for r in measured) / GiB:.2f} "
                  "GiB)" if measured else "")
         line = what_would_fit(gpt_cfg, world, G, budget_b, args.memory_margin, dtype,
-                              chip if gpu else None)
+                              chip if gpu else None, cfg.train.reshard_after_forward)
         raise ValueError(f"no candidate fits in {usable / GiB:.2f} GiB per worker{least}; "
                          + (line or "use more workers (a smaller shard each) or workers with "
                                     "more memory"))

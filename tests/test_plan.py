@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 import pytest
 import yaml
 
+from data_pipelines.order import BatchPlan
 from elastic_gpt.config import load_config
 from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
 from elastic_gpt.model import GPTConfig, preset_config
 from elastic_gpt.plan import (
     DAY,
     Network,
+    PlanError,
     PlanInputs,
     activation_bytes_per_layer,
     add_cli_arguments,
     default_lr,
+    format_report,
     goodput,
+    inputs_from_args,
     memory_per_gpu,
     model_shape,
     optimal_interval_s,
+    plan_summary,
     plan_training,
+    ring_bytes,
     run_from_args,
     step_time,
     time_to_train_s,
+    training_config,
     training_flops_per_token,
     young_interval_s,
     zero_model_state_bytes,
@@ -40,6 +48,13 @@ def cli(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
     return parser.parse_args(list(argv))
+
+
+def load_config_from(written: dict, tmp_path):
+    """A config the planner wrote, through the trainer's own loader and validation."""
+    out = tmp_path / "written.yaml"
+    out.write_text(yaml.safe_dump(written))
+    return load_config(str(out), ["data.path=/tmp/any-dataset"])
 
 
 # ----------------------------------------------------------------------------- published results
@@ -132,6 +147,46 @@ def test_no_sync_keeps_unsharded_fp32_grads_and_reduces_once_per_step():
     mem = memory_per_gpu(shape, 16, 4, activation_checkpointing=False, grad_sync="step",
                          micro_batches_per_rank=4)
     assert mem.accumulated_grads == 4 * shape.params
+
+
+def test_keeping_blocks_gathered_holds_every_block_and_nothing_else():
+    shape = model_shape(preset_config("gpt2-350m"))
+    L, kw = shape.cfg.n_layer, dict(activation_checkpointing=False, grad_sync="step",
+                                    micro_batches_per_rank=4, fragmentation=0.0)
+    zero3 = memory_per_gpu(shape, 8, 4, reshard_after_forward=True, **kw)
+    kept = memory_per_gpu(shape, 8, 4, reshard_after_forward=False, **kw)
+    # ZeRO-3 holds the current + the prefetched block; kept, all L: L - 2 more bf16 blocks
+    assert kept.gathered_params - zero3.gathered_params == pytest.approx(
+        (L - 2) * 2 * shape.block_params)
+    for part in ("sharded_state", "accumulated_grads", "activations", "logits", "overhead"):
+        assert getattr(kept, part) == getattr(zero3, part), part
+    assert kept.total > zero3.total
+
+
+def test_kept_gathered_blocks_are_gathered_once_per_step():
+    shape = model_shape(preset_config("gpt2-124m"))
+    gpu, net, N, L = get_gpu("H100"), Network(8, 370, 320), 16, shape.cfg.n_layer
+    kw = dict(activation_checkpointing=False, grad_sync="step")
+
+    def gathered(k: int, reshard: bool):
+        return step_time(shape, gpu, net, N, 2, k, reshard_after_forward=reshard, **kw)
+
+    once = ring_bytes(2 * (shape.root_params + L * shape.block_params), N)
+    zero3_mb = ring_bytes(2 * (shape.root_params + (2 * L - 1) * shape.block_params), N)
+    for k in (1, 2, 4, 8):
+        kept, zero3 = gathered(k, False), gathered(k, True)
+        assert kept.all_gather_bytes == pytest.approx(once)  # whatever the micro-batches
+        assert zero3.all_gather_bytes == pytest.approx(k * zero3_mb)  # grows with them
+        assert kept.reduce_scatter_bytes == zero3.reduce_scatter_bytes
+        assert kept.comm_s <= zero3.comm_s and kept.exposed_comm_s <= zero3.exposed_comm_s
+        assert kept.compute_s == zero3.compute_s
+    # one micro-batch: never saves exactly the L - 1 backward re-gathers
+    assert gathered(1, True).all_gather_bytes - gathered(1, False).all_gather_bytes == \
+        pytest.approx(ring_bytes(2 * (L - 1) * shape.block_params, N))
+    # on a slow network the saved gathers are exposed time: never is faster
+    slow = Network(8, 370, 5)
+    assert step_time(shape, gpu, slow, N, 2, 4, reshard_after_forward=False, **kw).step_s < \
+        step_time(shape, gpu, slow, N, 2, 4, reshard_after_forward=True, **kw).step_s
 
 
 def test_all_gather_bytes_follow_the_ring_formula():
@@ -261,7 +316,8 @@ def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
     written = yaml.safe_load(out.read_text())
     allowed = {"model": {"preset", "n_layer", "n_head", "n_embd", "seq_len"},
                "train": {"global_batch_size", "micro_batch_size", "max_steps", "lr",
-                         "warmup_steps", "activation_checkpointing", "dtype"},
+                         "warmup_steps", "activation_checkpointing", "grad_sync",
+                         "reshard_after_forward", "dtype"},
                "scaling": {"min_workers", "max_workers", "use_gpu"},
                "checkpoint": {"every_steps"}}
     assert set(written) == set(allowed)
@@ -282,3 +338,82 @@ def test_custom_shape_is_written_as_fields(tmp_path, capsys):
     model = yaml.safe_load(out.read_text())["model"]
     assert model == {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 512}
     assert '"micro_batch_size"' in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- reshard_after_forward
+
+
+def test_small_model_with_memory_to_spare_keeps_blocks_gathered(tmp_path):
+    """gpt2-124m on 16 L4s over 10 GB/s links: the backward and per-micro-batch re-gathers are
+    exposed time, and the gathered model (0.25 GB) is small next to 22 GiB: never wins."""
+    kw = dict(model="gpt2-124m", gpu="L4", n_gpus=16, tokens=2.5e9)
+    plan = plan_training(PlanInputs(**kw))
+    zero3 = plan_training(PlanInputs(**kw, reshard_after_forward="always"))
+    c = plan.chosen
+    assert not c.reshard_after_forward and c.reshard_policy == "never"
+    assert zero3.chosen.reshard_after_forward
+    assert plan.step_s < zero3.step_s
+    assert c.step.all_gather_bytes < zero3.chosen.step.all_gather_bytes
+    assert plan.memory_at_chosen[c.activation_checkpointing].gathered_params == \
+        c.memory.gathered_params
+    report = format_report(plan)
+    assert "reshard_after_forward=never" in report and "ZeRO-3" not in report
+    assert f"all {plan.cfg.n_layer} blocks + root gathered" in report
+    assert plan_summary(plan)["reshard_after_forward"] == "never"
+    assert "memory per GPU (FSDP2 / ZeRO-3" in format_report(zero3)
+    # the trainer runs exactly the plan: the written config round-trips through load_config
+    cfg = load_config_from(training_config(plan), tmp_path)
+    assert cfg.train.reshard_after_forward == "never" and cfg.train.grad_sync == c.grad_sync
+    assert cfg.train.micro_batch_size == c.micro_batch
+    assert load_config_from(training_config(zero3), tmp_path).train.reshard_after_forward == \
+        "always"
+
+
+def test_large_model_at_tight_memory_is_forced_to_zero3():
+    """gpt3-6.7b on 8 L4s: keeping all 32 blocks gathered (13 GB in bf16) does not fit in 22 GiB,
+    although with the memory it would be the faster choice."""
+    kw = dict(model="gpt3-6.7b", gpu="L4", n_gpus=8)
+    plan = plan_training(PlanInputs(**kw))
+    c = plan.chosen
+    assert c.reshard_after_forward and training_config(plan)["train"]["reshard_after_forward"] \
+        == "always"
+    assert any("keeping every block gathered (never) would need" in n for n in plan.notes)
+    # The memory is what decided: the same settings on a chip with room for it choose never.
+    roomy = dataclasses.replace(get_gpu("L4"), name="L4-roomy", memory_gib=1000)
+    more = plan_training(PlanInputs(**{**kw, "gpu": "L4-roomy"},
+                                    hardware={**GPUS, "L4-roomy": roomy},
+                                    micro_batch_size=c.micro_batch,
+                                    activation_checkpointing=c.activation_checkpointing))
+    assert not more.chosen.reshard_after_forward and more.step_s < plan.step_s
+    # Forcing never on the real chip: nothing fits, and the error says what would.
+    with pytest.raises(PlanError, match="every block kept gathered.*--reshard-after-forward "
+                                        "always"):
+        plan_training(PlanInputs(**kw, reshard_after_forward="never"))
+
+
+def test_elastic_floor_counts_the_chosen_resharding():
+    """The written config fixes never, so the smallest group must fit it with every block
+    gathered: never's floor is at least ZeRO-3's."""
+    kw = dict(model="gpt3-6.7b", gpu="H100", n_gpus=8, global_batch_size=256)
+    kept = plan_training(PlanInputs(**kw, reshard_after_forward="never"))
+    c = kept.chosen
+    assert not c.reshard_after_forward
+
+    def fits(w: int, reshard: bool) -> bool:
+        k = BatchPlan(256, c.micro_batch).slots(w)
+        return memory_per_gpu(kept.shape, w, c.micro_batch, grad_sync=c.grad_sync,
+                              activation_checkpointing=c.activation_checkpointing,
+                              micro_batches_per_rank=k,
+                              reshard_after_forward=reshard).total <= kept.usable_bytes
+
+    w = kept.min_workers
+    assert fits(w, False) and not fits(w - 1, False)
+    assert fits(w - 1, True)  # a ZeRO-3 floor would have been lower: the choice matters here
+
+
+def test_reshard_flag_reaches_the_plan_and_bad_values_are_refused():
+    inputs = inputs_from_args(cli("--reshard-after-forward", "always"))
+    assert inputs.reshard_after_forward == "always"
+    assert plan_training(inputs).chosen.reshard_after_forward
+    with pytest.raises(PlanError, match="--reshard-after-forward='sometimes' must be auto"):
+        plan_training(PlanInputs(reshard_after_forward="sometimes"))

@@ -8,17 +8,23 @@ import json
 
 import pytest
 
+from data_pipelines.manifest import load_manifest
 from elastic_gpt.cli import build_parser
 from elastic_gpt.config import load_config
-from elastic_gpt.tune import Candidate, candidate_list, pick_winner
+from elastic_gpt.plan import model_shape
+from elastic_gpt.train_loop import model_config_for
+from elastic_gpt.tune import Candidate, candidate_list, pick_winner, predicted_bytes
 
 
-def tune(tmp_path, data: str, *flags: str) -> tuple[int, dict]:
-    overrides = [f"data.path={data}", "model.preset=tiny", "train.global_batch_size=8",
-                 "scaling.min_workers=2", "scaling.max_workers=2",
-                 f"run.storage_path={tmp_path}/ray", f"checkpoint.path={tmp_path}/ckpt"]
-    args = build_parser().parse_args(["tune", "--config", "jobs/configs/tiny.yaml", *overrides,
-                                      *flags])
+def overrides(tmp_path, data: str, *extra: str) -> list[str]:
+    return [f"data.path={data}", "model.preset=tiny", "train.global_batch_size=8",
+            "scaling.min_workers=2", "scaling.max_workers=2",
+            f"run.storage_path={tmp_path}/ray", f"checkpoint.path={tmp_path}/ckpt", *extra]
+
+
+def tune(tmp_path, data: str, *flags: str, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
+    args = build_parser().parse_args(["tune", "--config", "jobs/configs/tiny.yaml",
+                                      *overrides(tmp_path, data, *extra), *flags])
     return args.func(args), args
 
 
@@ -44,6 +50,9 @@ def test_tune_measures_every_candidate_and_writes_the_fastest_that_fits(
     assert tried == {(m, ck, False) for m in (2, 4) for ck in (False, True)}
     for r in rows:  # every candidate ran, was timed and had its memory measured
         assert r["fits"] and r["step_s"] > 0 and r["peak_bytes"] > 0, r
+    # auto keeps a model this small gathered (a few MiB against GiBs of RAM per worker)
+    assert {r["reshard_after_forward"] for r in rows} == {False}
+    assert "reshard_after_forward=never (auto), grad_sync=step" in printed
     # The printed table has a line per candidate and marks the winner.
     assert printed.count("fits") >= len(rows) and "<- fastest that fits" in printed
     assert "torch.compile not tried" in printed and "VmHWM" in res["memory_method"]
@@ -87,3 +96,36 @@ def test_the_winner_is_the_fastest_fitting_row():
     assert pick_winner(rows)["micro_batch"] == 4
     assert pick_winner([dict(r, fits=False) for r in rows]) is None
     assert Candidate(2, True, False).label == "mb=2 ckpt=on compile=off"
+
+
+@pytest.mark.parametrize("policy, grad_sync, resharded", [
+    ("auto", "step", False),  # auto keeps a 4-layer toy gathered on CPU (never)
+    ("always", "microbatch", True),
+])
+def test_the_planner_column_predicts_what_the_trainer_ran(stdlib_dataset, ray_cluster, tmp_path,
+                                                          capsys, policy, grad_sync, resharded):
+    """The 'planner MiB' of each row is memory_per_gpu for the resharding the row's Trainer
+    resolved and the run's grad sync; 4 layers, so keeping blocks gathered changes the figure."""
+    extra = ("model.n_layer=4", f"train.reshard_after_forward={policy}",
+             f"train.grad_sync={grad_sync}")
+    table = tmp_path / "table.json"
+    rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "1", "--micro-batch-sizes", "2",
+                 "--json", str(table), extra=extra)
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    res = json.loads(table.read_text())
+    assert res["reshard_after_forward"] is resharded and res["grad_sync"] == grad_sync
+    assert f"reshard_after_forward={'always' if resharded else 'never (auto)'}" in printed
+    cfg = load_config("jobs/configs/tiny.yaml", overrides(tmp_path, stdlib_dataset, *extra))
+    shape = model_shape(model_config_for(cfg, load_manifest(stdlib_dataset)))
+    assert shape.cfg.n_layer == 4
+    for row, pred in zip(res["rows"], res["predicted_bytes"]):
+        assert row["reshard_after_forward"] is resharded, row
+        cand = Candidate(row["micro_batch"], row["activation_checkpointing"], row["compile"])
+        ran = predicted_bytes(shape, 2, 8, cand, "float32", False, grad_sync=grad_sync,
+                              reshard_after_forward=resharded)
+        other = predicted_bytes(shape, 2, 8, cand, "float32", False, grad_sync=grad_sync,
+                                reshard_after_forward=not resharded)
+        assert pred == pytest.approx(ran)
+        # the 2 blocks more that stay gathered (4 fp32 bytes a param) separate the two figures
+        assert abs(ran - other) == pytest.approx(2 * 4 * shape.block_params)
