@@ -4,12 +4,15 @@
 
 Prints predicted / measured ratios for:
   memory   peak memory per worker, presets `tiny` and `small`, fp32 on CPU, 2 FSDP2 ranks (gloo):
-           plan.memory_per_gpu(dtype="float32", context_bytes=0, fragmentation=0) vs the peak
+           plan.memory_per_gpu(dtype="float32", context_bytes=0, fragmentation=0, grad_sync="step",
+           reshard_after_forward=what the Trainer resolved) vs the peak
            resident set of the worker process above its baseline, measured the way `elastic-gpt
-           tune` measures it (tune.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs)
+           tune` measures it (tune.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs);
+           train.reshard_after_forward auto (never, for these small models) and always
   comm     bytes each rank sends per step in FSDP2's all-gathers and reduce-scatters: the planner's
            step_time(...).all_gather_bytes / .reduce_scatter_bytes (grad_sync="step": the trainer
-           reduce-scatters once per step) vs the sum over the collectives actually issued, counted
+           reduce-scatters once per step; the resharding the Trainer resolved) vs the sum over the
+           collectives actually issued, counted
            by wrapping torch.distributed.all_gather_single / reduce_scatter_single, each call
            counted as (N-1)/N x the full (gathered / pre-reduction) tensor, the ring formula the
            planner uses
@@ -51,10 +54,12 @@ def stdlib_data(root: str, seq_len: int, max_bytes: int = 500_000) -> str:
 
 # ---- memory and communication: 2 FSDP2 ranks over gloo, the trainer's own step ------------------
 
-MEM_CASES = [  # (preset, seq_len = the preset's, global batch, micro-batch, checkpointing)
-    ("tiny", 128, 8, 4, False), ("tiny", 128, 8, 1, False),
-    ("small", 256, 8, 4, False), ("small", 256, 8, 4, True), ("small", 256, 8, 2, False),
-    ("small", 256, 8, 1, True),
+MEM_CASES = [  # (preset, seq_len = the preset's, global batch, micro-batch, checkpointing,
+    #            train.reshard_after_forward: auto keeps these small models gathered)
+    ("tiny", 128, 8, 4, False, "auto"), ("tiny", 128, 8, 1, False, "auto"),
+    ("small", 256, 8, 4, False, "auto"), ("small", 256, 8, 4, True, "auto"),
+    ("small", 256, 8, 2, False, "auto"), ("small", 256, 8, 1, True, "auto"),
+    ("small", 256, 8, 4, False, "always"), ("small", 256, 8, 1, True, "always"),
 ]
 WORLD = 2
 
@@ -119,12 +124,13 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
     results = []
     try:
         first = True
-        for preset, seq, G, mb, ckpt in cases:
+        for preset, seq, G, mb, ckpt, policy in cases:
             cfg = load_config("jobs/configs/tiny.yaml", [
                 f"model.preset={preset}", f"data.path={data[seq]}", f"train.global_batch_size={G}",
                 f"train.micro_batch_size={mb}", f"scaling.max_workers={WORLD}",
                 "scaling.min_workers=1", "checkpoint.path=/tmp/unused-bench-planner",
-                "tracking.enabled=false", "train.threads_per_worker=1"])
+                "tracking.enabled=false", "train.threads_per_worker=1",
+                f"train.reshard_after_forward={policy}"])
             if first:  # as tune does: one-time allocations of the process are not a candidate's
                 warm_up_process(cfg, Candidate(1, False, False), rank=rank, world=WORLD)
                 first = False
@@ -136,6 +142,8 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
             stream = open_step_stream(c.data.path, plan=BatchPlan(G, mb), rank=rank,
                                       world_size=WORLD, start_step=0, seed=c.data.seed)
             trainer.train_step(next(stream))
+            resharded = trainer.reshard_after_forward
+            assert resharded == row["reshard_after_forward"], (resharded, row)
             counter.reset()
             for _ in range(steps):
                 trainer.train_step(next(stream))
@@ -143,7 +151,9 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
             del trainer
             peaks = [None] * WORLD
             dist.all_gather_object(peaks, row["peak_bytes"])
-            results.append({"case": [preset, seq, G, mb, ckpt], "peak_bytes": max(peaks),
+            results.append({"case": [preset, seq, G, mb, ckpt, policy],
+                            "reshard_after_forward": resharded,
+                            "grad_sync": c.train.grad_sync, "peak_bytes": max(peaks),
                             "step_s": row["step_s"],
                             "bytes_per_step": {k: v / steps for k, v in counter.bytes.items()},
                             "calls_per_step": {k: v / steps for k, v in counter.calls.items()}})
@@ -172,17 +182,18 @@ def predict_memory_comm(row: dict) -> dict:
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.model import pad_vocab, preset_config
 
-    preset, seq, G, mb, ckpt = row["case"]
+    preset, seq, G, mb, ckpt, _ = row["case"]
     # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
     cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))
     shape = plan.model_shape(cfg)
     k = BatchPlan(G, mb).slots(WORLD)
+    # What the trainer ran: its grad sync and the resharding its Trainer resolved.
+    ran = dict(grad_sync=row["grad_sync"], reshard_after_forward=row["reshard_after_forward"])
     mem = plan.memory_per_gpu(shape, WORLD, mb, activation_checkpointing=ckpt, dtype="float32",
-                              grad_sync="step", micro_batches_per_rank=k, context_bytes=0,
-                              fragmentation=0)
+                              micro_batches_per_rank=k, context_bytes=0, fragmentation=0, **ran)
     net = plan.Network(gpus_per_node=8, intra_node_gbps=10, inter_node_gbps=10)
     st = plan.step_time(shape, GPUS["H100"], net, WORLD, mb, k, activation_checkpointing=ckpt,
-                        dtype="float32", grad_sync="step")
+                        dtype="float32", **ran)
     return {"memory": mem, "all_gather_bytes": st.all_gather_bytes,
             "reduce_scatter_bytes": st.reduce_scatter_bytes}
 
@@ -192,18 +203,19 @@ def report_memory_comm(rows: list[dict]) -> list[dict]:
     out = []
     print("\nmemory per worker (fp32, CPU, W=2): planner memory_per_gpu(context 0, fragmentation 0)"
           " vs measured peak RSS above the pre-candidate baseline")
-    print(f"{'case':<28}{'predicted MiB':>14}{'measured MiB':>14}{'pred/meas':>11}   "
+    print(f"{'case':<36}{'predicted MiB':>14}{'measured MiB':>14}{'pred/meas':>11}   "
           "predicted parts (state/gathered/accum/acts/logits MiB)")
     for r in rows:
         p = predict_memory_comm(r)
         m = p["memory"]
-        preset, seq, G, mb, ckpt = r["case"]
-        name = f"{preset} T={seq} mb={mb} ckpt={'on' if ckpt else 'off'}"
+        preset, seq, G, mb, ckpt, _ = r["case"]
+        name = (f"{preset} T={seq} mb={mb} ckpt={'on' if ckpt else 'off'} "
+                f"{'always' if r['reshard_after_forward'] else 'never'}")
         ratio = m.total / r["peak_bytes"]
         parts = "/".join(f"{x / MiB:.1f}" for x in (m.sharded_state, m.gathered_params,
                                                      m.accumulated_grads, m.activations,
                                                      m.logits))
-        print(f"{name:<28}{m.total / MiB:>14.1f}{r['peak_bytes'] / MiB:>14.1f}{ratio:>11.2f}   "
+        print(f"{name:<36}{m.total / MiB:>14.1f}{r['peak_bytes'] / MiB:>14.1f}{ratio:>11.2f}   "
               f"{parts}")
         out.append({**r, "case": name, "predicted_bytes": m.total,
                     "measured_bytes": r["peak_bytes"], "ratio": ratio,
@@ -211,11 +223,11 @@ def report_memory_comm(rows: list[dict]) -> list[dict]:
                     "predicted_rs": p["reduce_scatter_bytes"]})
     print("\nbytes sent per rank per step (ring formula), W=2: planner step_time(grad_sync='step')"
           " vs counted collectives")
-    print(f"{'case':<28}{'AG pred MB':>11}{'AG count':>10}{'ratio':>7}{'RS pred MB':>11}"
+    print(f"{'case':<36}{'AG pred MB':>11}{'AG count':>10}{'ratio':>7}{'RS pred MB':>11}"
           f"{'RS count':>10}{'ratio':>7}{'AG/RS calls':>13}{'all-reduce MB':>14}")
     for o in out:
         b, c = o["bytes_per_step"], o["calls_per_step"]
-        print(f"{o['case']:<28}{o['predicted_ag'] / 1e6:>11.3f}{b['all_gather'] / 1e6:>10.3f}"
+        print(f"{o['case']:<36}{o['predicted_ag'] / 1e6:>11.3f}{b['all_gather'] / 1e6:>10.3f}"
               f"{o['predicted_ag'] / b['all_gather']:>7.3f}{o['predicted_rs'] / 1e6:>11.3f}"
               f"{b['reduce_scatter'] / 1e6:>10.3f}{o['predicted_rs'] / b['reduce_scatter']:>7.3f}"
               f"{c['all_gather']:>7.0f}/{c['reduce_scatter']:<5.0f}{b['all_reduce'] / 1e6:>14.4f}")
