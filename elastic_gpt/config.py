@@ -67,8 +67,9 @@ class TrainSection:
     """torch.compile each transformer block (GPU; on CPU it costs minutes of compile time)."""
     reshard_after_forward: str = "auto"
     """always: free each block's gathered weights after forward and gather again in backward
-    (ZeRO-3, least memory); never: keep them into backward (one all-gather less per block and
-    micro-batch); auto: never while the gathered model fits in 1/8 of a worker's memory."""
+    (ZeRO-3, least memory, 2L - 1 all-gathers per micro-batch); never: keep them from a step's
+    first forward to its last backward (L all-gathers per step); auto: never while the gathered
+    model fits in 1/8 of every worker's memory. `elastic-gpt plan` writes always or never."""
     grad_sync: str = "step"
     """step: reduce-scatter gradients once per step, after the last micro-batch (fp32 gradients
     accumulate unsharded); microbatch: after every micro-batch (sharded, more communication)."""

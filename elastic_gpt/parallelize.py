@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -66,21 +67,35 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
 
 
 # `reshard_after_forward: auto` keeps the gathered weights when they take at most this share of
-# the device's memory. Keeping them removes L - 1 all-gathers per micro-batch (the backward
-# re-gather); on 2 CPU workers over gloo that was +18% tokens/s (docs/performance.md). ZeRO-3's
-# memory saving only matters when the gathered model is a large part of the memory.
+# the device's memory. Keeping them (through backward and across the micro-batches of a step, see
+# Trainer.forward_backward) turns (2L - 1) all-gathers per micro-batch into L per step; on 2 CPU
+# workers over gloo that was +25% tokens/s (docs/performance.md). ZeRO-3's memory saving only
+# matters when the gathered model is a large part of the memory. The planner decides per plan
+# from its memory model and writes an explicit always/never (docs/planner.md).
 KEEP_GATHERED_MAX_FRACTION = 1 / 8
 
 
 def resolve_reshard_after_forward(policy: str, n_params: int, compute_dtype: torch.dtype,
                                   device: torch.device) -> bool:
-    """always: ZeRO-3 (re-gather each block in backward); never: keep the gathered weights from
-    forward into backward (one all-gather per block per micro-batch); auto: never while the
-    gathered weights fit in KEEP_GATHERED_MAX_FRACTION of the device's memory."""
+    """This rank's wish. always: ZeRO-3 (re-gather each block in backward, every micro-batch);
+    never: keep the gathered weights from the first forward of a step to its last backward (one
+    all-gather per block per step); auto: never while the gathered weights fit in
+    KEEP_GATHERED_MAX_FRACTION of the device's memory. Ranks must agree (`agree_on_resharding`)."""
     if policy in ("always", "never"):
         return policy == "always"
     gathered = n_params * compute_dtype.itemsize
     return gathered > KEEP_GATHERED_MAX_FRACTION * device_memory_bytes(device)
+
+
+def agree_on_resharding(wish: bool, device: torch.device) -> bool:
+    """Reshard if any rank needs to: `auto` reads each worker's own memory, and workers on nodes
+    of different sizes could decide differently, pairing one rank's backward re-gathers with
+    another rank's next collective (a hang or a wrong result)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return wish
+    flag = torch.tensor([float(wish)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -34,6 +34,7 @@ from elastic_gpt.metrics import (
 )
 from elastic_gpt.model import GPT, GPTConfig, flops_per_token, token_losses
 from elastic_gpt.parallelize import (
+    agree_on_resharding,
     init_sharded_weights,
     parallelize,
     resolve_dtype,
@@ -121,8 +122,8 @@ class Trainer:
             model = GPT(self.gpt_cfg)
         t = self.cfg.train
         n_params = sum(p.numel() for p in model.parameters())
-        self.reshard_after_forward = resolve_reshard_after_forward(
-            t.reshard_after_forward, n_params, self.compute_dtype, self.device)
+        self.reshard_after_forward = agree_on_resharding(resolve_reshard_after_forward(
+            t.reshard_after_forward, n_params, self.compute_dtype, self.device), self.device)
         parallelize(model, self.mesh, compute_dtype=self.compute_dtype,
                     activation_checkpointing=t.activation_checkpointing, compile=t.compile,
                     reshard_after_forward=self.reshard_after_forward)
@@ -186,7 +187,9 @@ class Trainer:
             if not self.reshard_after_forward:
                 # The gathered weights live through each forward and backward already, so keeping
                 # them between micro-batches adds no peak memory and saves one all-gather per
-                # micro-batch; the last backward frees them before the optimizer step.
+                # micro-batch; the last backward frees them before the optimizer step. (A forward
+                # without backward, e.g. an evaluation, must call model.reshard() after it, or the
+                # next step would compute with weights gathered before the optimizer step.)
                 self.model.set_reshard_after_backward(last)
             # Dropout RNG from (seed, step, micro-batch): identical masks at any world size.
             torch.manual_seed(hash((cfg.train.seed, self.step, first_mb + k)) & 0x7FFF_FFFF)

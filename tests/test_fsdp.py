@@ -83,3 +83,24 @@ def test_gradient_accumulation_equals_one_large_batch(single, stdlib_dataset, tm
     torch.testing.assert_close(big["loss"], single["loss"], rtol=1e-6, atol=1e-6)
     for name, g in single["grads"].items():
         torch.testing.assert_close(big["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _agree_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from elastic_gpt.parallelize import agree_on_resharding
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        mixed = agree_on_resharding(rank == 1, torch.device("cpu"))  # only rank 1 lacks memory
+        neither = agree_on_resharding(False, torch.device("cpu"))
+        torch.save({"mixed": mixed, "neither": neither}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_to_reshard_when_any_one_needs_to(tmp_path):
+    out = str(tmp_path / "agree")
+    mp.start_processes(_agree_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        assert torch.load(f"{out}.{rank}") == {"mixed": True, "neither": False}
