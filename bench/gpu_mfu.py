@@ -36,15 +36,22 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     from elastic_gpt.config import load_config
     from elastic_gpt.metrics import peak_flops
     from elastic_gpt.model import GPT, flops_per_token, preset_config, token_losses
-    from elastic_gpt.parallelize import init_sharded_weights, parallelize
+    from elastic_gpt.parallelize import (
+        init_sharded_weights,
+        parallelize,
+        resolve_reshard_after_forward,
+    )
     from elastic_gpt.train_loop import build_optimizer
 
     cuda = device.type == "cuda"
     cfg = preset_config(name)  # GPT-2 vocab padded to 50304, the preset's seq_len
     with torch.device("meta"):
         model = GPT(cfg)
+    # What the trainer's default (train.reshard_after_forward=auto) resolves to on this device.
+    reshard = resolve_reshard_after_forward(
+        "auto", sum(p.numel() for p in model.parameters()), torch.bfloat16, device)
     parallelize(model, init_device_mesh(device.type, (1,)), compute_dtype=torch.bfloat16,
-                activation_checkpointing=ac, compile=compile)
+                activation_checkpointing=ac, compile=compile, reshard_after_forward=reshard)
     model.to_empty(device=device)
     init_sharded_weights(model, seed=0)
     run_cfg = load_config(None, ["data.path=unused"])
@@ -86,6 +93,7 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
         "mfu": tokens_per_s * fpt / peak, "warmup_s": warm_s,
         "max_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
         "last_loss": float(losses[-1]), "compile": compile, "activation_checkpointing": ac,
+        "reshard_after_forward": reshard,
     }
 
 
