@@ -143,7 +143,7 @@ def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
 
 
 def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, warmup: int,
-                    mode: str, out: str) -> None:
+                    mode: str, out: str, overrides: list[str]) -> None:
     """One process of the in-process scaling part: the real Trainer over a gloo group of `world`
     processes (mode "trainer"), or the plain loop alone in its process (mode "plain")."""
     import torch
@@ -163,7 +163,7 @@ def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, war
             f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
             f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
             "scaling.cpus_per_worker=1", "scaling.min_workers=1", f"scaling.max_workers={world}",
-            "checkpoint.path=/nonexistent-unused"])
+            "checkpoint.path=/nonexistent-unused", *overrides])
         trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
         stream = open_step_stream(data, plan=trainer.plan, rank=rank, world_size=world,
                                   start_step=0, seed=cfg.data.seed)
@@ -181,7 +181,8 @@ def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, war
         dist.destroy_process_group()
 
 
-def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: str) -> dict:
+def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: str,
+                      overrides: list[str] = ()) -> dict:
     """W=2 vs W=1 with the real Trainer in plain processes (no Ray), and the machine's own ceiling:
     two plain loops side by side vs one. Repeats alternate W=1 and W=2, so load drift hits both."""
     import torch.multiprocessing as mp
@@ -192,7 +193,8 @@ def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: st
                                   ("plain1", 1, "plain"), ("plain2", 2, "plain")):
             out = os.path.join(work, f"scaling-{name}-{r}.json")
             mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
-                               args=(world, _free_port(), data, steps, warmup, mode, out))
+                               args=(world, _free_port(), data, steps, warmup, mode, out,
+                                     list(overrides)))
             per_rank = [json.load(open(f"{out}.{k}")) for k in range(world)]
             row[f"{name}_step_s"] = max(median(p["wall"]) for p in per_rank)
             if mode == "trainer":
@@ -347,6 +349,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps excluded at the start of each run")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="scaling: a config override for the trainer runs, e.g. "
+                         "train.reshard_after_forward=always (repeatable)")
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_")
     if args.part == "interleaved":
@@ -361,7 +366,8 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         return
     if args.part == "scaling":
-        res = scaling_inprocess(prepare_dataset(work), args.repeats, args.steps, args.warmup, work)
+        res = scaling_inprocess(prepare_dataset(work), args.repeats, args.steps, args.warmup, work,
+                                args.set)
         print(f"scaling_ratio {res['scaling_ratio']:.3f} (machine ceiling "
               f"{res['ceiling_ratio']:.3f}); {res['setup_w2']}")
         if args.json:
