@@ -6,6 +6,10 @@
 trainer's own data-parallel efficiency), and two plain loops side by side vs one (the ceiling
 this machine's shared memory and caches leave for 2 workers).
 
+`--part ab --set KEY=VALUE [--rounds 4] [--world 2]` alternates the Trainer with the default
+config (A) and with the overrides (B) in one sitting: the effect of one setting, e.g.
+`--set train.reshard_after_forward=always`.
+
 `--part ray` (the default): each repeat runs, back to back on the same cores:
   plain   (before and after the two Ray runs) a single-process PyTorch loop: the same GPT,
           batch, micro-batches, AdamW param groups,
@@ -213,6 +217,29 @@ def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: st
             "w1_tokens_per_s": G * 256 / m["w1_step_s"], "w2_tokens_per_s": G * 256 / m["w2_step_s"]}
 
 
+def ab_inprocess(data: str, rounds: int, steps: int, warmup: int, work: str, world: int,
+                 overrides: list[str]) -> dict:
+    """The Trainer at W=`world` with the default config (A) and with `overrides` (B), alternating
+    `rounds` times in one sitting, so the machine's drift hits both sides alike."""
+    import torch.multiprocessing as mp
+    runs: dict[str, dict[str, list[float]]] = {"a": {"wall": [], "cpu": []},
+                                                "b": {"wall": [], "cpu": []}}
+    for r in range(rounds):
+        for side, extra in (("a", []), ("b", overrides)):
+            out = os.path.join(work, f"ab-{side}-{r}.json")
+            mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
+                               args=(world, _free_port(), data, steps, warmup, "trainer", out,
+                                     list(extra)))
+            per_rank = [json.load(open(f"{out}.{k}")) for k in range(world)]
+            runs[side]["wall"].append(max(median(p["wall"]) for p in per_rank))
+            runs[side]["cpu"].append(median(per_rank[0]["cpu"]))
+        print(f"[bench_trainer] A/B round {r + 1}/{rounds}: A {runs['a']['wall'][-1]:.3f} s, "
+              f"B {runs['b']['wall'][-1]:.3f} s per step", flush=True)
+    m = {f"{side}_{k}_s": median(v) for side, d in runs.items() for k, v in d.items()}
+    return {"world": world, "b_overrides": overrides, "runs": runs, **m,
+            "b_vs_a_tokens_per_s": m["a_wall_s"] / m["b_wall_s"]}
+
+
 def trainer_run(data: str, root: str, name: str, workers: int, steps: int, warmup: int) -> dict:
     """One elastic-gpt run; per-step reported step time and wall time between step records."""
     import mlflow
@@ -342,7 +369,8 @@ def _free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["interleaved", "scaling", "ray"], default="ray")
+    ap.add_argument("--part", choices=["interleaved", "scaling", "ab", "ray"], default="ray")
+    ap.add_argument("--world", type=int, default=2, help="ab: workers")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved: alternations")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
@@ -361,6 +389,17 @@ def main() -> None:
                    mfu_plain_cpu=G * 256 / res["plain_cpu_s"] * _fpt() / peak_cpu,
                    mfu_trainer_cpu=G * 256 / res["trainer_cpu_s"] * _fpt() / peak_cpu)
         print({k: v for k, v in res.items() if k != "steps"})
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    if args.part == "ab":
+        if not args.set:
+            ap.error("--part ab needs --set KEY=VALUE (the B side)")
+        res = ab_inprocess(prepare_dataset(work), args.rounds, args.steps, args.warmup, work,
+                           args.world, args.set)
+        print(f"A (defaults) {res['a_wall_s']:.3f} s/step, B ({' '.join(args.set)}) "
+              f"{res['b_wall_s']:.3f} s/step: B/A tokens/s {res['b_vs_a_tokens_per_s']:.3f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
