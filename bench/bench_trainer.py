@@ -367,6 +367,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _write_json(path: str | None, res: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=["interleaved", "scaling", "ab", "ray"], default="ray")
@@ -378,7 +384,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="scaling: a config override for the trainer runs, e.g. "
+                    help="scaling, ab: a config override for the trainer runs, e.g. "
                          "train.reshard_after_forward=always (repeatable)")
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_")
@@ -389,10 +395,7 @@ def main() -> None:
                    mfu_plain_cpu=G * 256 / res["plain_cpu_s"] * _fpt() / peak_cpu,
                    mfu_trainer_cpu=G * 256 / res["trainer_cpu_s"] * _fpt() / peak_cpu)
         print({k: v for k, v in res.items() if k != "steps"})
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+        return _write_json(args.json, res)
     if args.part == "ab":
         if not args.set:
             ap.error("--part ab needs --set KEY=VALUE (the B side)")
@@ -400,26 +403,18 @@ def main() -> None:
                            args.world, args.set)
         print(f"A (defaults) {res['a_wall_s']:.3f} s/step, B ({' '.join(args.set)}) "
               f"{res['b_wall_s']:.3f} s/step: B/A tokens/s {res['b_vs_a_tokens_per_s']:.3f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+        return _write_json(args.json, res)
     if args.part == "scaling":
         res = scaling_inprocess(prepare_dataset(work), args.repeats, args.steps, args.warmup, work,
                                 args.set)
         print(f"scaling_ratio {res['scaling_ratio']:.3f} (machine ceiling "
               f"{res['ceiling_ratio']:.3f}); {res['setup_w2']}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+        return _write_json(args.json, res)
     res = run(args.repeats, args.steps, args.warmup, work)
     for k in ("overhead_ratio", "overhead_ratio_wall", "scaling_ratio", "scaling_ratio_wall",
               "mfu_plain", "mfu_w1", "mfu_w2"):
         print(f"{k:22s} {res[k]:.3f}" if not math.isnan(res[k]) else f"{k:22s} nan")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    _write_json(args.json, res)
 
 
 if __name__ == "__main__":
