@@ -69,7 +69,7 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
 # `reshard_after_forward: auto` keeps the gathered weights when they take at most this share of
 # the device's memory. Keeping them (through backward and across the micro-batches of a step, see
 # Trainer.forward_backward) turns (2L - 1) all-gathers per micro-batch into L per step; on 2 CPU
-# workers over gloo that was +25% tokens/s (docs/performance.md). ZeRO-3's memory saving only
+# workers over gloo a step took 7-16% less time (docs/performance.md). ZeRO-3's memory saving only
 # matters when the gathered model is a large part of the memory. The planner decides per plan
 # from its memory model and writes an explicit always/never (docs/planner.md).
 KEEP_GATHERED_MAX_FRACTION = 1 / 8

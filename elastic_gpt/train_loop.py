@@ -139,7 +139,7 @@ class Trainer:
         if t.reshard_after_forward == "auto":
             policy += " (auto)"
         return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
-                f"({dist.get_backend()}), {t.threads_per_worker or self.threads} thread(s) each | "
+                f"({dist.get_backend()}), {self.threads} thread(s) each | "
                 f"model {n_params / 1e6:,.1f}M params, {str(self.compute_dtype).removeprefix('torch.')}"
                 f" | global batch {self.plan.global_batch_size} = micro-batches of "
                 f"{self.plan.micro_batch_size}, {self.plan.slots(self.world_size)} per worker | "
