@@ -155,7 +155,7 @@ def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, war
     torch.set_num_threads(1)
     if mode == "plain":
         times = plain_loop(data, steps, 1, warmup)
-        json.dump({"wall": times}, open(f"{out}.{rank}", "w"))
+        _write_json(f"{out}.{rank}", {"wall": times})
         return
     from data_pipelines.stream import open_step_stream
     from elastic_gpt.config import load_config
@@ -179,27 +179,36 @@ def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, war
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
         stream.close()
-        json.dump({"wall": wall[warmup:], "cpu": cpu[warmup:],
-                   "setup": trainer.setup_line()}, open(f"{out}.{rank}", "w"))
+        _write_json(f"{out}.{rank}", {"wall": wall[warmup:], "cpu": cpu[warmup:],
+                                      "setup": trainer.setup_line()})
     finally:
         dist.destroy_process_group()
+
+
+def _spawn(out: str, world: int, data: str, steps: int, warmup: int, mode: str,
+           overrides: list[str]) -> list[dict]:
+    """Run `_scaling_worker` in `world` fresh processes; each rank's step times."""
+    import torch.multiprocessing as mp
+    mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
+                       args=(world, _free_port(), data, steps, warmup, mode, out, list(overrides)))
+    per_rank = []
+    for k in range(world):
+        with open(f"{out}.{k}") as f:
+            per_rank.append(json.load(f))
+    return per_rank
 
 
 def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: str,
                       overrides: list[str] = ()) -> dict:
     """W=2 vs W=1 with the real Trainer in plain processes (no Ray), and the machine's own ceiling:
     two plain loops side by side vs one. Repeats alternate W=1 and W=2, so load drift hits both."""
-    import torch.multiprocessing as mp
     rows = []
     for r in range(repeats):
         row = {}
         for name, world, mode in (("w1", 1, "trainer"), ("w2", 2, "trainer"),
                                   ("plain1", 1, "plain"), ("plain2", 2, "plain")):
-            out = os.path.join(work, f"scaling-{name}-{r}.json")
-            mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
-                               args=(world, _free_port(), data, steps, warmup, mode, out,
-                                     list(overrides)))
-            per_rank = [json.load(open(f"{out}.{k}")) for k in range(world)]
+            per_rank = _spawn(os.path.join(work, f"scaling-{name}-{r}.json"), world, data, steps,
+                              warmup, mode, overrides)
             row[f"{name}_step_s"] = max(median(p["wall"]) for p in per_rank)
             if mode == "trainer":
                 row[f"{name}_cpu_s"] = median(per_rank[0]["cpu"])
@@ -214,23 +223,20 @@ def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: st
     keys = [k for k in rows[0] if not k.startswith("setup")]
     m = {k: median(row[k] for row in rows) for k in keys}
     return {"repeats": rows, **m, "setup_w2": rows[0]["setup_w2"],
-            "w1_tokens_per_s": G * 256 / m["w1_step_s"], "w2_tokens_per_s": G * 256 / m["w2_step_s"]}
+            "w1_tokens_per_s": G * 256 / m["w1_step_s"],
+            "w2_tokens_per_s": G * 256 / m["w2_step_s"]}
 
 
 def ab_inprocess(data: str, rounds: int, steps: int, warmup: int, work: str, world: int,
                  overrides: list[str]) -> dict:
     """The Trainer at W=`world` with the default config (A) and with `overrides` (B), alternating
     `rounds` times in one sitting, so the machine's drift hits both sides alike."""
-    import torch.multiprocessing as mp
     runs: dict[str, dict[str, list[float]]] = {"a": {"wall": [], "cpu": []},
                                                 "b": {"wall": [], "cpu": []}}
     for r in range(rounds):
         for side, extra in (("a", []), ("b", overrides)):
-            out = os.path.join(work, f"ab-{side}-{r}.json")
-            mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
-                               args=(world, _free_port(), data, steps, warmup, "trainer", out,
-                                     list(extra)))
-            per_rank = [json.load(open(f"{out}.{k}")) for k in range(world)]
+            per_rank = _spawn(os.path.join(work, f"ab-{side}-{r}.json"), world, data, steps,
+                              warmup, "trainer", extra)
             runs[side]["wall"].append(max(median(p["wall"]) for p in per_rank))
             runs[side]["cpu"].append(median(per_rank[0]["cpu"]))
         print(f"[bench_trainer] A/B round {r + 1}/{rounds}: A {runs['a']['wall'][-1]:.3f} s, "

@@ -121,9 +121,9 @@ class Trainer:
         with torch.device("meta"):
             model = GPT(self.gpt_cfg)
         t = self.cfg.train
-        n_params = sum(p.numel() for p in model.parameters())
+        self.n_params = sum(p.numel() for p in model.parameters())
         self.reshard_after_forward = agree_on_resharding(resolve_reshard_after_forward(
-            t.reshard_after_forward, n_params, self.compute_dtype, self.device), self.device)
+            t.reshard_after_forward, self.n_params, self.compute_dtype, self.device), self.device)
         parallelize(model, self.mesh, compute_dtype=self.compute_dtype,
                     activation_checkpointing=t.activation_checkpointing, compile=t.compile,
                     reshard_after_forward=self.reshard_after_forward)
@@ -134,15 +134,15 @@ class Trainer:
     def setup_line(self) -> str:
         """What this group runs, so a log shows the choices `auto` settings made."""
         t = self.cfg.train
-        n_params = sum(p.numel() for p in self.model.parameters())
         policy = "always" if self.reshard_after_forward else "never"
         if t.reshard_after_forward == "auto":
             policy += " (auto)"
         return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.threads} thread(s) each | "
-                f"model {n_params / 1e6:,.1f}M params, {str(self.compute_dtype).removeprefix('torch.')}"
-                f" | global batch {self.plan.global_batch_size} = micro-batches of "
-                f"{self.plan.micro_batch_size}, {self.plan.slots(self.world_size)} per worker | "
+                f"model {self.n_params / 1e6:,.1f}M params, "
+                f"{str(self.compute_dtype).removeprefix('torch.')} | global batch "
+                f"{self.plan.global_batch_size} = micro-batches of {self.plan.micro_batch_size}, "
+                f"{self.plan.slots(self.world_size)} per worker | "
                 f"FSDP2 reshard_after_forward={policy}, grad_sync={t.grad_sync}")
 
     # ---- restore -----------------------------------------------------------------------------
