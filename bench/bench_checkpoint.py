@@ -30,7 +30,7 @@ _TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> dict:
     from elastic_gpt.config import load_config
-    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.train.trainer import Trainer
 
     ckpt = os.path.join(root, "async" if async_save else "sync")
     shutil.rmtree(ckpt, ignore_errors=True)

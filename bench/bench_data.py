@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from data_pipelines.manifest import load_manifest  # noqa: E402
-from data_pipelines.order import BatchPlan  # noqa: E402
-from data_pipelines.stream import open_step_stream  # noqa: E402
-from data_pipelines.tokenize import _parse_size, list_inputs, prepare_data  # noqa: E402
-from data_pipelines.tokenizers import get_tokenizer  # noqa: E402
+from elastic_gpt.data.manifest import load_manifest  # noqa: E402
+from elastic_gpt.data.order import BatchPlan  # noqa: E402
+from elastic_gpt.data.stream import open_step_stream  # noqa: E402
+from elastic_gpt.data.prepare import _parse_size, list_inputs, prepare_data  # noqa: E402
+from elastic_gpt.data.tokenizers import get_tokenizer  # noqa: E402
 
 CPUS = 2  # this machine; the Ray cluster below gets the same cores
 
@@ -77,7 +77,7 @@ def bench_tokenization(corpus: str, max_bytes: int, out: str) -> dict:
 
 
 def _model(manifest):
-    from elastic_gpt.model import GPT, pad_vocab, preset_config, token_losses
+    from elastic_gpt.model.gpt import GPT, pad_vocab, preset_config, token_losses
 
     cfg = preset_config("mini", seq_len=manifest.seq_len, vocab_size=pad_vocab(manifest.vocab_size))
     model = GPT(cfg)

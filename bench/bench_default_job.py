@@ -25,11 +25,11 @@ def plain_loop(cfg, steps: int, threads: int) -> float:
     """Median tokens/s of forward/backward over the global batch in micro-batches, clip, AdamW."""
     import torch
 
-    from data_pipelines.manifest import load_manifest
-    from data_pipelines.order import BatchPlan
-    from data_pipelines.stream import open_step_stream
-    from elastic_gpt.model import GPT, token_losses
-    from elastic_gpt.train_loop import build_optimizer, model_config_for
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.model.gpt import GPT, token_losses
+    from elastic_gpt.train.trainer import build_optimizer, model_config_for
 
     torch.set_num_threads(threads)
     gpt_cfg = model_config_for(cfg, load_manifest(cfg.data.path))
@@ -57,7 +57,7 @@ def default_job(steps: int, root: str) -> float:
     import mlflow
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.launcher import run_training
+    from elastic_gpt.elastic.launcher import run_training
 
     uri = f"sqlite:///{root}/mlflow.db"
     cfg = load_config(os.path.join(ROOT, "jobs/configs/tiny.yaml"), [
@@ -67,7 +67,7 @@ def default_job(steps: int, root: str) -> float:
     summary = run_training(cfg)
     hist = mlflow.MlflowClient(uri).get_metric_history(summary["run_id"], "step_time_s")
     step_times = [m.value for m in sorted(hist, key=lambda m: m.step)][3:]
-    from data_pipelines.manifest import load_manifest
+    from elastic_gpt.data.manifest import load_manifest
     tokens_per_step = cfg.train.global_batch_size * load_manifest(cfg.data.path).seq_len
     return tokens_per_step / statistics.median(step_times)
 

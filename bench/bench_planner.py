@@ -1,4 +1,4 @@
-"""The planner (elastic_gpt/plan.py) checked against measurements on this machine (issue 7).
+"""The planner (elastic_gpt/planner/plan.py) checked against measurements on this machine (issue 7).
 
     .venv/bin/python bench/bench_planner.py [--only memory,comm,goodput] [--goodput-s 200]
 
@@ -42,7 +42,7 @@ os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 def stdlib_data(root: str, seq_len: int, max_bytes: int = 500_000) -> str:
     import sysconfig
 
-    from data_pipelines.tokenize import prepare_data
+    from elastic_gpt.data.prepare import prepare_data
     out = os.path.join(root, f"stdlib-{seq_len}")
     if not os.path.exists(os.path.join(out, "manifest.json")):
         stdlib = sysconfig.get_paths()["stdlib"]
@@ -112,11 +112,11 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
 
     import torch.distributed as dist
 
-    from data_pipelines.order import BatchPlan
-    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.config import load_config
-    from elastic_gpt.train_loop import Trainer
-    from elastic_gpt.tune import Candidate, measure, warm_up_process
+    from elastic_gpt.train.trainer import Trainer
+    from elastic_gpt.planner.measure import Candidate, measure, warm_up_process
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -177,10 +177,10 @@ def measure_memory_comm(root: str, steps: int = 2) -> list[dict]:
 
 
 def predict_memory_comm(row: dict) -> dict:
-    from data_pipelines.order import BatchPlan
-    from elastic_gpt import plan
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.planner import plan
     from elastic_gpt.hardware import GPUS
-    from elastic_gpt.model import pad_vocab, preset_config
+    from elastic_gpt.model.gpt import pad_vocab, preset_config
 
     preset, seq, G, mb, ckpt, _ = row["case"]
     # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
@@ -291,7 +291,7 @@ def measure_goodput(root: str, duration_s: float, n_trials: int, every_s: float 
 
 
 def predict_goodput(m: dict, every_s: float = 60.0) -> dict:
-    from elastic_gpt import plan
+    from elastic_gpt.planner import plan
 
     R = m["trials"]["recovery_s"]["median"]
     interval = m["ckpt_every_steps"] * m["step_s"]

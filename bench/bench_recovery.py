@@ -67,7 +67,7 @@ class ElasticGPTRun:
     def lost_steps(self) -> list[int]:
         """Steps re-done per failure, from the goodput ledger in the newest checkpoint (the
         metric log misses the last seconds before a kill; the ledger counts from progress)."""
-        from elastic_gpt.checkpoint import CheckpointStore
+        from elastic_gpt.checkpoint.store import CheckpointStore
 
         latest = CheckpointStore(self.ckpt).latest()
         events = (latest.state.get("ledger") or {}).get("events", []) if latest else []
@@ -244,7 +244,7 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "recovery.json"))
     args = p.parse_args()
 
-    from data_pipelines.tokenize import prepare_data
+    from elastic_gpt.data.prepare import prepare_data
 
     root = tempfile.mkdtemp(prefix="bench_recovery_")
     data = os.path.join(root, "data")

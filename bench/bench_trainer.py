@@ -46,10 +46,10 @@ def plain_loop(data: str, steps: int, threads: int, warmup: int) -> list[float]:
     """Step times of the plain loop; returns those after `warmup`."""
     import torch
 
-    from data_pipelines.manifest import load_manifest
-    from data_pipelines.order import BatchPlan
-    from data_pipelines.stream import open_step_stream
-    from elastic_gpt.model import GPT, preset_config, token_losses
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.model.gpt import GPT, preset_config, token_losses
 
     torch.set_num_threads(threads)
     manifest = load_manifest(data)
@@ -90,10 +90,10 @@ def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.config import load_config
-    from elastic_gpt.model import GPT, preset_config, token_losses
-    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.model.gpt import GPT, preset_config, token_losses
+    from elastic_gpt.train.trainer import Trainer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cfg = load_config(_TINY, [
@@ -157,9 +157,9 @@ def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, war
         times = plain_loop(data, steps, 1, warmup)
         _write_json(f"{out}.{rank}", {"wall": times})
         return
-    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.config import load_config
-    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.train.trainer import Trainer
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
@@ -251,7 +251,7 @@ def trainer_run(data: str, root: str, name: str, workers: int, steps: int, warmu
     import mlflow
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.launcher import run_training
+    from elastic_gpt.elastic.launcher import run_training
 
     uri = f"sqlite:///{root}/mlflow.db"
     cfg = load_config(_TINY, [
@@ -280,8 +280,8 @@ def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
     import ray
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.launcher import connect_ray
-    from elastic_gpt.model import flops_per_token, preset_config
+    from elastic_gpt.elastic.launcher import connect_ray
+    from elastic_gpt.model.gpt import flops_per_token, preset_config
 
     data = prepare_dataset(work)
     tokens_per_step = G * 256
@@ -336,7 +336,7 @@ def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
 def _peak(threads: int) -> float:
     """Fresh (uncached) matmul peak of `threads` threads: median of 3 best-of-0.3 s measurements,
     taken next to the runs it normalises (the figure moves with the machine's load)."""
-    from elastic_gpt import metrics
+    from elastic_gpt.train import metrics
     vals = []
     for _ in range(3):
         metrics._cpu_peak_cache.pop(threads, None)
@@ -362,7 +362,7 @@ def cpu_time_matmul_peak(n: int = 512, reps: int = 20) -> float:
 
 
 def _fpt() -> int:
-    from elastic_gpt.model import flops_per_token, preset_config
+    from elastic_gpt.model.gpt import flops_per_token, preset_config
     return flops_per_token(preset_config(PRESET, vocab_size=256, seq_len=256))
 
 

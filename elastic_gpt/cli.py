@@ -10,7 +10,7 @@ import sys
 
 def _train(args) -> int:
     from elastic_gpt.config import load_config
-    from elastic_gpt.launcher import run_training
+    from elastic_gpt.elastic.launcher import run_training
 
     cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, config_path=args.config)
@@ -30,7 +30,7 @@ def _train(args) -> int:
 
 
 def _generate(args) -> int:
-    from elastic_gpt.inference import sample_text
+    from elastic_gpt.inference.generate import sample_text
 
     print(sample_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                       seed=args.seed))
@@ -38,7 +38,7 @@ def _generate(args) -> int:
 
 
 def _export_hf(args) -> int:
-    from elastic_gpt.export_hf import export_hf
+    from elastic_gpt.inference.hf_export import export_hf
 
     out = export_hf(args.checkpoint, args.out)
     print(f"[elastic-gpt] wrote {out}/config.json and {out}/model.safetensors "
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from data_pipelines import tokenize
+    from elastic_gpt.data import prepare as tokenize
     prep = sub.add_parser("prepare-data", help="tokenize a raw corpus into token shards",
                           description="Tokenize text from any fsspec URL or glob into fixed-length "
                                       "token shards plus manifest.json (a Ray Data job).")
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="output directory")
     ex.set_defaults(func=_export_hf)
 
-    for name, module, text in [("plan", "elastic_gpt.plan", "capacity plan: memory, speed, cost"),
-                               ("tune", "elastic_gpt.tune", "measure candidates on the cluster")]:
+    for name, module, text in [("plan", "elastic_gpt.planner.plan", "capacity plan: memory, speed, cost"),
+                               ("tune", "elastic_gpt.planner.measure", "measure candidates on the cluster")]:
         try:
             mod = __import__(module, fromlist=["add_cli_arguments"])
         except ImportError:

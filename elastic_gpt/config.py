@@ -236,8 +236,8 @@ def _coerce(dotted: str, value, type_str, default):
 
 
 def validate(cfg: Config) -> None:
-    from data_pipelines.order import BatchPlan
-    from elastic_gpt.model import PRESETS
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.model.gpt import PRESETS
 
     if cfg.model.preset not in PRESETS:
         raise ValueError(f"model.preset={cfg.model.preset!r} is unknown; choose one of "

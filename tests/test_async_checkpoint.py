@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from elastic_gpt.checkpoint import CheckpointStore, step_dirname
+from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -45,7 +45,7 @@ def _rank_main() -> None:
 
 def _trainer_job(rank: int, world: int) -> None:
     from elastic_gpt.config import load_config
-    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.train.trainer import Trainer
     cfg = load_config(os.path.join(ROOT, "jobs/configs/tiny.yaml"), [
         "model.preset=tiny", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.max_steps=6", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=100",
@@ -58,8 +58,8 @@ def _toy_state():
     """A tiny GPT under FSDP2 on the default group and one AdamW step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic_gpt.model import GPT, GPTConfig
-    from elastic_gpt.parallelize import init_sharded_weights, parallelize
+    from elastic_gpt.model.gpt import GPT, GPTConfig
+    from elastic_gpt.parallel.fsdp import init_sharded_weights, parallelize
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64))
     parallelize(model, init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),)),
@@ -71,7 +71,7 @@ def _toy_state():
 
 
 def _step(model, opt, seed: int) -> None:
-    from elastic_gpt.model import token_losses
+    from elastic_gpt.model.gpt import token_losses
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 64, (2, 17), generator=g)
     token_losses(model(x[:, :16]), x[:, 1:]).backward()
@@ -97,7 +97,7 @@ class _HookedWriter:
 def _snapshot_job(rank: int, world: int) -> None:
     import threading
 
-    from elastic_gpt.async_checkpoint import AsyncCheckpointer
+    from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
     model, opt = _toy_state()
     _step(model, opt, seed=1)
     expected = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
@@ -115,7 +115,7 @@ def _snapshot_job(rank: int, world: int) -> None:
 
 
 def _fail_job(rank: int, world: int) -> None:
-    from elastic_gpt.async_checkpoint import AsyncCheckpointer, CheckpointWriteError
+    from elastic_gpt.checkpoint.async_save import AsyncCheckpointer, CheckpointWriteError
     model, opt = _toy_state()
     store = CheckpointStore(os.environ["CKPT"])
 
@@ -140,7 +140,7 @@ def _fail_job(rank: int, world: int) -> None:
 
 
 def _kill_job(rank: int, world: int) -> None:
-    from elastic_gpt.async_checkpoint import AsyncCheckpointer
+    from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
     model, opt = _toy_state()
     flag = os.path.join(os.environ["OUT"], f"inflight-{rank}")
 

@@ -16,10 +16,10 @@ import pytest
 from cluster_harness import LocalCluster, committed, progress, training_workers, wait_for
 from conftest import metric_by_step
 
-from elastic_gpt import preemption
-from elastic_gpt.checkpoint import CheckpointStore
+from elastic_gpt.elastic.controller import preemption
+from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
-from elastic_gpt.launcher import run_key, run_training
+from elastic_gpt.elastic.launcher import run_key, run_training
 
 STEPS = 32
 # preset mini on 64-token samples: ~0.3-0.5 s per step here, so faults land mid-run.

@@ -9,14 +9,14 @@ import pickle
 import pytest
 import torch
 
-from elastic_gpt.checkpoint import (
+from elastic_gpt.checkpoint.store import (
     COMMIT_MARKER,
     CheckpointStore,
     load_model_weights,
     save_sharded,
     step_dirname,
 )
-from elastic_gpt.model import GPT, GPTConfig
+from elastic_gpt.model.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=32)
 

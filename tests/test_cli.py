@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from elastic_gpt.checkpoint import CheckpointStore, save_sharded, step_dirname
+from elastic_gpt.checkpoint.store import CheckpointStore, save_sharded, step_dirname
 from elastic_gpt.cli import main
-from elastic_gpt.model import GPT, GPTConfig
+from elastic_gpt.model.gpt import GPT, GPTConfig
 
 CLI = [sys.executable, "-m", "elastic_gpt.cli"]
 

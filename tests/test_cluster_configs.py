@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from elastic_gpt.config import load_config
-from elastic_gpt.preemption import build_parser
+from elastic_gpt.elastic.preemption import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_FILES = ["ray-cluster.yaml", "deploy/gcp-cluster.yaml"]
@@ -53,12 +53,12 @@ def commands(config: dict, key: str) -> str:
 
 
 def watcher_args(command_text: str) -> list:
-    """The `python -m elastic_gpt.preemption ...` arguments in a shell command list."""
+    """The `python -m elastic_gpt.elastic.preemption ...` arguments in a shell command list."""
     found = []
     for line in command_text.splitlines():
-        if "elastic_gpt.preemption" not in line:
+        if "elastic_gpt.elastic.preemption" not in line:
             continue
-        words = shlex.split(line.split("elastic_gpt.preemption", 1)[1].split(">")[0])
+        words = shlex.split(line.split("elastic_gpt.elastic.preemption", 1)[1].split(">")[0])
         found.append(build_parser().parse_args(words))
     return found
 
@@ -121,7 +121,7 @@ def test_every_worker_starts_the_spot_watcher(path, provider):
     assert args.address == "$RAY_HEAD_IP:6379"
     assert 0 < args.poll_s <= 5
     # Started after `ray start` joins the node, in the background (the command must return).
-    assert worker_start.index("ray start") < worker_start.index("elastic_gpt.preemption")
+    assert worker_start.index("ray start") < worker_start.index("elastic_gpt.elastic.preemption")
     assert re.search(r"elastic_gpt\.preemption[^\n]*&", worker_start.replace("\n", " "))
     assert not watcher_args(commands(config, "head_start_ray_commands")), "head is on-demand"
 
@@ -237,7 +237,7 @@ def test_kuberay_raycluster_manifest():
         ray_container = pod["containers"][0]  # KubeRay runs Ray in the first container
         assert ray_container["resources"]["limits"]["nvidia.com/gpu"] == "8"
         (sidecar,) = [c for c in pod["containers"]
-                      if "elastic_gpt.preemption" in c.get("command", [])]
+                      if "elastic_gpt.elastic.preemption" in c.get("command", [])]
         args = build_parser().parse_args(sidecar["args"])
         assert args.provider == "none"
         assert args.sigterm_deadline_s < pod["terminationGracePeriodSeconds"]

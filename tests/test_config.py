@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_gpt.config import load_config
-from elastic_gpt.metrics import lr_at
+from elastic_gpt.train.metrics import lr_at
 
 TINY = "jobs/configs/tiny.yaml"
 

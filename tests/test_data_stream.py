@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipelines.manifest import load_manifest, sample_hash
-from data_pipelines.order import BatchPlan, SampleOrder
-from data_pipelines.stream import CorruptShardError, RayDataStepStream, open_step_stream
-from data_pipelines.tokenize import prepare_data
+from elastic_gpt.data.manifest import load_manifest, sample_hash
+from elastic_gpt.data.order import BatchPlan, SampleOrder
+from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream
+from elastic_gpt.data.prepare import prepare_data
 
 pytest_plugins = ["s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
 

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from data_pipelines.manifest import load_manifest
-from data_pipelines.stream import decode_documents
-from data_pipelines.tokenize import add_cli_arguments, prepare_data, run_from_args
+from elastic_gpt.data.manifest import load_manifest
+from elastic_gpt.data.stream import decode_documents
+from elastic_gpt.data.prepare import add_cli_arguments, prepare_data, run_from_args
 
 pytest_plugins = ["s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
 
@@ -237,7 +237,7 @@ def test_storage_errors_are_one_line(s3):
 def test_auto_engine_uses_ray_for_big_inputs_or_a_connected_cluster(monkeypatch):
     import ray
 
-    from data_pipelines.tokenize import AUTO_RAY_BYTES, choose_engine
+    from elastic_gpt.data.prepare import AUTO_RAY_BYTES, choose_engine
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the ray_local fixture may be up

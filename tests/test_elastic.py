@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_gpt.elastic import ElasticRestart, check_ray_internals, live_capacity, make_policies
+from elastic_gpt.elastic.controller import ElasticRestart, check_ray_internals, live_capacity, make_policies
 from elastic_gpt.errors import NonFiniteLossError
-from elastic_gpt.goodput import GoodputLedger
+from elastic_gpt.train.goodput import GoodputLedger
 
 
 def test_ray_train_internals_have_the_shape_elastic_py_relies_on():
@@ -22,7 +22,7 @@ class _WorkerGroupError(Exception):
 
 @pytest.fixture
 def failure_policy(monkeypatch):
-    import elastic_gpt.elastic as elastic
+    import elastic_gpt.elastic.controller as elastic
 
     monkeypatch.setattr(elastic, "_safe", lambda *a: None)  # no GCS needed for decisions
     from ray.train import FailureConfig, ScalingConfig

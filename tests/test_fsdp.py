@@ -24,8 +24,8 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
     import torch.distributed as dist
 
-    from data_pipelines.stream import open_step_stream
-    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.train.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -88,7 +88,7 @@ def test_gradient_accumulation_equals_one_large_batch(single, stdlib_dataset, tm
 def _agree_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from elastic_gpt.parallelize import agree_on_resharding
+    from elastic_gpt.parallel.fsdp import agree_on_resharding
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:

@@ -18,8 +18,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastic_gpt.config import load_config
-from elastic_gpt.model import GPT, GPTConfig, preset_config, token_losses
-from elastic_gpt.parallelize import (
+from elastic_gpt.model.gpt import GPT, GPTConfig, preset_config, token_losses
+from elastic_gpt.parallel.fsdp import (
     init_sharded_weights,
     mixed_precision_policy,
     parallelize,
@@ -161,7 +161,7 @@ def test_attention_calls_sdpa_causally_with_no_mask_in_bf16(world1, monkeypatch)
 
 
 def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
-    from elastic_gpt.launcher import build_trainer
+    from elastic_gpt.elastic.launcher import build_trainer
     cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused", "scaling.use_gpu=true"])
     trainer = build_trainer(cfg, None)
     assert trainer.backend_config.backend == "nccl"
@@ -172,7 +172,7 @@ def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
 
 def test_fused_adamw_runs_and_matches_the_unfused_step():
     """The GPU path asks for fused AdamW; torch has a fused CPU kernel too, so check it here."""
-    from elastic_gpt.train_loop import build_optimizer
+    from elastic_gpt.train.trainer import build_optimizer
     cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused"])
     models = [GPT(SMALL), GPT(SMALL)]
     opts = [build_optimizer(models[0], cfg, fused=True), build_optimizer(models[1], cfg, fused=False)]
@@ -188,7 +188,7 @@ def test_fused_adamw_runs_and_matches_the_unfused_step():
 @pytest.fixture(scope="module")
 def trainers(world1, stdlib_dataset, tmp_path_factory):
     """The real Trainer at W=1 in fp32 and in bf16 (the GPU dtype), on the same data."""
-    from elastic_gpt.train_loop import Trainer
+    from elastic_gpt.train.trainer import Trainer
     out = {}
     for dtype in ("float32", "bfloat16"):
         cfg = load_config("jobs/configs/tiny.yaml", [
@@ -208,7 +208,7 @@ def test_the_setup_line_says_what_auto_chose(trainers):
 
 
 def test_trainer_on_cpu_is_fused_and_autocasts_only_for_bf16(trainers, stdlib_dataset):
-    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.data.stream import open_step_stream
     losses = {}
     for dtype, tr in trainers.items():
         assert tr.optimizer.defaults["fused"]  # fused on CPU too: one kernel, ~30 ms/step less
@@ -235,16 +235,16 @@ def test_trainer_on_cpu_is_fused_and_autocasts_only_for_bf16(trainers, stdlib_da
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
 def test_batches_for_a_gpu_arrive_pinned(stdlib_dataset):
-    from data_pipelines.order import BatchPlan
-    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
     with open_step_stream(stdlib_dataset, plan=BatchPlan(4, 2), rank=0, world_size=1,
                           start_step=0, seed=1, pin_memory=True) as stream:
         assert all(t.is_pinned() for t in next(stream).tokens)
 
 
 def test_batches_for_the_cpu_are_not_pinned(stdlib_dataset):
-    from data_pipelines.order import BatchPlan
-    from data_pipelines.stream import open_step_stream
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
     with open_step_stream(stdlib_dataset, plan=BatchPlan(4, 2), rank=0, world_size=1,
                           start_step=0, seed=1) as stream:
         assert not any(t.is_pinned() for t in next(stream).tokens)

@@ -21,7 +21,7 @@ import uuid
 import pytest
 from mlflow_server import free_port
 
-from elastic_gpt.checkpoint import COMMIT_MARKER, CheckpointStore
+from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore
 
 pytestmark = pytest.mark.slow
 

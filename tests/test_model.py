@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from elastic_gpt.model import GPT, PRESETS, GPTConfig, count_params, flops_per_token, preset_config
+from elastic_gpt.model.gpt import GPT, PRESETS, GPTConfig, count_params, flops_per_token, preset_config
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 

@@ -23,8 +23,8 @@ from urllib.parse import parse_qsl
 
 import pytest
 
-from elastic_gpt import preemption
-from elastic_gpt.preemption import (
+from elastic_gpt.elastic.controller import preemption
+from elastic_gpt.elastic.preemption import (
     AwsSpotNotices,
     GcpPreemptionNotices,
     MetadataUnavailable,
@@ -363,7 +363,7 @@ def test_endpoint_down_keeps_polling_then_drains(ray_cluster, busy_worker, caplo
     probe.close()  # the port now refuses connections
     watcher = PreemptionWatcher(AwsSpotNotices(f"http://127.0.0.1:{port}", timeout_s=0.5),
                                 busy_worker, address, poll_s=0.1)
-    caplog.set_level(logging.WARNING, logger="elastic_gpt.preemption")
+    caplog.set_level(logging.WARNING, logger="elastic_gpt.elastic.preemption")
     thread = run_in_thread(watcher)
     revived = None
     try:
@@ -388,7 +388,7 @@ def test_sigterm_to_cli_watcher_drains(ray_cluster, busy_worker, metadata):
     address = ray_cluster.address
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "elastic_gpt.preemption", "--provider", "auto",
+        [sys.executable, "-m", "elastic_gpt.elastic.preemption", "--provider", "auto",
          "--address", address, "--metadata-url", metadata.url, "--poll-s", "0.2",
          "--node-id", busy_worker, "--sigterm-deadline-s", "40"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
@@ -416,7 +416,7 @@ def test_sigterm_to_cli_watcher_drains(ray_cluster, busy_worker, metadata):
 def test_cli_rejects_bad_arguments():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
-        [sys.executable, "-m", "elastic_gpt.preemption", "--provider", "aws", "--node-id", "xyz"],
+        [sys.executable, "-m", "elastic_gpt.elastic.preemption", "--provider", "aws", "--node-id", "xyz"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
     )
     assert out.returncode == 2

@@ -14,8 +14,8 @@ import time
 import pytest
 from mlflow_server import MlflowServer, free_port
 
-from elastic_gpt import tracking
-from elastic_gpt.checkpoint import CheckpointStore
+from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
+from elastic_gpt.checkpoint.store import CheckpointStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(os.path.dirname(sys.executable), "elastic-gpt")
@@ -90,7 +90,7 @@ def test_install_redaction_masks_printed_lines_and_log_records():
     code = f"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-from elastic_gpt import tracking
+from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
 tracking.install_redaction({{"tracking": {{"uri": "http://al:{PASSWORD}@h:5000"}}}})
 print("uri http://al:{PASSWORD}@h:5000 and env {AWS_SECRET}")
 print("bare {PASSWORD}", file=sys.stderr)
@@ -301,7 +301,7 @@ def test_logged_pytorch_model_gives_the_same_logits_as_the_checkpoint(server, se
     import mlflow
     import torch
 
-    from elastic_gpt.inference import load_model
+    from elastic_gpt.inference.generate import load_model
 
     client = mlflow.MlflowClient(server.uri)
     run = client.get_run(server_run["run_id"])

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import metric_by_step
 
-from elastic_gpt.checkpoint import CheckpointStore
+from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
-from elastic_gpt.launcher import run_training
+from elastic_gpt.elastic.launcher import run_training
 
 pytest_plugins = ["s3_server"]
 
@@ -132,8 +132,8 @@ def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference
 def test_export_hf_gives_the_same_logits_and_generate_is_deterministic(env, reference, tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from elastic_gpt.export_hf import export_hf
-    from elastic_gpt.inference import load_model, sample_text
+    from elastic_gpt.inference.hf_export import export_hf
+    from elastic_gpt.inference.generate import load_model, sample_text
 
     url = "s3://ckpts/reference"
     export_hf(url, str(tmp_path / "hf"))

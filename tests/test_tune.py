@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from data_pipelines.manifest import load_manifest
+from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.cli import build_parser
 from elastic_gpt.config import load_config
-from elastic_gpt.plan import model_shape
-from elastic_gpt.train_loop import model_config_for
-from elastic_gpt.tune import Candidate, candidate_list, pick_winner, predicted_bytes
+from elastic_gpt.planner.plan import model_shape
+from elastic_gpt.train.trainer import model_config_for
+from elastic_gpt.planner.measure import Candidate, candidate_list, pick_winner, predicted_bytes
 
 
 def overrides(tmp_path, data: str, *extra: str) -> list[str]:

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from elastic_gpt.model import GPT
+from elastic_gpt.model.gpt import GPT
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -29,7 +29,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_gpt.checkpoint import CheckpointStore, step_dirname, training_state_dict
+from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname, training_state_dict
 
 log = logging.getLogger(__name__)
 

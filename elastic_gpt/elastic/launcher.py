@@ -11,18 +11,18 @@ import logging
 import os
 import time
 
-from elastic_gpt.checkpoint import CheckpointStore
+from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config, resolve_paths
 from elastic_gpt.errors import check_checkpoint_shape
-from elastic_gpt.goodput import GoodputLedger
+from elastic_gpt.train.goodput import GoodputLedger
 
 log = logging.getLogger("elastic_gpt")
 
 
 def preflight(cfg: Config):
     """Resolve paths, open the dataset, derive the model shape, check any existing checkpoint."""
-    from data_pipelines.manifest import load_manifest
-    from elastic_gpt.train_loop import model_config_for
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.train.trainer import model_config_for
 
     resolve_paths(cfg)
     manifest = load_manifest(cfg.data.path)
@@ -111,8 +111,8 @@ def build_trainer(cfg: Config, run_id: str | None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from elastic_gpt.elastic import check_ray_internals, elastic_trainer_class
-    from elastic_gpt.train_loop import train_loop_per_worker
+    from elastic_gpt.elastic.controller import check_ray_internals, elastic_trainer_class
+    from elastic_gpt.train.trainer import train_loop_per_worker
 
     gpu = use_gpu(cfg)
     s = cfg.scaling
@@ -171,7 +171,7 @@ def fatal_cause(error: BaseException) -> BaseException | None:
 
 
 def run_training(cfg: Config, config_path: str | None = None) -> dict:
-    from elastic_gpt import tracking
+    from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
 
     tracking.install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
@@ -214,7 +214,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
 
 def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:
     """The run to continue (its id is stored with the checkpoints, C5) or a new one."""
-    from elastic_gpt import tracking
+    from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
 
     if not cfg.tracking.enabled:
         return None
@@ -233,7 +233,7 @@ def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | 
 
 
 def _n_params(gpt_cfg) -> int:
-    from elastic_gpt.model import count_params
+    from elastic_gpt.model.gpt import count_params
     return count_params(gpt_cfg)["total"]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from elastic_gpt.checkpoint import COMMIT_MARKER, CheckpointStore, load_model_weights
-from elastic_gpt.model import GPT, GPTConfig
+from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore, load_model_weights
+from elastic_gpt.model.gpt import GPT, GPTConfig
 
 
 def resolve_checkpoint(url: str) -> tuple[str, dict]:
@@ -58,8 +58,8 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def sample_text(checkpoint: str, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
                 seed: int | None = 0) -> str:
-    from data_pipelines.manifest import load_manifest
-    from data_pipelines.tokenizers import get_tokenizer
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.data.tokenizers import get_tokenizer
 
     model, state = load_model(checkpoint)
     manifest = load_manifest(state["data"]["url"])

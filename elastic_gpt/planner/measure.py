@@ -180,9 +180,9 @@ def measure(cfg: Config, cand: Candidate, *, rank: int, world: int, steps: int) 
     """Build a fresh Trainer for `cand`, run warm-up + timed steps; this rank's figures."""
     import torch
 
-    from data_pipelines.order import BatchPlan
-    from data_pipelines.stream import open_step_stream
-    from elastic_gpt.train_loop import Trainer, _device
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.train.trainer import Trainer, _device
 
     c = copy.deepcopy(cfg)
     c.train.micro_batch_size = cand.micro_batch
@@ -263,8 +263,8 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     import ray.train
 
     from elastic_gpt.config import config_from_dict
-    from elastic_gpt.parallelize import resolve_dtype, resolve_reshard_after_forward
-    from elastic_gpt.train_loop import _device, say
+    from elastic_gpt.parallel.fsdp import resolve_dtype, resolve_reshard_after_forward
+    from elastic_gpt.train.trainer import _device, say
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -343,8 +343,8 @@ def predicted_bytes(shape, world: int, G: int, cand: Candidate, dtype: str, cuda
                     grad_sync: str, reshard_after_forward: bool) -> float:
     """The planner's figure for a candidate as the Trainer runs it: the run's train.grad_sync and
     the reshard_after_forward its Trainer resolved (CPU: no CUDA context, no fragmentation)."""
-    from data_pipelines.order import BatchPlan
-    from elastic_gpt.plan import memory_per_gpu
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.planner.plan import memory_per_gpu
     k = BatchPlan(G, cand.micro_batch).slots(world)
     extra = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
     return memory_per_gpu(shape, world, cand.micro_batch,
@@ -358,7 +358,7 @@ def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: flo
     """None if the planner says micro-batch 1 with checkpointing fits; else one line naming what
     would (more workers, a bigger chip or more memory per worker). reshard_after_forward is the
     run's train setting: `never` keeps every block gathered, so the floor is higher."""
-    from elastic_gpt.plan import PlanError, PlanInputs, memory_per_gpu, model_shape, plan_training
+    from elastic_gpt.planner.plan import PlanError, PlanInputs, memory_per_gpu, model_shape, plan_training
     if gpu is not None:  # a GPU of the table, or its memory replaced by --memory-budget-gib
         chip = gpu if budget_bytes == gpu.memory_bytes else GPU(
             f"{gpu.name}@{budget_bytes / GiB:g}GiB", gpu.peak_flops, budget_bytes / GiB,
@@ -432,11 +432,11 @@ def run_tune(args) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from data_pipelines.manifest import load_manifest
-    from elastic_gpt.launcher import _worker_env, connect_ray, use_gpu
-    from elastic_gpt.model import count_params
-    from elastic_gpt.plan import model_shape
-    from elastic_gpt.train_loop import model_config_for
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.elastic.launcher import _worker_env, connect_ray, use_gpu
+    from elastic_gpt.model.gpt import count_params
+    from elastic_gpt.planner.plan import model_shape
+    from elastic_gpt.train.trainer import model_config_for
 
     cfg = load_config(args.config, args.overrides)
     if args.steps < 1:

@@ -23,7 +23,7 @@ import fsspec
 import numpy as np
 import torch
 
-from data_pipelines.manifest import (
+from elastic_gpt.data.manifest import (
     HASH_MASK,
     Manifest,
     describe_storage_error,
@@ -31,7 +31,7 @@ from data_pipelines.manifest import (
     sample_hash,
     sample_hashes,
 )
-from data_pipelines.order import DEFAULT_SHUFFLE_WINDOW, BatchPlan, SampleOrder
+from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW, BatchPlan, SampleOrder
 
 __all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
            "ShardReader", "DEFAULT_SHUFFLE_WINDOW"]
@@ -311,7 +311,7 @@ def read_shard_stream(manifest: Manifest, k: int, storage_options: dict | None =
 def decode_documents(manifest: Manifest, storage_options: dict | None = None) -> list[str]:
     """Every document of the dataset, in input order (trailing padding dropped): the round trip
     of prepare-data for text the tokenizer round-trips."""
-    from data_pipelines.tokenizers import get_tokenizer
+    from elastic_gpt.data.tokenizers import get_tokenizer
 
     tok = get_tokenizer(manifest.tokenizer)
     docs = []

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
-from data_pipelines.manifest import (
+from elastic_gpt.data.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
@@ -38,7 +38,7 @@ from data_pipelines.manifest import (
     join_url,
     sample_hashes,
 )
-from data_pipelines.tokenizers import get_tokenizer, token_dtype
+from elastic_gpt.data.tokenizers import get_tokenizer, token_dtype
 
 TEXT_CHUNK_BYTES = 4 << 20        # raw bytes read at a time from a plain-text file
 MAX_PIECE_CHARS = 1 << 20         # longest string handed to the tokenizer at once

@@ -12,7 +12,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from elastic_gpt.inference import load_model
+from elastic_gpt.inference.generate import load_model
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -46,7 +46,7 @@ def export_hf(checkpoint: str, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     eos = None
     try:
-        from data_pipelines.manifest import load_manifest
+        from elastic_gpt.data.manifest import load_manifest
         eos = load_manifest(state["data"]["url"]).eos_id
     except (ValueError, OSError, KeyError):
         pass  # the dataset may be gone; the weights are still exportable

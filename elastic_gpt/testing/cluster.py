@@ -106,7 +106,7 @@ def committed(store, step: int) -> bool:
 
 
 def progress(run_key: str) -> dict | None:
-    from elastic_gpt.elastic import kv_get
+    from elastic_gpt.elastic.controller import kv_get
     try:
         return kv_get(run_key, "progress")
     except Exception:

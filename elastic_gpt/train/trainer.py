@@ -17,23 +17,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from data_pipelines.manifest import load_manifest
-from data_pipelines.order import BatchPlan
-from data_pipelines.stream import open_step_stream
-from elastic_gpt.async_checkpoint import AsyncCheckpointer
-from elastic_gpt.checkpoint import CheckpointStore, load_sharded, save_sharded, step_dirname
+from elastic_gpt.data.manifest import load_manifest
+from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.stream import open_step_stream
+from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
+from elastic_gpt.checkpoint.store import CheckpointStore, load_sharded, save_sharded, step_dirname
 from elastic_gpt.config import Config, config_from_dict
-from elastic_gpt.elastic import ElasticRestart
+from elastic_gpt.elastic.controller import ElasticRestart
 from elastic_gpt.errors import NonFiniteLossError, check_checkpoint_shape
-from elastic_gpt.goodput import GoodputLedger
-from elastic_gpt.metrics import (
+from elastic_gpt.train.goodput import GoodputLedger
+from elastic_gpt.train.metrics import (
     join_fingerprint,
     lr_at,
     peak_flops,
     split_fingerprint,
 )
-from elastic_gpt.model import GPT, GPTConfig, flops_per_token, token_losses
-from elastic_gpt.parallelize import (
+from elastic_gpt.model.gpt import GPT, GPTConfig, flops_per_token, token_losses
+from elastic_gpt.parallel.fsdp import (
     agree_on_resharding,
     init_sharded_weights,
     parallelize,
@@ -46,7 +46,7 @@ log = logging.getLogger("elastic_gpt")
 
 def model_config_for(cfg: Config, manifest) -> GPTConfig:
     """Preset shape, then explicit model.* keys; seq_len and vocab come from the data if unset."""
-    from elastic_gpt.model import PRESETS, pad_vocab
+    from elastic_gpt.model.gpt import PRESETS, pad_vocab
     m = cfg.model
     fields = dict(PRESETS[m.preset])
     fields.update({k: v for k, v in dict(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd)
@@ -400,8 +400,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray
     import ray.train
 
-    from elastic_gpt.elastic import WorkerMembership
-    from elastic_gpt.tracking import MetricLogger
+    from elastic_gpt.elastic.controller import WorkerMembership
+    from elastic_gpt.tracking.mlflow_tracking import MetricLogger
 
     ctx = ray.train.get_context()
     cfg = config_from_dict(loop_config["config"])

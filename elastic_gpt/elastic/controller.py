@@ -31,7 +31,7 @@ import ray
 
 from elastic_gpt.errors import FatalTrainingError
 
-log = logging.getLogger("elastic_gpt.elastic")
+log = logging.getLogger("elastic_gpt.elastic.controller")
 
 KV_NAMESPACE = "elastic_gpt"
 RESIZE_STABLE_S = 1.0  # extra capacity must persist this long before we restart to use it

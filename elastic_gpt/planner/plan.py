@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from data_pipelines.order import BatchPlan
+from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.hardware import GPU, GPUS, PRICES_AS_OF, GiB, get_gpu, load_overrides
-from elastic_gpt.model import PRESETS, GPTConfig, count_params, flops_per_token, preset_config
+from elastic_gpt.model.gpt import PRESETS, GPTConfig, count_params, flops_per_token, preset_config
 
 GB = 1e9
 HOUR = 3600.0

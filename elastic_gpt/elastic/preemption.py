@@ -4,7 +4,7 @@ Nothing in Ray turns a cloud's "this VM goes away in N seconds" notice into a no
 drain is what Ray Train (``ray.train.get_preemption_info``) and our elastic controller react to.
 This module closes that gap. One watcher runs on every worker node (ray-cluster.yaml starts it):
 
-    python -m elastic_gpt.preemption --provider aws --address HEAD_IP:6379
+    python -m elastic_gpt.elastic.preemption --provider aws --address HEAD_IP:6379
 
 It polls the instance metadata service every few seconds and, on a notice, asks the GCS to drain
 this node with reason PREEMPTION and the cloud's deadline. A SIGTERM to the watcher is a notice
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-logger = logging.getLogger("elastic_gpt.preemption")
+logger = logging.getLogger("elastic_gpt.elastic.preemption")
 
 AWS_METADATA_URL = "http://169.254.169.254"
 GCP_METADATA_URL = "http://metadata.google.internal"
@@ -459,7 +459,7 @@ class PreemptionWatcher:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m elastic_gpt.preemption",
+        prog="python -m elastic_gpt.elastic.preemption",
         description="Turn cloud spot/preemption notices (and SIGTERM) into Ray node drains.",
     )
     parser.add_argument("--provider", choices=["aws", "gcp", "auto", "none"], default="auto",

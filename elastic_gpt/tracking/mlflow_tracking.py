@@ -619,7 +619,7 @@ def ledger_from_checkpoint(checkpoint_url: str) -> tuple[dict, list[dict]]:
     """The ledger and events saved in a checkpoint's trainer state (Ray Train V2 keeps reported
     metrics only with reported checkpoints, so the run's result may not carry them)."""
     try:
-        from elastic_gpt.inference import resolve_checkpoint
+        from elastic_gpt.inference.generate import resolve_checkpoint
         ledger = dict(resolve_checkpoint(checkpoint_url)[1].get("ledger") or {})
     except Exception as e:
         log.warning("could not read the goodput ledger from %s (%s)", redact(checkpoint_url),
@@ -703,8 +703,8 @@ def log_final_model(uri: str, run_id: str, checkpoint_url: str, step: int = 0) -
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
-    from elastic_gpt.export_hf import export_hf
-    from elastic_gpt.inference import load_model
+    from elastic_gpt.inference.hf_export import export_hf
+    from elastic_gpt.inference.generate import load_model
 
     client = _client(uri)
     with tempfile.TemporaryDirectory() as tmp:
