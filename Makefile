@@ -28,9 +28,9 @@ data/stdlib/manifest.json: | venv
 
 train: venv data
 	mkdir -p $(RAY_TMPDIR)
-	$(BIN)/elastic-gpt train --config jobs/configs/tiny.yaml
+	$(BIN)/elastic-gpt train --config jobs/configs/mini.yaml
 	@echo "---- a sample from the trained model ----"
-	$(BIN)/elastic-gpt generate --checkpoint runs/tiny/checkpoints --prompt "def " \
+	$(BIN)/elastic-gpt generate --checkpoint runs/mini/checkpoints --prompt "def " \
 		--max-new-tokens 80 --temperature 0.7
 	@echo "---- MLflow: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
 

@@ -25,7 +25,7 @@ import time
 from common import PRESET, median, prepare_dataset
 
 _TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "jobs", "configs", "tiny.yaml")
+                     "jobs", "configs", "mini.yaml")
 
 
 def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> dict:

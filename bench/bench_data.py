@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 from elastic_gpt.data.manifest import load_manifest  # noqa: E402
 from elastic_gpt.data.order import BatchPlan  # noqa: E402
-from elastic_gpt.data.stream import open_step_stream  # noqa: E402
 from elastic_gpt.data.prepare import _parse_size, list_inputs, prepare_data  # noqa: E402
+from elastic_gpt.data.stream import open_step_stream  # noqa: E402
 from elastic_gpt.data.tokenizers import get_tokenizer  # noqa: E402
 
 CPUS = 2  # this machine; the Ray cluster below gets the same cores
@@ -135,8 +135,7 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
         r["ray_data_reader_tokens_s"] = steps * step_tokens / (time.perf_counter() - t)
 
     # From an S3-protocol server on loopback (moto), prefetching as in training.
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
-    from s3_server import S3Server
+    from elastic_gpt.testing.s3_server import S3Server
 
     server = S3Server()
     try:

@@ -1,4 +1,4 @@
-"""The default job (`jobs/configs/tiny.yaml`: 2 Ray Train workers under FSDP2) vs a plain
+"""The default job (`jobs/configs/mini.yaml`: 2 Ray Train workers under FSDP2) vs a plain
 single-process PyTorch loop of the same model and global batch on the same 2 cores, side by side.
 
     .venv/bin/python bench/bench_default_job.py [--steps 30]
@@ -60,7 +60,7 @@ def default_job(steps: int, root: str) -> float:
     from elastic_gpt.elastic.launcher import run_training
 
     uri = f"sqlite:///{root}/mlflow.db"
-    cfg = load_config(os.path.join(ROOT, "jobs/configs/tiny.yaml"), [
+    cfg = load_config(os.path.join(ROOT, "jobs/configs/mini.yaml"), [
         f"train.max_steps={steps}", f"checkpoint.path={root}/ckpt", f"tracking.uri={uri}",
         f"run.storage_path={root}/ray", "tracking.log_model=false",
         f"data.path={os.path.join(ROOT, 'data/stdlib')}"])
@@ -78,7 +78,7 @@ def main() -> int:
     args = p.parse_args()
     from elastic_gpt.config import load_config
 
-    cfg = load_config(os.path.join(ROOT, "jobs/configs/tiny.yaml"),
+    cfg = load_config(os.path.join(ROOT, "jobs/configs/mini.yaml"),
                       [f"data.path={os.path.join(ROOT, 'data/stdlib')}"])
     before = plain_loop(cfg, 12, threads=2)
     with tempfile.TemporaryDirectory() as root:

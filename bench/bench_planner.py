@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]
+sys.path[:0] = [ROOT, HERE]
 os.environ.setdefault("RAY_TMPDIR", "/tmp/ray_bench_planner")
 os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
@@ -112,11 +112,11 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
 
     import torch.distributed as dist
 
+    from elastic_gpt.config import load_config
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.data.stream import open_step_stream
-    from elastic_gpt.config import load_config
-    from elastic_gpt.train.trainer import Trainer
     from elastic_gpt.planner.measure import Candidate, measure, warm_up_process
+    from elastic_gpt.train.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -125,7 +125,7 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
     try:
         first = True
         for preset, seq, G, mb, ckpt, policy in cases:
-            cfg = load_config("jobs/configs/tiny.yaml", [
+            cfg = load_config("jobs/configs/mini.yaml", [
                 f"model.preset={preset}", f"data.path={data[seq]}", f"train.global_batch_size={G}",
                 f"train.micro_batch_size={mb}", f"scaling.max_workers={WORLD}",
                 "scaling.min_workers=1", "checkpoint.path=/tmp/unused-bench-planner",
@@ -178,9 +178,9 @@ def measure_memory_comm(root: str, steps: int = 2) -> list[dict]:
 
 def predict_memory_comm(row: dict) -> dict:
     from elastic_gpt.data.order import BatchPlan
-    from elastic_gpt.planner import plan
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.model.gpt import pad_vocab, preset_config
+    from elastic_gpt.planner import plan
 
     preset, seq, G, mb, ckpt, _ = row["case"]
     # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
@@ -242,7 +242,8 @@ def measure_goodput(root: str, duration_s: float, n_trials: int, every_s: float 
     kill -> first step at the smaller size), the scale-up restart, the step time and the blocking
     checkpoint time (the extra gap after every checkpointed step)."""
     from bench_recovery import ElasticGPTRun, goodput, trials
-    from cluster_harness import LocalCluster, training_workers, wait_for
+
+    from elastic_gpt.testing.cluster import LocalCluster, training_workers, wait_for
 
     class Run(ElasticGPTRun):
         def steps(self):

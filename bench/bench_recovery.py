@@ -23,11 +23,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)
 os.environ.setdefault("RAY_TMPDIR", "/tmp/elastic_gpt_ray_bench")
 os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
-from cluster_harness import LocalCluster, training_workers, wait_for  # noqa: E402
+from elastic_gpt.testing.cluster import LocalCluster, training_workers, wait_for  # noqa: E402
 
 # ---- the two systems under test ------------------------------------------------------------------
 
@@ -41,7 +41,7 @@ class ElasticGPTRun:
         self.uri = f"sqlite:///{root}/mlflow-{tag}.db"
         self.ckpt = f"{root}/ckpt-{tag}"
         args = [sys.executable, "-m", "elastic_gpt.cli", "train", "--config",
-                os.path.join(ROOT, "jobs/configs/tiny.yaml"), "model.preset=tiny",
+                os.path.join(ROOT, "jobs/configs/mini.yaml"), "model.preset=tiny",
                 f"data.path={data}", "train.global_batch_size=12", "train.micro_batch_size=2",
                 "train.max_steps=100000", "train.warmup_steps=2", "checkpoint.every_steps=10",
                 f"checkpoint.path={self.ckpt}", f"run.name=bench-{tag}", f"tracking.uri={self.uri}",

@@ -90,8 +90,8 @@ def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.config import load_config
+    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.model.gpt import GPT, preset_config, token_losses
     from elastic_gpt.train.trainer import Trainer
 
@@ -157,8 +157,8 @@ def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, war
         times = plain_loop(data, steps, 1, warmup)
         _write_json(f"{out}.{rank}", {"wall": times})
         return
-    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.config import load_config
+    from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.train.trainer import Trainer
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -273,7 +273,7 @@ def trainer_run(data: str, root: str, name: str, workers: int, steps: int, warmu
 
 
 _TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "jobs", "configs", "tiny.yaml")
+                     "jobs", "configs", "mini.yaml")
 
 
 def run(repeats: int, steps: int, warmup: int, work: str) -> dict:

@@ -34,13 +34,13 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.train.metrics import peak_flops
     from elastic_gpt.model.gpt import GPT, flops_per_token, preset_config, token_losses
     from elastic_gpt.parallel.fsdp import (
         init_sharded_weights,
         parallelize,
         resolve_reshard_after_forward,
     )
+    from elastic_gpt.train.metrics import peak_flops
     from elastic_gpt.train.trainer import build_optimizer
 
     cuda = device.type == "cuda"

@@ -51,18 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from elastic_gpt.data import prepare as tokenize
+    from elastic_gpt.data import prepare
     prep = sub.add_parser("prepare-data", help="tokenize a raw corpus into token shards",
                           description="Tokenize text from any fsspec URL or glob into fixed-length "
                                       "token shards plus manifest.json (a Ray Data job).")
-    tokenize.add_cli_arguments(prep)
-    prep.set_defaults(func=tokenize.run_from_args)
+    prepare.add_cli_arguments(prep)
+    prep.set_defaults(func=prepare.run_from_args)
 
     tr = sub.add_parser("train", help="train (or resume) a run",
                         description="Train a GPT with FSDP2 on Ray Train workers. Connects to "
                                     "RAY_ADDRESS when set, else starts a local Ray cluster. "
                                     "Resumes from the newest committed checkpoint.")
-    tr.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/tiny.yaml")
+    tr.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/mini.yaml")
     tr.add_argument("overrides", nargs="*", metavar="key=value",
                     help="dotted overrides, e.g. train.max_steps=200 scaling.max_workers=4")
     tr.set_defaults(func=_train)

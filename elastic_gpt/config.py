@@ -161,7 +161,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {path} does not exist; pass --config with a YAML file "
-                             "such as jobs/configs/tiny.yaml")
+                             "such as jobs/configs/mini.yaml")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

@@ -1,4 +1,4 @@
-"""`ray job submit ... -- python jobs/pretrain.py --config jobs/configs/tiny.yaml [key=value ...]`
+"""`ray job submit ... -- python jobs/pretrain.py --config jobs/configs/mini.yaml [key=value ...]`
 
 The job's driver: runs on the head node, connects to the cluster it was submitted to (Ray sets
 RAY_ADDRESS for a job) and trains, resuming from the newest committed checkpoint if there is one,

@@ -46,7 +46,7 @@ def _rank_main() -> None:
 def _trainer_job(rank: int, world: int) -> None:
     from elastic_gpt.config import load_config
     from elastic_gpt.train.trainer import Trainer
-    cfg = load_config(os.path.join(ROOT, "jobs/configs/tiny.yaml"), [
+    cfg = load_config(os.path.join(ROOT, "jobs/configs/mini.yaml"), [
         "model.preset=tiny", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.max_steps=6", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=100",
         "checkpoint.every_steps=2", "checkpoint.keep=5", f"data.path={os.environ['DATA']}",

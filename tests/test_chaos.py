@@ -13,13 +13,13 @@ import threading
 import time
 
 import pytest
-from cluster_harness import LocalCluster, committed, progress, training_workers, wait_for
 from conftest import metric_by_step
 
-from elastic_gpt.elastic.controller import preemption
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
+from elastic_gpt.elastic import preemption
 from elastic_gpt.elastic.launcher import run_key, run_training
+from elastic_gpt.testing.cluster import LocalCluster, committed, progress, training_workers, wait_for
 
 STEPS = 32
 # preset mini on 64-token samples: ~0.3-0.5 s per step here, so faults land mid-run.
@@ -47,7 +47,7 @@ def overrides(env, name: str, min_workers: int = 1) -> list[str]:
 def train(env, name: str, fault=None, min_workers: int = 1):
     """Train in a thread while `fault(cfg)` runs here: Ray starts nodes only from the main
     thread. Returns (summary, cfg, what the fault returned)."""
-    cfg = load_config("jobs/configs/tiny.yaml", overrides(env, name, min_workers))
+    cfg = load_config("jobs/configs/mini.yaml", overrides(env, name, min_workers))
     if fault is None:
         return run_training(cfg), cfg, None
     outcome: dict = {}
@@ -206,7 +206,7 @@ def test_driver_killed_and_resubmitted(cluster, reference):
     same command again resumes from the newest committed checkpoint into the same MLflow run."""
     env = cluster.env
     args = [sys.executable, "-m", "elastic_gpt.cli", "train", "--config",
-            "jobs/configs/tiny.yaml", *overrides(env, "driver-kill", min_workers=2)]
+            "jobs/configs/mini.yaml", *overrides(env, "driver-kill", min_workers=2)]
     proc_env = {**os.environ, "RAY_ADDRESS": cluster.address}
     store = CheckpointStore(f"{env['root']}/driver-kill")
     first = subprocess.Popen(args, env=proc_env, stdout=subprocess.DEVNULL,

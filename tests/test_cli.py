@@ -61,7 +61,7 @@ def other_shape_checkpoint(tmp_path_factory, stdlib_dataset):
     (["data.path=/nonexistent/dataset"], "/nonexistent/dataset"),
 ])
 def test_bad_train_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
-    code = main(["train", "--config", "jobs/configs/tiny.yaml", f"checkpoint.path={tmp_path}/c",
+    code = main(["train", "--config", "jobs/configs/mini.yaml", f"checkpoint.path={tmp_path}/c",
                  f"tracking.uri=sqlite:///{tmp_path}/m.db", *args])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -74,7 +74,7 @@ def test_checkpoint_of_another_shape_is_refused_and_left_alone(  # a real proces
 other_shape_checkpoint,
                                                                stdlib_dataset, tmp_path):
     before = tree_digest(other_shape_checkpoint)
-    out = cli("train", "--config", "jobs/configs/tiny.yaml", "model.preset=tiny",
+    out = cli("train", "--config", "jobs/configs/mini.yaml", "model.preset=tiny",
               f"data.path={stdlib_dataset}", f"checkpoint.path={other_shape_checkpoint}",
               f"tracking.uri=sqlite:///{tmp_path}/m.db", "train.global_batch_size=12",
               "train.micro_batch_size=2")

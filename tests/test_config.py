@@ -7,7 +7,7 @@ import pytest
 from elastic_gpt.config import load_config
 from elastic_gpt.train.metrics import lr_at
 
-TINY = "jobs/configs/tiny.yaml"
+TINY = "jobs/configs/mini.yaml"
 
 
 def test_file_then_overrides():

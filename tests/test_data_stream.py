@@ -13,10 +13,10 @@ import torch
 
 from elastic_gpt.data.manifest import load_manifest, sample_hash
 from elastic_gpt.data.order import BatchPlan, SampleOrder
-from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream
 from elastic_gpt.data.prepare import prepare_data
+from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream
 
-pytest_plugins = ["s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
+pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
 
 SEED, WINDOW = 7, 64  # a window smaller than the dataset exercises the windowed shuffle
 

@@ -11,10 +11,10 @@ import os
 import pytest
 
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.data.stream import decode_documents
 from elastic_gpt.data.prepare import add_cli_arguments, prepare_data, run_from_args
+from elastic_gpt.data.stream import decode_documents
 
-pytest_plugins = ["s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
+pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
 
 DOCS = [
     "Hello, world!\nThis is the first document.\n",

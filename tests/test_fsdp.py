@@ -30,7 +30,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        cfg = load_config("jobs/configs/tiny.yaml", overrides)
+        cfg = load_config("jobs/configs/mini.yaml", overrides)
         trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
         stream = open_step_stream(cfg.data.path, plan=trainer.plan, rank=rank, world_size=world,
                                   start_step=0, seed=cfg.data.seed)

@@ -162,18 +162,18 @@ def test_attention_calls_sdpa_causally_with_no_mask_in_bf16(world1, monkeypatch)
 
 def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
     from elastic_gpt.elastic.launcher import build_trainer
-    cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused", "scaling.use_gpu=true"])
+    cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused", "scaling.use_gpu=true"])
     trainer = build_trainer(cfg, None)
     assert trainer.backend_config.backend == "nccl"
     assert trainer.scaling_config.use_gpu and trainer.scaling_config.resources_per_worker["GPU"] == 1
-    cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused", "scaling.use_gpu=false"])
+    cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused", "scaling.use_gpu=false"])
     assert build_trainer(cfg, None).backend_config.backend == "gloo"
 
 
 def test_fused_adamw_runs_and_matches_the_unfused_step():
     """The GPU path asks for fused AdamW; torch has a fused CPU kernel too, so check it here."""
     from elastic_gpt.train.trainer import build_optimizer
-    cfg = load_config("jobs/configs/tiny.yaml", ["data.path=unused"])
+    cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused"])
     models = [GPT(SMALL), GPT(SMALL)]
     opts = [build_optimizer(models[0], cfg, fused=True), build_optimizer(models[1], cfg, fused=False)]
     assert opts[0].defaults["fused"] is True and not opts[1].defaults["fused"]
@@ -191,7 +191,7 @@ def trainers(world1, stdlib_dataset, tmp_path_factory):
     from elastic_gpt.train.trainer import Trainer
     out = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = load_config("jobs/configs/tiny.yaml", [
+        cfg = load_config("jobs/configs/mini.yaml", [
             "model.preset=tiny", f"data.path={stdlib_dataset}", "train.global_batch_size=4",
             "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=1",
             f"train.dtype={dtype}", f"checkpoint.path={tmp_path_factory.mktemp(dtype)}"])

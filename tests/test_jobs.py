@@ -19,9 +19,9 @@ import time
 import uuid
 
 import pytest
-from mlflow_server import free_port
 
 from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore
+from elastic_gpt.testing.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -174,7 +174,7 @@ def submit_args(name: str, data: str, root: str, commit: str, *extra: str,
             "--runtime-env", "jobs/runtime_env.yaml",
             "--metadata-json", json.dumps({"git_commit": commit}),
             *([] if wait else ["--no-wait"]), "--",
-            "python", "jobs/pretrain.py", "--config", "jobs/configs/tiny.yaml",
+            "python", "jobs/pretrain.py", "--config", "jobs/configs/mini.yaml",
             # Absolute paths: inside a job, relative ones would land in the job's unpacked copy
             # of the working dir (see docs/operations.md).
             "model.preset=tiny", f"data.path={data}", f"checkpoint.path={root}/ckpt",

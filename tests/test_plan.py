@@ -9,8 +9,8 @@ import math
 import pytest
 import yaml
 
-from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.config import load_config
+from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
 from elastic_gpt.model.gpt import GPTConfig, preset_config
 from elastic_gpt.planner.plan import (

@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl
 
 import pytest
 
-from elastic_gpt.elastic.controller import preemption
+from elastic_gpt.elastic import preemption
 from elastic_gpt.elastic.preemption import (
     AwsSpotNotices,
     GcpPreemptionNotices,

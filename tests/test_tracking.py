@@ -12,10 +12,11 @@ import sys
 import time
 
 import pytest
-from mlflow_server import MlflowServer, free_port
 
-from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
 from elastic_gpt.checkpoint.store import CheckpointStore
+from elastic_gpt.testing.mlflow_server import MlflowServer
+from elastic_gpt.testing.ports import free_port
+from elastic_gpt.tracking import mlflow_tracking as tracking
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(os.path.dirname(sys.executable), "elastic-gpt")
@@ -37,7 +38,7 @@ def train_cli(args: list[str], env_extra: dict | None = None, cwd: str | None = 
 
 
 def overrides(data: str, root: str, uri: str, *extra: str) -> list[str]:
-    return ["--config", "jobs/configs/tiny.yaml", "model.preset=tiny", f"data.path={data}",
+    return ["--config", "jobs/configs/mini.yaml", "model.preset=tiny", f"data.path={data}",
             f"checkpoint.path={root}/ckpt", f"run.storage_path={root}/ray", f"tracking.uri={uri}",
             "run.name=server-run", f"train.max_steps={STEPS}", "train.global_batch_size=8",
             "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every=1",
@@ -90,7 +91,7 @@ def test_install_redaction_masks_printed_lines_and_log_records():
     code = f"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
+from elastic_gpt.tracking import mlflow_tracking as tracking
 tracking.install_redaction({{"tracking": {{"uri": "http://al:{PASSWORD}@h:5000"}}}})
 print("uri http://al:{PASSWORD}@h:5000 and env {AWS_SECRET}")
 print("bare {PASSWORD}", file=sys.stderr)
@@ -210,7 +211,7 @@ def test_missing_config_is_one_line_and_exit_2(tmp_path):
         assert out.returncode == 2
         assert out.stderr.strip().splitlines() == [
             "elastic-gpt: error: config file jobs/configs/nope.yaml does not exist; pass --config "
-            "with a YAML file such as jobs/configs/tiny.yaml"]
+            "with a YAML file such as jobs/configs/mini.yaml"]
 
 
 def test_unreachable_ray_address_is_one_line_and_exit_2(stdlib_dataset, tmp_path):
@@ -285,7 +286,7 @@ def test_server_run_has_config_cluster_versions_metrics_events_plot_and_model(se
     assert 0 < metrics["goodput"] <= 1 and metrics["goodput_productive_s"] > 0
 
     files = _artifact_files(client, run.info.run_id)
-    for f in ("config/tiny.yaml", "config/resolved.yaml", "events/events.jsonl",
+    for f in ("config/mini.yaml", "config/resolved.yaml", "events/events.jsonl",
               "plots/loss_curve.png", "model_hf/config.json", "model_hf/model.safetensors"):
         assert f in files
         # Proxied: the bytes went through the server into its --artifacts-destination.

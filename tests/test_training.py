@@ -16,7 +16,7 @@ from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
 from elastic_gpt.elastic.launcher import run_training
 
-pytest_plugins = ["s3_server"]
+pytest_plugins = ["elastic_gpt.testing.s3_server"]
 
 STEPS = 8
 # G=12 sequences of 64 tokens in micro-batches of 2: 6 micro-batches, so W=1, 2 and 3 all divide
@@ -36,7 +36,7 @@ def env(stdlib_dataset, ray_cluster, s3, tmp_path_factory):
 
 
 def train(env, name: str, *overrides: str, workers: int = 2, checkpoint: str | None = None):
-    cfg = load_config("jobs/configs/tiny.yaml", [
+    cfg = load_config("jobs/configs/mini.yaml", [
         *BASE, f"data.path={env['data']}", f"run.name={name}", f"tracking.uri={env['uri']}",
         f"run.storage_path={env['root']}/ray", f"scaling.min_workers={workers}",
         f"scaling.max_workers={workers}",
@@ -99,7 +99,7 @@ def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference
     """SIGKILL a training worker once step 2 is committed: Ray Train restarts the group at the
     same size, it resumes from the newest committed checkpoint, and every step after it has the
     reference run's loss to the bit (C3) and the same data (C2)."""
-    from cluster_harness import training_workers
+    from elastic_gpt.testing.cluster import training_workers
 
     ckpt = env["root"] + "/ckpt-killed"
     killed = {}
@@ -132,8 +132,8 @@ def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference
 def test_export_hf_gives_the_same_logits_and_generate_is_deterministic(env, reference, tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from elastic_gpt.inference.hf_export import export_hf
     from elastic_gpt.inference.generate import load_model, sample_text
+    from elastic_gpt.inference.hf_export import export_hf
 
     url = "s3://ckpts/reference"
     export_hf(url, str(tmp_path / "hf"))

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.cli import build_parser
 from elastic_gpt.config import load_config
+from elastic_gpt.data.manifest import load_manifest
+from elastic_gpt.planner.measure import Candidate, candidate_list, pick_winner, predicted_bytes
 from elastic_gpt.planner.plan import model_shape
 from elastic_gpt.train.trainer import model_config_for
-from elastic_gpt.planner.measure import Candidate, candidate_list, pick_winner, predicted_bytes
 
 
 def overrides(tmp_path, data: str, *extra: str) -> list[str]:
@@ -23,7 +23,7 @@ def overrides(tmp_path, data: str, *extra: str) -> list[str]:
 
 
 def tune(tmp_path, data: str, *flags: str, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
-    args = build_parser().parse_args(["tune", "--config", "jobs/configs/tiny.yaml",
+    args = build_parser().parse_args(["tune", "--config", "jobs/configs/mini.yaml",
                                       *overrides(tmp_path, data, *extra), *flags])
     return args.func(args), args
 
@@ -116,7 +116,7 @@ def test_the_planner_column_predicts_what_the_trainer_ran(stdlib_dataset, ray_cl
     res = json.loads(table.read_text())
     assert res["reshard_after_forward"] is resharded and res["grad_sync"] == grad_sync
     assert f"reshard_after_forward={'always' if resharded else 'never (auto)'}" in printed
-    cfg = load_config("jobs/configs/tiny.yaml", overrides(tmp_path, stdlib_dataset, *extra))
+    cfg = load_config("jobs/configs/mini.yaml", overrides(tmp_path, stdlib_dataset, *extra))
     shape = model_shape(model_config_for(cfg, load_manifest(stdlib_dataset)))
     assert shape.cfg.n_layer == 4
     for row, pred in zip(res["rows"], res["predicted_bytes"]):

@@ -93,7 +93,7 @@ def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
 
 def _worker_env() -> dict:
     # Workers find our packages even when the driver runs from a source checkout.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     env.update({k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ})
@@ -171,7 +171,7 @@ def fatal_cause(error: BaseException) -> BaseException | None:
 
 
 def run_training(cfg: Config, config_path: str | None = None) -> dict:
-    from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
+    from elastic_gpt.tracking import mlflow_tracking as tracking
 
     tracking.install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
@@ -214,7 +214,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
 
 def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:
     """The run to continue (its id is stored with the checkpoints, C5) or a new one."""
-    from elastic_gpt.tracking.mlflow_tracking import mlflow_tracking as tracking
+    from elastic_gpt.tracking import mlflow_tracking as tracking
 
     if not cfg.tracking.enabled:
         return None

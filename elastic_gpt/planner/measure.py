@@ -557,7 +557,7 @@ def run_tune(args) -> int:
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/tiny.yaml")
+    parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/mini.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. scaling.max_workers=4")
     parser.add_argument("--steps", type=int, default=3,

@@ -703,8 +703,8 @@ def log_final_model(uri: str, run_id: str, checkpoint_url: str, step: int = 0) -
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
-    from elastic_gpt.inference.hf_export import export_hf
     from elastic_gpt.inference.generate import load_model
+    from elastic_gpt.inference.hf_export import export_hf
 
     client = _client(uri)
     with tempfile.TemporaryDirectory() as tmp:
@@ -714,7 +714,8 @@ def log_final_model(uri: str, run_id: str, checkpoint_url: str, step: int = 0) -
     signature = ModelSignature(  # token ids (B, T) -> logits (B, T, vocab)
         inputs=Schema([TensorSpec(np.dtype(np.int64), (-1, -1))]),
         outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, -1, model.cfg.vocab_size))]))
-    package_dir = os.path.dirname(os.path.abspath(__file__))
+    import elastic_gpt
+    package_dir = os.path.dirname(os.path.abspath(elastic_gpt.__file__))
     # Inside the run, so MLflow files the logged model under the run's experiment (otherwise:
     # the default experiment 0, whose artifacts a sqlite store puts in ./mlruns of the cwd).
     with _tracking_uri(uri), _quiet("mlflow"), mlflow.start_run(run_id=run_id):

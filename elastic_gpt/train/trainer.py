@@ -17,21 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.data.order import BatchPlan
-from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
 from elastic_gpt.checkpoint.store import CheckpointStore, load_sharded, save_sharded, step_dirname
 from elastic_gpt.config import Config, config_from_dict
+from elastic_gpt.data.manifest import load_manifest
+from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.elastic.controller import ElasticRestart
 from elastic_gpt.errors import NonFiniteLossError, check_checkpoint_shape
-from elastic_gpt.train.goodput import GoodputLedger
-from elastic_gpt.train.metrics import (
-    join_fingerprint,
-    lr_at,
-    peak_flops,
-    split_fingerprint,
-)
 from elastic_gpt.model.gpt import GPT, GPTConfig, flops_per_token, token_losses
 from elastic_gpt.parallel.fsdp import (
     agree_on_resharding,
@@ -39,6 +32,13 @@ from elastic_gpt.parallel.fsdp import (
     parallelize,
     resolve_dtype,
     resolve_reshard_after_forward,
+)
+from elastic_gpt.train.goodput import GoodputLedger
+from elastic_gpt.train.metrics import (
+    join_fingerprint,
+    lr_at,
+    peak_flops,
+    split_fingerprint,
 )
 
 log = logging.getLogger("elastic_gpt")
