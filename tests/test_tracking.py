@@ -16,7 +16,11 @@ import pytest
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.testing.mlflow_server import MlflowServer
 from elastic_gpt.testing.ports import free_port
-from elastic_gpt.tracking import mlflow_tracking as tracking
+from elastic_gpt.tracking.events import EVENTS_ARTIFACT, log_events
+from elastic_gpt.tracking.metric_logger import MetricLogger
+from elastic_gpt.tracking.publish import finish_run, log_goodput
+from elastic_gpt.tracking.redaction import MASK, redact, redacted_params, register_secrets_in
+from elastic_gpt.tracking.runs import resolve_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(os.path.dirname(sys.executable), "elastic-gpt")
@@ -62,8 +66,8 @@ def overrides(data: str, root: str, uri: str, *extra: str) -> list[str]:
     ("https://host/p?access_token=ya29.a0AfH6SMB&x=1", "ya29.a0AfH6SMB"),
 ])
 def test_redact_masks_credentials(text, secret):
-    out = tracking.redact(text)
-    assert secret not in out and tracking.MASK in out
+    out = redact(text)
+    assert secret not in out and MASK in out
 
 
 def test_redact_leaves_ordinary_text_alone(monkeypatch):
@@ -72,16 +76,16 @@ def test_redact_leaves_ordinary_text_alone(monkeypatch):
                  "tokenizer: gpt2, num_tokens=1050985, tokens_per_s 12.5",
                  "file:///work/main/data/stdlib s3://bucket/runs/tiny ssh://git@github.com/o/r",
                  "checkpoint.keep=3 data.num_tokens=100 RAY_AUTH_MODE=disabled"]:
-        assert tracking.redact(text) == text
+        assert redact(text) == text
 
 
 def test_secret_environment_values_and_registered_secrets_are_masked(monkeypatch):
     monkeypatch.setenv("MY_SERVICE_API_KEY", "k-7f3a9c2e1b")
     monkeypatch.setenv("SOME_PATH", "k-not-a-secret")
-    tracking.register_secrets_in({"tracking": {"uri": "https://u:Pa55-w0rd-x@h/"}})
-    out = tracking.redact("k-7f3a9c2e1b k-not-a-secret decoded: Pa55-w0rd-x")
+    register_secrets_in({"tracking": {"uri": "https://u:Pa55-w0rd-x@h/"}})
+    out = redact("k-7f3a9c2e1b k-not-a-secret decoded: Pa55-w0rd-x")
     assert out == "*** k-not-a-secret decoded: ***"
-    params = tracking.redacted_params({"tracking.uri": "https://u:Pa55-w0rd-x@h/",
+    params = redacted_params({"tracking.uri": "https://u:Pa55-w0rd-x@h/",
                                        "storage.secret_key": "abc", "data.num_tokens": 7})
     assert params == {"tracking.uri": "https://u:***@h/", "storage.secret_key": "***",
                       "data.num_tokens": 7}
@@ -91,8 +95,8 @@ def test_install_redaction_masks_printed_lines_and_log_records():
     code = f"""
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-from elastic_gpt.tracking import mlflow_tracking as tracking
-tracking.install_redaction({{"tracking": {{"uri": "http://al:{PASSWORD}@h:5000"}}}})
+from elastic_gpt.tracking.redaction import install_redaction
+install_redaction({{"tracking": {{"uri": "http://al:{PASSWORD}@h:5000"}}}})
 print("uri http://al:{PASSWORD}@h:5000 and env {AWS_SECRET}")
 print("bare {PASSWORD}", file=sys.stderr)
 logging.getLogger("x").warning("failed for %s", "http://al:{PASSWORD}@h:5000")
@@ -111,13 +115,13 @@ logging.getLogger("x").warning("failed for %s", "http://al:{PASSWORD}@h:5000")
 def test_events_merge_across_submissions_and_goodput_metrics(tmp_path):
     import mlflow
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_id = tracking.resolve_run(uri, "exp", "r", None, {"train.lr": 0.1}, resumed_from_step=None)
-    assert tracking.resolve_run(uri, "exp", "r", run_id, {}, resumed_from_step=40) == run_id
-    tracking.log_events(uri, run_id, [{"kind": "preemption", "at": 5.0, "detail": "node lost"}])
-    tracking.log_events(uri, run_id, [{"kind": "preemption", "at": 5.0, "detail": "node lost"},
+    run_id = resolve_run(uri, "exp", "r", None, {"train.lr": 0.1}, resumed_from_step=None)
+    assert resolve_run(uri, "exp", "r", run_id, {}, resumed_from_step=40) == run_id
+    log_events(uri, run_id, [{"kind": "preemption", "at": 5.0, "detail": "node lost"}])
+    log_events(uri, run_id, [{"kind": "preemption", "at": 5.0, "detail": "node lost"},
                                       {"kind": "resize", "at": 7.0, "to_world_size": 3}])
     client = mlflow.MlflowClient(uri)
-    path = client.download_artifacts(run_id, tracking.EVENTS_ARTIFACT, str(tmp_path / "dl"))
+    path = client.download_artifacts(run_id, EVENTS_ARTIFACT, str(tmp_path / "dl"))
     events = [json.loads(line) for line in open(path)]
     kinds = [e["kind"] for e in events]
     assert kinds == ["preemption", "resize", "submission", "submission"]  # by time, no repeats
@@ -127,11 +131,45 @@ def test_events_merge_across_submissions_and_goodput_metrics(tmp_path):
 
     ledger = {"productive_s": 30.0, "lost_s": 5.0, "checkpoint_s": 3.0, "recovery_s": 12.0,
               "lost_steps": 4, "events": [{"kind": "x"}]}
-    got = tracking.log_goodput(uri, run_id, ledger, step=50)
+    got = log_goodput(uri, run_id, ledger, step=50)
     assert got["goodput"] == pytest.approx(0.6) and got["goodput_wall_s"] == pytest.approx(50.0)
     metrics = client.get_run(run_id).data.metrics
     assert metrics["goodput_lost_steps"] == 4 and metrics["goodput_events"] == 1
     assert metrics["goodput_recovery_s"] == 12.0
+
+
+def test_finish_run_publishes_the_ledger_and_survives_a_failing_model_export(tmp_path, caplog):
+    import mlflow
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = resolve_run(uri, "exp", "r", None, {})
+    ledger = {"productive_s": 8.0, "lost_s": 2.0, "events": [{"kind": "resize", "at": 1.0}]}
+
+    def broken_export():
+        raise OSError("disk full")
+
+    with caplog.at_level("WARNING"):
+        finish_run(uri, run_id, finished=True, config={"train": {"lr": 0.1}}, ledger=ledger,
+                   step=7, log_model=broken_export)
+    assert "could not log the final model" in caplog.text and "disk full" in caplog.text
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["goodput"] == pytest.approx(0.8)
+    path = client.download_artifacts(run_id, EVENTS_ARTIFACT, str(tmp_path / "dl"))
+    kinds = [json.loads(line)["kind"] for line in open(path)]
+    assert kinds[0] == "resize" and kinds[-1] == "submission_end"
+    assert "config/resolved.yaml" in [f.path for f in client.list_artifacts(run_id, "config")]
+
+
+def test_tracking_imports_no_model_inference_or_checkpoint_code():
+    code = ("import sys, elastic_gpt.tracking.client, elastic_gpt.tracking.events, "
+            "elastic_gpt.tracking.metric_logger, elastic_gpt.tracking.publish, "
+            "elastic_gpt.tracking.redaction, elastic_gpt.tracking.runs\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('elastic_gpt.model', "
+            "'elastic_gpt.inference', 'elastic_gpt.checkpoint', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
@@ -139,7 +177,7 @@ def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("e")).info.run_id
-    logger = tracking.MetricLogger(uri, run_id, flush_every_s=60)  # only flush() ships
+    logger = MetricLogger(uri, run_id, flush_every_s=60)  # only flush() ships
     for step in range(5):
         logger.log({"loss": 1.0 / (step + 1)}, step)
     assert logger.flush(timeout_s=60)
@@ -152,10 +190,10 @@ def test_unreachable_server_degrades_quickly_with_a_warning(caplog):
     uri = f"http://user:{PASSWORD}@127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.time()
     with caplog.at_level("WARNING"):
-        assert tracking.resolve_run(uri, "exp", "r", None, {}) is None
-        assert tracking.resolve_run(uri, "exp", "r", "abc123", {}) == "abc123"
-        tracking.finish_run(uri, "abc123", finished=True)  # never raises
-        logger = tracking.MetricLogger(uri, "abc123", flush_every_s=0.2)
+        assert resolve_run(uri, "exp", "r", None, {}) is None
+        assert resolve_run(uri, "exp", "r", "abc123", {}) == "abc123"
+        finish_run(uri, "abc123", finished=True)  # never raises
+        logger = MetricLogger(uri, "abc123", flush_every_s=0.2)
         logger.log({"loss": 1.0}, 0)
         assert not logger.flush(timeout_s=1)
         logger.close(timeout=20)
@@ -189,7 +227,7 @@ def test_a_server_that_refuses_the_credentials_is_a_config_error():
     try:
         uri = f"http://bob:{PASSWORD}@127.0.0.1:{httpd.server_address[1]}"
         with pytest.raises(ValueError, match="refused the credentials") as err:
-            tracking.resolve_run(uri, "e", "r", None, {})
+            resolve_run(uri, "e", "r", None, {})
         assert PASSWORD not in str(err.value) and "bob:***@" in str(err.value)
     finally:
         httpd.shutdown()
@@ -199,7 +237,7 @@ def test_a_local_store_that_cannot_be_opened_is_a_config_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ValueError, match=r"tracking.uri=sqlite:///.*cannot be used"):
-        tracking.resolve_run(f"sqlite:///{blocker}/sub/mlflow.db", "e", "r", None, {})
+        resolve_run(f"sqlite:///{blocker}/sub/mlflow.db", "e", "r", None, {})
 
 
 # ---------------------------------------------------------------------------- bad input (C6)

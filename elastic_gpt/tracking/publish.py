@@ -1,0 +1,149 @@
+"""The end of a submission: what a user looks for in the run, then the run closed (`finish_run`).
+The config (redacted), goodput metrics, the checkpointed membership events plus this submission's
+end, and a loss-curve plot; the final model through a callable the driver passes.
+
+Must not import model or checkpoint code: the driver hands over the ledger it read from the
+newest checkpoint, and the model logging lives in `elastic_gpt.inference.mlflow_model`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+from elastic_gpt.console import first_line
+from elastic_gpt.tracking.client import bounded_http, mlflow_client, server_reachable
+from elastic_gpt.tracking.events import log_events_with
+from elastic_gpt.tracking.redaction import redact, redact_obj
+from elastic_gpt.tracking.runs import job_info
+
+log = logging.getLogger(__name__)
+
+
+def goodput_metrics(ledger: dict) -> dict[str, float]:
+    """`goodput_*` metrics from a ledger: the GoodputLedger dict or summary (productive_s,
+    lost_s, checkpoint_s, recovery_s, lost_steps, goodput) or the older training_s form."""
+    seconds = {k: float(v) for k, v in ledger.items()
+               if k.endswith("_s") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out = {f"goodput_{k}": v for k, v in seconds.items()}
+    for k in ("lost_steps",):
+        if isinstance(ledger.get(k), (int, float)):
+            out[f"goodput_{k}"] = float(ledger[k])
+    events = ledger.get("events")
+    if isinstance(events, (int, float)):
+        out["goodput_events"] = float(events)
+    elif isinstance(events, list):
+        out["goodput_events"] = float(len(events))
+    wall = sum(seconds.values())
+    useful = seconds.get("productive_s", seconds.get("training_s", 0.0))
+    out["goodput_wall_s"] = wall
+    out["goodput"] = float(ledger["goodput"]) if isinstance(ledger.get("goodput"), (int, float)) \
+        else (useful / wall if wall else 1.0)
+    return out
+
+
+def log_goodput(uri: str, run_id: str, ledger: dict, step: int = 0) -> dict[str, float]:
+    """Log the goodput split of wall time as `goodput_*` metrics (and return them)."""
+    from mlflow.entities import Metric
+    metrics = goodput_metrics(ledger)
+    now = int(time.time() * 1000)
+    with bounded_http():
+        mlflow_client(uri).log_batch(run_id, metrics=[Metric(k, v, now, step)
+                                                      for k, v in metrics.items()])
+    return metrics
+
+
+def finish_run(uri: str, run_id: str, config_path: str | None = None, finished: bool = True, *,
+               config: dict | None = None, ledger: dict | None = None, step: int | None = None,
+               log_model: Callable[[], object] | None = None) -> None:
+    """Publish what a user looks for in the run, then close it (FINISHED, or KILLED if it
+    stopped short of max_steps and will be resumed): the config (redacted), goodput metrics,
+    events.jsonl, a loss-curve plot and, when finished, the final model (`log_model()`, e.g.
+    `elastic_gpt.inference.mlflow_model.log_final_model` bound to the checkpoint). Never raises:
+    each part that fails costs a warning.
+
+    `ledger` is the GoodputLedger dict from the newest checkpoint's trainer state: the ledger
+    travels in the checkpoints, so the newest one holds every attempt's events."""
+    problem = server_reachable(uri)
+    if problem:
+        log.warning("MLflow server %s is unreachable (%s); run %s is left open without its "
+                    "final artifacts", redact(uri), problem, run_id)
+        return
+    ledger = dict(ledger or {})
+    events = list(ledger["events"]) if isinstance(ledger.get("events"), list) else []
+    with bounded_http():
+        client = mlflow_client(uri)
+        parts = [
+            ("config", lambda: _log_config(client, run_id, config_path, config)),
+            ("goodput", lambda: ledger and log_goodput(uri, run_id, ledger, step or 0)),
+            ("events", lambda: log_events_with(client, run_id, [*events, {
+                "kind": "submission_end", "at": time.time(), "step": step,
+                "finished": finished, **job_info()}])),
+            ("loss curve", lambda: _log_loss_curve(client, run_id)),
+        ]
+        if finished and log_model is not None:
+            parts.append(("final model", log_model))
+        for name, part in parts:
+            try:
+                part()
+            except Exception as e:
+                log.warning("MLflow: could not log the %s of run %s (%s: %s)", name, run_id,
+                            type(e).__name__, redact(_describe(e)))
+        try:
+            client.set_terminated(run_id, status="FINISHED" if finished else "KILLED")
+        except Exception as e:
+            log.warning("MLflow: could not close run %s (%s)", run_id, redact(first_line(e)))
+
+
+def _log_config(client, run_id: str, config_path: str | None, config: dict | None) -> None:
+    import yaml
+    with tempfile.TemporaryDirectory() as tmp:
+        if config_path and os.path.isfile(config_path):
+            out = os.path.join(tmp, os.path.basename(config_path))
+            with open(config_path) as src, open(out, "w") as dst:
+                dst.write(redact(src.read()))
+            client.log_artifact(run_id, out, artifact_path="config")
+        if config:
+            out = os.path.join(tmp, "resolved.yaml")
+            with open(out, "w") as f:
+                yaml.safe_dump(redact_obj(config), f, sort_keys=False)
+            client.log_artifact(run_id, out, artifact_path="config")
+
+
+def _log_loss_curve(client, run_id: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        png = os.path.join(tmp, "loss_curve.png")
+        if plot_loss_curve(client, run_id, png):
+            client.log_artifact(run_id, png, artifact_path="plots")
+
+
+def plot_loss_curve(client, run_id: str, path: str) -> bool:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = client.get_metric_history(run_id, "loss")
+    if not history:
+        return False
+    latest_per_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
+    steps = sorted(latest_per_step)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [latest_per_step[s] for s in steps], lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title(f"run {run_id[:8]}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _describe(e: BaseException) -> str:
+    """First line of the error, plus the file it names (OSError's message often lacks it)."""
+    text = first_line(e)
+    filename = getattr(e, "filename", None)
+    return f"{text}: {filename}" if filename and str(filename) not in text else text

@@ -1,0 +1,219 @@
+"""One MLflow run per experiment across restarts and resubmissions (C5): the driver resolves the
+run (reusing the id stored beside the checkpoints), logs the resolved config, the software
+versions, the code's commit and the Ray job as params and tags, and the cluster shape.
+
+Tracking never stops training: an unreachable server costs a warning, bounded retries and, for a
+new run, this submission's tracking; a bad *local* store (sqlite path) or refused credentials are
+config errors. Knows nothing of the model or of checkpoints (the stored run id is passed in).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+import subprocess
+import time
+
+from elastic_gpt.console import first_line
+from elastic_gpt.tracking.client import bounded_http, is_remote, mlflow_client, server_reachable
+from elastic_gpt.tracking.events import log_events_with
+from elastic_gpt.tracking.redaction import redact, redacted_params
+
+log = logging.getLogger(__name__)
+
+
+def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str | None,
+                params: dict, tags: dict | None = None,
+                resumed_from_step: int | None = None) -> str | None:
+    """Return the MLflow run id to log to: the stored one if it still exists, else a new run
+    with `params` plus the environment. Logs a `submission` event either way.
+
+    An unreachable server does not stop training: the stored id is kept (workers queue metrics
+    and retry), or, for a new run, None (no tracking for this submission) with a warning. A local
+    store that cannot be opened is a config error (ValueError)."""
+    problem = server_reachable(uri)
+    if problem:
+        _warn_degraded(uri, problem, existing_run_id)
+        return existing_run_id
+    try:
+        env = environment_info()
+        with bounded_http():
+            client = mlflow_client(uri)
+            run_id = _reuse_run(client, uri, existing_run_id)
+            if run_id is None:
+                exp = client.get_experiment_by_name(experiment)
+                exp_id = exp.experiment_id if exp else client.create_experiment(
+                    experiment, artifact_location=local_artifact_root(uri))
+                run = client.create_run(exp_id, run_name=run_name, tags=_redacted_tags(tags))
+                run_id = run.info.run_id
+                log_params(client, run_id, {**params, **{f"env.{k}": v for k, v in
+                                                         env.items()}})
+            for k, v in {**env, **job_info(), **(tags or {})}.items():
+                client.set_tag(run_id, k, redact(v)[:5000])
+            log_events_with(client, run_id, [{
+                "kind": "submission", "at": time.time(), "resumed_from_step": resumed_from_step,
+                **job_info()}])
+            return run_id
+    except Exception as e:
+        if _is_auth_error(e):  # not transient: a retry would fail the same way
+            raise ValueError(f"the MLflow server at tracking.uri={redact(uri)} refused the "
+                             f"credentials ({redact(first_line(e))}); fix the user:password in "
+                             "tracking.uri or MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN") from None
+        if is_remote(uri):
+            _warn_degraded(uri, first_line(e), existing_run_id)
+            return existing_run_id
+        raise ValueError(f"tracking.uri={redact(uri)} cannot be used ({redact(first_line(e))}); "
+                         "fix the path, or set tracking.enabled=false") from None
+
+
+def _is_auth_error(e: Exception) -> bool:
+    code = str(getattr(e, "error_code", ""))
+    return code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or \
+        re.search(r"error code 40[13]\b", str(e)) is not None
+
+
+def local_artifact_root(uri: str) -> str | None:
+    """For a sqlite store, artifacts go beside the database (mlartifacts/), not into MLflow's
+    default ./mlruns under whatever the current directory is (inside `ray job submit`, the job's
+    throwaway copy of the working dir). None (the store's default) for servers."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri.removeprefix("sqlite:///")
+    if not os.path.isabs(db):
+        return None
+    return "file://" + os.path.join(os.path.dirname(db), "mlartifacts")
+
+
+def _reuse_run(client, uri: str, run_id: str | None) -> str | None:
+    if not run_id:
+        return None
+    try:
+        run = client.get_run(run_id)
+    except Exception as e:  # deleted, or another store: start a fresh run rather than fail
+        log.warning("MLflow run %s not found in %s (%s); starting a new run", run_id, redact(uri),
+                    type(e).__name__)
+        return None
+    if run.info.lifecycle_stage == "deleted":
+        log.warning("MLflow run %s in %s is deleted; starting a new run", run_id, redact(uri))
+        return None
+    if run.info.status != "RUNNING":
+        client.update_run(run_id, status="RUNNING")
+    return run_id
+
+
+def _warn_degraded(uri: str, problem: str, run_id: str | None) -> None:
+    if run_id:
+        log.warning("MLflow server %s is unreachable (%s); training continues, and the workers "
+                    "keep run %s's metrics queued and retry until it is back", redact(uri),
+                    redact(problem), run_id)
+    else:
+        log.warning("MLflow server %s is unreachable (%s); training continues WITHOUT tracking "
+                    "for this submission (a later submission with the server up starts the run)",
+                    redact(uri), redact(problem))
+
+
+def _redacted_tags(tags: dict | None) -> dict:
+    return {k: redact(v)[:5000] for k, v in (tags or {}).items()}
+
+
+def log_params(client, run_id: str, params: dict) -> None:
+    from mlflow.entities import Param
+    items = [Param(k, str(v)[:6000]) for k, v in redacted_params(params).items()]
+    for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+        client.log_batch(run_id, params=items[i:i + 100])
+
+
+def environment_info() -> dict:
+    """Software the run used: Ray, torch, MLflow and Python versions, and the code's git commit."""
+    import mlflow
+    import ray
+    import torch
+    info = {"ray_version": ray.__version__, "torch_version": torch.__version__,
+            "mlflow_version": mlflow.__version__, "python_version": platform.python_version(),
+            "host": platform.node()}
+    commit = git_commit()
+    if commit:
+        info["git_commit"] = commit
+    if torch.cuda.is_available():
+        info["cuda_version"] = str(torch.version.cuda)
+    return info
+
+
+def git_commit() -> str | None:
+    """The code's commit: ELASTIC_GPT_GIT_COMMIT, `ray job submit --metadata-json
+    '{"git_commit": ...}'`, the source checkout, or a `pip install git+...` record, in that order.
+    (`ray job submit --working-dir .` uploads the code without .git.)"""
+    if os.environ.get("ELASTIC_GPT_GIT_COMMIT"):
+        return os.environ["ELASTIC_GPT_GIT_COMMIT"]
+    if job_info().get("git_commit"):
+        return job_info()["git_commit"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=here)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10, cwd=here)
+            return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        from importlib.metadata import distribution
+        direct = json.loads(distribution("elastic-gpt").read_text("direct_url.json") or "{}")
+        return direct.get("vcs_info", {}).get("commit_id")
+    except Exception:
+        return None
+
+
+def job_info() -> dict:
+    """The Ray job this driver runs as (`ray job submit`): its submission id and metadata."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return {}
+    try:
+        meta = json.loads(raw).get("metadata") or {}
+    except ValueError:
+        return {}
+    out = {"ray_job_submission_id": meta.get("job_submission_id")}
+    if meta.get("git_commit"):
+        out["git_commit"] = meta["git_commit"]
+    return {k: str(v) for k, v in out.items() if v}
+
+
+def cluster_shape() -> dict:
+    """Alive nodes and total CPUs/GPUs of the connected Ray cluster."""
+    import ray
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = ray.cluster_resources()
+    shape = {"nodes": len(nodes), "cpus": int(res.get("CPU", 0)), "gpus": int(res.get("GPU", 0))}
+    kinds = sorted({k.removeprefix("accelerator_type:") for k in res
+                    if k.startswith("accelerator_type:")})
+    if kinds:
+        shape["accelerators"] = ",".join(kinds)
+    return shape
+
+
+def log_cluster_shape(uri: str, run_id: str | None) -> None:
+    """Params `cluster.*` (the shape the run started on), tags `cluster.*` (this submission's)
+    and metrics `cluster_*` (a time series: elastic runs change shape)."""
+    if not run_id or server_reachable(uri, attempts=1):
+        return
+    try:
+        shape = cluster_shape()
+        with bounded_http():
+            client = mlflow_client(uri)
+            have = client.get_run(run_id).data.params
+            if "cluster.nodes" not in have:
+                log_params(client, run_id, {f"cluster.{k}": v for k, v in shape.items()})
+            for k, v in shape.items():
+                client.set_tag(run_id, f"cluster.{k}", str(v))
+            from mlflow.entities import Metric
+            now = int(time.time() * 1000)
+            client.log_batch(run_id, metrics=[Metric(f"cluster_{k}", float(v), now, 0)
+                                              for k, v in shape.items()
+                                              if isinstance(v, (int, float))])
+    except Exception as e:
+        log.warning("could not log the cluster shape to MLflow (%s)", redact(first_line(e)))
