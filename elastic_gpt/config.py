@@ -1,34 +1,70 @@
 """Typed run configuration: YAML file + dotted `key=value` overrides, validated up front.
 
-Every user error is a `ValueError` whose message names the key and the fix, raised before any
-cluster, checkpoint or MLflow run is touched (C6).
+Every field's type is the check: `_coerce` reads the resolved type hints (int, float, bool, str,
+`Literal` for closed sets, `X | None` for optional fields, `Annotated[..., Range]` for bounds), so
+a value is judged the moment it is set. `validate()` holds only what no single field's type can
+say: rules between fields, the preset registry, the required dataset path. Every user error is a
+`ValueError` whose message names the key and the fix, raised before any cluster, checkpoint or
+MLflow run is touched (C6).
+
+It must not know how the layers it configures work, and imports neither Ray nor the trainer: only
+the data layer's order rules (the shuffle-window default, the batch rule) and, to validate, the
+model presets.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import types
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Annotated, Literal, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-log = logging.getLogger("elastic_gpt")
+from elastic_gpt.console import first_line
+from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW
+
+log = logging.getLogger(__name__)
+
+
+class Range(NamedTuple):
+    """Bounds of a number field: low <= value, and value < high when high is given."""
+
+    low: float
+    high: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return value >= self.low and (self.high is None or value < self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"at least {self.low:g}"
+        return f"in [{self.low:g}, {self.high:g})"
+
+
+AtLeastOne = Annotated[int, Range(1)]
 
 
 @dataclass
 class ModelSection:
     preset: str = "tiny"
-    """A name from model.PRESETS; the fields below override its shape."""
+    """A name from elastic_gpt.model.gpt.PRESETS; the fields below override its shape."""
     n_layer: int | None = None
+    """Transformer blocks. None: the preset's."""
     n_head: int | None = None
+    """Attention heads per block (must divide n_embd). None: the preset's."""
     n_embd: int | None = None
+    """Width of the residual stream. None: the preset's."""
     seq_len: int | None = None
     """Context length. None: the dataset manifest's seq_len."""
     vocab_size: int | None = None
     """Embedding rows. None: the manifest's tokenizer vocab padded up to a multiple of 64."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Range(0, 1)] = 0.0
+    """Dropout probability in attention, after each residual branch and on the embeddings."""
 
 
 @dataclass
@@ -37,7 +73,7 @@ class DataSection:
     """Dataset directory written by `elastic-gpt prepare-data --output` (any fsspec URL)."""
     seed: int = 1234
     """Seeds the sample order (C2): same seed + dataset => same order at any world size."""
-    shuffle_window: int = 16384
+    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
     """Samples shuffled together inside a window after the per-epoch shard shuffle."""
     prefetch_steps: int = 4
     """Steps of batches each worker reads ahead in a background thread."""
@@ -49,33 +85,39 @@ class TrainSection:
     """Sequences per optimizer step, fixed for the whole run whatever the world size (C1)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one worker; G / micro_batch_size micro-batches per step."""
-    max_steps: int = 100
+    max_steps: AtLeastOne = 100
+    """Optimizer steps of the whole run; the LR schedule ends here."""
     lr: float = 6e-4
     """Peak learning rate, reached after warmup_steps, then cosine-decayed to min_lr at max_steps."""
     min_lr: float | None = None
     """Floor of the cosine schedule. None: lr / 10 (Chinchilla, nanoGPT)."""
     warmup_steps: int = 10
+    """Steps of linear warmup from lr / warmup_steps up to lr."""
     weight_decay: float = 0.1
+    """AdamW weight decay on weight matrices and embeddings; biases and LayerNorm get none."""
     beta1: float = 0.9
+    """AdamW first-moment decay."""
     beta2: float = 0.95
+    """AdamW second-moment decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them: less memory."""
     compile: bool = False
     """torch.compile each transformer block (GPU; on CPU it costs minutes of compile time)."""
-    reshard_after_forward: str = "auto"
+    reshard_after_forward: Literal["auto", "always", "never"] = "auto"
     """always: free each block's gathered weights after forward and gather again in backward
     (ZeRO-3, least memory, 2L - 1 all-gathers per micro-batch); never: keep them from a step's
     first forward to its last backward (L all-gathers per step); auto: never while the gathered
     model fits in 1/8 of every worker's memory. `elastic-gpt plan` writes always or never."""
-    grad_sync: str = "step"
+    grad_sync: Literal["step", "microbatch"] = "step"
     """step: reduce-scatter gradients once per step, after the last micro-batch (fp32 gradients
     accumulate unsharded); microbatch: after every micro-batch (sharded, more communication)."""
     seed: int = 0
     """Seeds weight init and dropout (dropout RNG is derived from (seed, step, micro-batch))."""
-    log_every: int = 1
+    log_every: AtLeastOne = 1
     """Print a progress line every N steps (metrics go to MLflow every step regardless)."""
     threads_per_worker: int = 0
     """torch intra-op threads per worker; 0: cpus_per_worker."""
@@ -85,11 +127,14 @@ class TrainSection:
 
 @dataclass
 class ScalingSection:
-    min_workers: int = 2
+    min_workers: AtLeastOne = 2
+    """Fewest workers the run trains with; below this it waits for nodes instead."""
     max_workers: int = 2
-    use_gpu: str | bool = "auto"
-    """auto: GPUs when the cluster has any."""
-    cpus_per_worker: int = 1
+    """Most workers the run grows to when nodes join."""
+    use_gpu: Literal["auto"] | bool = "auto"
+    """One GPU per worker. auto: GPUs when the cluster has any."""
+    cpus_per_worker: AtLeastOne = 1
+    """CPUs Ray reserves for each worker."""
     accelerator_type: str | None = None
     """Pin workers to a GPU type (a Ray accelerator_type resource, e.g. H100)."""
 
@@ -99,8 +144,9 @@ class CheckpointSection:
     path: str = ""
     """Root URL (file://, s3://, gs://, or a local path) for step_<N> directories.
     Empty: runs/<run.name>/checkpoints under the working directory."""
-    every_steps: int = 50
-    keep: int = 3
+    every_steps: AtLeastOne = 50
+    """Commit a checkpoint every N steps, and at the last step of a session."""
+    keep: AtLeastOne = 3
     """Committed checkpoints kept; the newest is never deleted (C4)."""
     async_save: bool = False
     """Write in a background thread after a CPU copy, so training continues during the upload."""
@@ -111,7 +157,9 @@ class TrackingSection:
     uri: str = ""
     """MLflow tracking URI. Empty: MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db."""
     experiment: str = "elastic-gpt"
+    """MLflow experiment the run is logged under."""
     enabled: bool = True
+    """Log params and metrics to an MLflow run; false: no MLflow run is made."""
     log_model: bool = True
     """At the end of a finished run, log the model (HF format + mlflow.pytorch) to the run."""
 
@@ -138,13 +186,21 @@ class ElasticSection:
 @dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
+    """Model shape: a preset and per-field overrides."""
     data: DataSection = field(default_factory=DataSection)
+    """Which prepared dataset, and the seed and window of its sample order."""
     train: TrainSection = field(default_factory=TrainSection)
+    """Batch, optimizer, schedule, precision and sharding of the training loop."""
     scaling: ScalingSection = field(default_factory=ScalingSection)
+    """How many workers, and what each one reserves."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    """Where and how often checkpoints are committed, and how many are kept."""
     tracking: TrackingSection = field(default_factory=TrackingSection)
+    """MLflow logging."""
     run: RunSection = field(default_factory=RunSection)
+    """The run's name and where its state lives."""
     elastic: ElasticSection = field(default_factory=ElasticSection)
+    """Failure budget and worker-start patience of the elastic controller."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -165,7 +221,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"config file {path} is not valid YAML: {_first_line(e)}") from None
+            raise ValueError(f"config file {path} is not valid YAML: {first_line(e)}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"config file {path} must be a mapping of sections (model:, train:, ...)")
     cfg = Config()
@@ -184,11 +240,16 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
 
 
 def config_from_dict(d: dict) -> Config:
-    """Rebuild a Config sent to workers as a plain dict (Ray passes train_loop_config by value)."""
+    """Rebuild a Config sent to workers as a plain dict (Ray passes train_loop_config by value).
+
+    The dict may come from an older release (a checkpointed or resubmitted job), so each value
+    goes through the same type check as a YAML value: a key or value today's code cannot run
+    fails here, naming the key, instead of deep inside a worker.
+    """
     cfg = Config()
     for section, values in d.items():
         for key, value in values.items():
-            setattr(getattr(cfg, section), key, value)
+            _set(cfg, f"{section}.{key}", value)
     return cfg
 
 
@@ -198,44 +259,100 @@ def _set(cfg: Config, dotted: str, value) -> None:
     if section not in sections or not key:
         raise ValueError(f"unknown config key {dotted!r}; sections are: {', '.join(sorted(sections))}")
     sec = getattr(cfg, section)
-    names = {f.name: f for f in fields(sec)}
-    if key not in names:
-        raise ValueError(f"unknown config key {dotted!r}; keys of {section}: {', '.join(names)}")
-    setattr(sec, key, _coerce(dotted, value, names[key].type, getattr(sec, key)))
+    hints = _field_types(type(sec))
+    if key not in hints:
+        raise ValueError(f"unknown config key {dotted!r}; keys of {section}: {', '.join(hints)}")
+    setattr(sec, key, _coerce(dotted, value, hints[key]))
 
 
-def _coerce(dotted: str, value, type_str, default):
-    """YAML already typed the value; check it against the field's declared type."""
-    t = str(type_str)
+@functools.cache
+def _field_types(section: type) -> dict[str, object]:
+    """Field name -> its resolved type (annotations are strings under `from __future__`)."""
+    hints = get_type_hints(section, include_extras=True)
+    return {f.name: hints[f.name] for f in fields(section)}
+
+
+class _Mismatch(Exception):
+    """The value is not of this type; args[0] lists what would be (e.g. ["true", "false"])."""
+
+
+def _coerce(dotted: str, value, tp):
+    """YAML already typed the value; check it against the field's type and return it as stored."""
     if value is None:
-        if "None" in t:
+        if _allows_none(tp):
             return None
         raise ValueError(f"{dotted} cannot be empty")
-    if t.startswith("bool"):
+    try:
+        return _as_type(dotted, value, tp)
+    except _Mismatch as e:
+        raise ValueError(f"{dotted}={value!r} must be {_one_of(e.args[0])}") from None
+
+
+def _allows_none(tp) -> bool:
+    return tp is type(None) or (_is_union(tp) and any(_allows_none(a) for a in get_args(tp)))
+
+
+def _is_union(tp) -> bool:
+    return get_origin(tp) in (Union, types.UnionType)
+
+
+def _as_type(dotted: str, value, tp):
+    """`value` as a `tp`, or _Mismatch with the words for what `tp` accepts."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        inner, *meta = get_args(tp)
+        value = _as_type(dotted, value, inner)
+        for bound in meta:
+            if isinstance(bound, Range) and not bound.holds(value):
+                raise ValueError(f"{dotted}={value!r} must be {bound}")
+        return value
+    if _is_union(tp):
+        accepted: list[str] = []
+        for member in get_args(tp):
+            if member is type(None):
+                continue
+            try:
+                return _as_type(dotted, value, member)
+            except _Mismatch as e:
+                accepted += e.args[0]
+        raise _Mismatch(accepted)
+    if origin is Literal:
+        choices = get_args(tp)
+        # Compare the type too: YAML's `true` must not pass as 1, nor 1 as "1".
+        if any(type(value) is type(c) and value == c for c in choices):
+            return value
+        raise _Mismatch([str(c) for c in choices])
+    if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ValueError(f"{dotted}={value!r} must be true or false")
-    if t.startswith("int"):
+        raise _Mismatch(["true", "false"])
+    if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{dotted}={value!r} must be an integer")
+            raise _Mismatch(["an integer"])
         return value
-    if t.startswith("float"):
+    if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
             try:
                 value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{dotted}={value!r} must be a number")
+            raise _Mismatch(["a number"])
         return float(value)
-    if t.startswith("str | bool"):
-        return value
-    if not isinstance(value, (str, int, float)):
-        raise ValueError(f"{dotted}={value!r} must be a string")
-    return str(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)):
+            raise _Mismatch(["a string"])
+        return str(value)
+    raise TypeError(f"config field {dotted} has a type _coerce does not know: {tp!r}")
+
+
+def _one_of(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def validate(cfg: Config) -> None:
+    """The rules no single field's type can state: between fields, against the model presets,
+    and the one field without a usable default (the dataset)."""
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.model.gpt import PRESETS
 
@@ -243,12 +360,6 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"model.preset={cfg.model.preset!r} is unknown; choose one of "
                          f"{', '.join(PRESETS)}")
     t, s = cfg.train, cfg.scaling
-    for key, v in [("train.max_steps", t.max_steps), ("checkpoint.every_steps",
-                   cfg.checkpoint.every_steps), ("checkpoint.keep", cfg.checkpoint.keep),
-                   ("scaling.min_workers", s.min_workers), ("scaling.cpus_per_worker",
-                   s.cpus_per_worker), ("train.log_every", t.log_every)]:
-        if v < 1:
-            raise ValueError(f"{key}={v} must be at least 1")
     if s.max_workers < s.min_workers:
         raise ValueError(f"scaling.max_workers={s.max_workers} is below scaling.min_workers="
                          f"{s.min_workers}; set max_workers >= min_workers")
@@ -257,17 +368,6 @@ def validate(cfg: Config) -> None:
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
         raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps="
                          f"{t.max_steps}]")
-    if t.reshard_after_forward not in ("auto", "always", "never"):
-        raise ValueError(f"train.reshard_after_forward={t.reshard_after_forward!r} must be auto, "
-                         "always or never")
-    if t.grad_sync not in ("step", "microbatch"):
-        raise ValueError(f"train.grad_sync={t.grad_sync!r} must be step or microbatch")
-    if t.dtype not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"train.dtype={t.dtype!r} must be auto, float32 or bfloat16")
-    if str(s.use_gpu) not in ("auto", "True", "False"):
-        raise ValueError(f"scaling.use_gpu={s.use_gpu!r} must be auto, true or false")
-    if not 0.0 <= cfg.model.dropout < 1.0:
-        raise ValueError(f"model.dropout={cfg.model.dropout} must be in [0, 1)")
     plan = BatchPlan(t.global_batch_size, t.micro_batch_size)
     plan.check_world_size(s.max_workers)
     if not cfg.data.path:
@@ -300,7 +400,3 @@ def absolute_url(url: str, cwd: str) -> str:
     if "://" in url:
         return url
     return "file://" + os.path.normpath(os.path.join(cwd, os.path.expanduser(url)))
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
