@@ -2,9 +2,11 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU wheel of torch 2.13.0 lies on this machine's disk; on a GPU machine pass e.g.
-# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" or keep the
-# torch already installed in the venv (any torch >= 2.6 satisfies the package).
+# TORCH_SPEC is installed only when the venv has no torch yet, before the package, so a torch
+# already in the venv (a CUDA build, say) is kept: the range in pyproject.toml accepts it. For a
+# given build pass an index, e.g. the CPU wheel with
+# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" or a CUDA one with
+# TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
 TORCH_SPEC ?= torch==2.13.0
 STDLIB := $(shell $(PY) -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 export RAY_TMPDIR ?= /tmp/elastic_gpt_ray
@@ -38,6 +40,13 @@ test: venv
 	mkdir -p $(RAY_TMPDIR)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
+
+# The unit tests only: everything not marked slow (real multi-node clusters, chaos, training
+# runs, MLflow servers that train). For the edit-test loop; `make test` runs everything.
+test-fast: venv
+	mkdir -p $(RAY_TMPDIR)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not slow" tests
 
 lint: venv
 	$(BIN)/ruff check .

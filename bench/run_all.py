@@ -14,7 +14,7 @@ other on the same cores, so the ratios inside a part are measured side by side:
   MFU                    model FLOP/s vs the measured fp32 matmul peak of the same cores
   data, recovery         bench/bench_data.py and bench/bench_recovery.py, when present
 
-The machine is shared: the load average before and after each part is recorded next to it.
+Other load skews wall-clock figures: the load average before and after each part is recorded next to it.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def test_every_worker_starts_the_spot_watcher(path, provider):
     assert 0 < args.poll_s <= 5
     # Started after `ray start` joins the node, in the background (the command must return).
     assert worker_start.index("ray start") < worker_start.index("elastic_gpt.elastic.preemption")
-    assert re.search(r"elastic_gpt\.preemption[^\n]*&", worker_start.replace("\n", " "))
+    assert re.search(r"elastic_gpt\.elastic\.preemption[^\n]*&", worker_start.replace("\n", " "))
     assert not watcher_args(commands(config, "head_start_ray_commands")), "head is on-demand"
 
 

@@ -3,7 +3,7 @@ second node started with `ray start --address`, then `ray job stop` and a resubm
 the same run (C5). Also what a submission with bad input says (C6).
 
 The Ray nodes are `ray start --block` processes of our own: SIGTERM to their pids stops every
-process they started (never the stop-everything CLI, which would end other users' clusters too)."""
+process they started (never the stop-everything CLI, which would also stop clusters it did not start)."""
 
 from __future__ import annotations
 
