@@ -1,4 +1,10 @@
-"""Errors that restarting cannot fix: the controller stops the run at once on these (C6)."""
+"""The exceptions that cross from a worker to the controller, and how the controller treats them.
+
+`FatalTrainingError` and its subclasses are errors that restarting cannot fix: the controller stops
+the run at once on these (C6). `ElasticRestart` is the opposite: a planned restart after a
+just-in-time checkpoint, retried for free. This module imports nothing, so the Trainer can raise
+both without importing Ray.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,17 @@ class NonFiniteLossError(FatalTrainingError):
 
 class CheckpointMismatchError(FatalTrainingError, ValueError):
     pass
+
+
+class ElasticRestart(Exception):
+    """Raised by every rank after a just-in-time checkpoint: a planned restart, not a failure."""
+
+    def __init__(self, reason: str, step: int):
+        super().__init__(f"planned restart after step {step}: {reason}")
+        self.reason, self.step = reason, step
+
+    def __reduce__(self):
+        return (ElasticRestart, (self.reason, self.step))
 
 
 def check_checkpoint_shape(state: dict, gpt_cfg, url: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
+from elastic_gpt.testing.ports import free_port
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -94,17 +94,24 @@ class _HookedWriter:
         return Writer(url, sync_files=True)
 
 
+def _checkpointer(rank: int, model, opt, state: dict, hook_for=lambda url: lambda: None):
+    """An AsyncCheckpointer that saves at every step, committing `state` as its trainer state,
+    whose shard writes run `hook_for(url)` once the bytes are on disk."""
+    from elastic_gpt.checkpoint.checkpointer import AsyncCheckpointer
+    return AsyncCheckpointer(CheckpointStore(os.environ["CKPT"]), every_steps=1, keep=3, rank=rank,
+                             model=model, optimizer=opt, trainer_state=lambda: state,
+                             writer_factory=lambda url: _HookedWriter(url, hook_for(url)))
+
+
 def _snapshot_job(rank: int, world: int) -> None:
     import threading
 
-    from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
     model, opt = _toy_state()
     _step(model, opt, seed=1)
     expected = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     release = threading.Event()
-    ckpt = AsyncCheckpointer(CheckpointStore(os.environ["CKPT"]), keep=3, rank=rank,
-                             writer_factory=lambda url: _HookedWriter(url, release.wait))
-    ckpt.save(1, model, opt, {"step": 1})
+    ckpt = _checkpointer(rank, model, opt, {"step": 1}, hook_for=lambda url: release.wait)
+    assert ckpt.save(1)
     assert ckpt.in_flight
     for seed in (2, 3):  # the live weights move on while the write is held open
         _step(model, opt, seed=seed)
@@ -115,19 +122,20 @@ def _snapshot_job(rank: int, world: int) -> None:
 
 
 def _fail_job(rank: int, world: int) -> None:
-    from elastic_gpt.checkpoint.async_save import AsyncCheckpointer, CheckpointWriteError
+    from elastic_gpt.checkpoint.checkpointer import CheckpointWriteError
     model, opt = _toy_state()
-    store = CheckpointStore(os.environ["CKPT"])
 
     def disk_full():
         raise OSError(errno.ENOSPC, "No space left on device (injected on rank 1)")
     hook = disk_full if rank == 1 else (lambda: None)
-    ckpt = AsyncCheckpointer(store, keep=3, rank=rank, writer_factory=lambda url: _HookedWriter(
-        url, hook if url.endswith(step_dirname(2)) else (lambda: None)))
-    ckpt.save(1, model, opt, {"step": 1})
+    state = {"step": 1}
+    ckpt = _checkpointer(rank, model, opt, state, hook_for=lambda url: (
+        hook if url.endswith(step_dirname(2)) else (lambda: None)))
+    ckpt.save(1)
     ckpt.wait()
     _step(model, opt, seed=1)
-    ckpt.save(2, model, opt, {"step": 2})
+    state["step"] = 2
+    ckpt.save(2)
     while ckpt.in_flight:  # training goes on; the next step boundary after the failure raises
         _step(model, opt, seed=2)
     try:
@@ -140,34 +148,28 @@ def _fail_job(rank: int, world: int) -> None:
 
 
 def _kill_job(rank: int, world: int) -> None:
-    from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
     model, opt = _toy_state()
     flag = os.path.join(os.environ["OUT"], f"inflight-{rank}")
 
     def hold():  # the shard of step 2 is on disk, the save is not finished: signal, then hang
         open(flag, "w").close()
         time.sleep(600)
-    ckpt = AsyncCheckpointer(CheckpointStore(os.environ["CKPT"]), keep=3, rank=rank,
-                             writer_factory=lambda url: _HookedWriter(
-                                 url, hold if url.endswith(step_dirname(2)) else (lambda: None)))
-    ckpt.save(1, model, opt, {"step": 1})
+    state = {"step": 1}
+    ckpt = _checkpointer(rank, model, opt, state, hook_for=lambda url: (
+        hold if url.endswith(step_dirname(2)) else (lambda: None)))
+    ckpt.save(1)
     ckpt.wait()
     _step(model, opt, seed=1)
-    ckpt.save(2, model, opt, {"step": 2})
+    state["step"] = 2
+    ckpt.save(2)
     while True:  # training continues until the test kills us
         _step(model, opt, seed=2)
 
 
 # ---- test side -----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(mode: str, ckpt: str, world: int = 2, **env) -> list[subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         e = {**os.environ, "MODE": mode, "RANK": str(rank), "WORLD_SIZE": str(world),

@@ -1,5 +1,6 @@
 """Checkpoint commit protocol (C4) with real DCP files on disk: torn steps are invisible or
-skipped, retention keeps the newest, leftovers are cleaned, loading refuses code in metadata."""
+skipped, retention keeps the newest, leftovers are cleaned, loading refuses code in metadata; both
+checkpointers save on the same cadence and commit the same way."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import pickle
 import pytest
 import torch
 
-from elastic_gpt.checkpoint.store import (
-    COMMIT_MARKER,
-    CheckpointStore,
-    load_model_weights,
-    save_sharded,
-    step_dirname,
-)
+from elastic_gpt.checkpoint.checkpointer import AsyncCheckpointer, make_checkpointer
+from elastic_gpt.checkpoint.sharded import load_model_weights, save_sharded
+from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore, step_dirname
+from elastic_gpt.config import CheckpointSection
 from elastic_gpt.model.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=32)
@@ -108,3 +106,42 @@ def test_run_info_round_trips_atomically(tmp_path):
     store.write_run_info({"mlflow_run_id": "abc"})
     assert store.read_run_info() == {"mlflow_run_id": "abc"}
     assert not [p for p in os.listdir(tmp_path / "new-root") if ".tmp-" in p]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone: the checkpointers' collectives need one."""
+    import torch.distributed as dist
+
+    from elastic_gpt.testing.ports import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpointer_saves_on_its_cadence_and_when_forced(tmp_path, async_save, one_rank_group):
+    store = CheckpointStore(str(tmp_path))
+    model = models(1)[0]
+    state, flushes, blocked = {}, [], []
+    ckpt = make_checkpointer(
+        CheckpointSection(path=str(tmp_path), every_steps=3, keep=10, async_save=async_save),
+        store, rank=0, model=model, optimizer=None, trainer_state=lambda: state,
+        before_save=lambda: flushes.append(state["step"]), on_blocked=blocked.append)
+    assert isinstance(ckpt, AsyncCheckpointer) == async_save
+    saved = []
+    for step in range(1, 8):
+        state["step"] = step
+        ckpt.poll()
+        if ckpt.save(step, force=step == 7):  # 7: the last step
+            saved.append(step)
+    ckpt.finish()
+    assert saved == flushes == [3, 6, 7] and len(blocked) == 3
+    assert sorted(store.step_dirs()) == saved
+    for step in saved:  # committed, with the trainer state as it was when the save was taken
+        assert store.verify(step) is None and store.read_state(step) == {"step": step}
+    fresh = GPT(CFG)
+    load_model_weights(store.latest().url, fresh)
+    for (n, p), (_, q) in zip(fresh.named_parameters(), model.named_parameters()):
+        assert torch.equal(p, q), n

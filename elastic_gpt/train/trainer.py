@@ -1,7 +1,10 @@
-"""The per-worker training function: build, restore, step, checkpoint, report.
+"""One worker's share of a run: build, restore, step, checkpoint, report.
 
-Runs inside a Ray Train worker (`train_loop_per_worker`) with the torch process group already up;
-`run_worker` holds everything else so it reads without Ray in mind.
+The `Trainer` runs under any torch process group that is already up: a Ray Train worker
+(elastic/worker.py makes one there), a test's gloo ranks, a benchmark in one process. It imports
+no Ray: what it needs from the cluster comes in as collaborators with do-nothing defaults, a
+`MetricSink` (where step metrics go) and a `Membership` (whether the group must checkpoint and
+restart), and a planned restart is raised as `errors.ElasticRestart`.
 """
 
 from __future__ import annotations
@@ -9,66 +12,100 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from elastic_gpt.checkpoint.async_save import AsyncCheckpointer
-from elastic_gpt.checkpoint.store import CheckpointStore, load_sharded, save_sharded, step_dirname
-from elastic_gpt.config import Config, config_from_dict
+from elastic_gpt.checkpoint.checkpointer import make_checkpointer
+from elastic_gpt.checkpoint.sharded import load_sharded
+from elastic_gpt.checkpoint.store import CheckpointStore
+from elastic_gpt.config import Config
+from elastic_gpt.console import say
+from elastic_gpt.data.fingerprint import join_fingerprint, split_fingerprint
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.data.stream import open_step_stream
-from elastic_gpt.elastic.controller import ElasticRestart
-from elastic_gpt.errors import NonFiniteLossError, check_checkpoint_shape
-from elastic_gpt.model.gpt import GPT, GPTConfig, flops_per_token, token_losses
+from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
+from elastic_gpt.model.gpt import GPT, flops_per_token, token_losses
 from elastic_gpt.parallel.fsdp import (
     agree_on_resharding,
     init_sharded_weights,
     parallelize,
+    reshard_label,
     resolve_dtype,
     resolve_reshard_after_forward,
 )
 from elastic_gpt.train.goodput import GoodputLedger
-from elastic_gpt.train.metrics import (
-    join_fingerprint,
-    lr_at,
-    peak_flops,
-    split_fingerprint,
-)
+from elastic_gpt.train.model_config import model_config_for
+from elastic_gpt.train.optimizer import build_optimizer
+from elastic_gpt.train.schedule import lr_at
+from elastic_gpt.train.throughput import peak_flops
 
-log = logging.getLogger("elastic_gpt")
+log = logging.getLogger(__name__)
 
 
-def model_config_for(cfg: Config, manifest) -> GPTConfig:
-    """Preset shape, then explicit model.* keys; seq_len and vocab come from the data if unset."""
-    from elastic_gpt.model.gpt import PRESETS, pad_vocab
-    m = cfg.model
-    fields = dict(PRESETS[m.preset])
-    fields.update({k: v for k, v in dict(n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd)
-                   .items() if v is not None})
-    fields["seq_len"] = m.seq_len or manifest.seq_len
-    fields["vocab_size"] = m.vocab_size or pad_vocab(manifest.vocab_size)
-    manifest.check_model(fields["vocab_size"])
-    if manifest.seq_len < fields["seq_len"]:
-        raise ValueError(f"dataset samples have {manifest.seq_len} tokens but model.seq_len="
-                         f"{fields['seq_len']}; unset model.seq_len or re-run prepare-data with "
-                         f"--seq-len {fields['seq_len']}")
-    return GPTConfig(**fields, dropout=m.dropout)
+class MetricSink(Protocol):
+    """Where step metrics go (MLflow's `MetricLogger` on rank 0 of a tracked run)."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def flush(self, timeout_s: float) -> bool:
+        """Block until everything logged is stored; False if `timeout_s` passed first."""
+        ...
+
+    def close(self) -> None: ...
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, fused: bool) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only (GPT-2/3 practice: no decay on biases and LayerNorm)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    t = cfg.train
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=fused)
+class NullMetricSink:
+    """Drops every metric: ranks other than 0, untracked runs, tests and benchmarks."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def flush(self, timeout_s: float) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class Membership(Protocol):
+    """Rank 0's view of the cluster (`WorkerMembership` under Ray)."""
+
+    reason: str | None
+    """Turns non-None when this group should checkpoint and restart (drain, resize)."""
+    previous: dict | None
+    """The previous attempt's last published progress, if any (the goodput ledger's input)."""
+    cause: dict | None
+    """Why the previous attempt ended, if it did."""
+
+    def publish(self, step: int, step_time_s: float, ledger: dict) -> None: ...
+
+    def record_restart(self, reason: str, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullMembership:
+    """A group nobody resizes or drains, with no attempt before it: ranks other than 0, and any
+    Trainer run outside Ray."""
+
+    reason = None
+    previous = None
+    cause = None
+
+    def publish(self, step: int, step_time_s: float, ledger: dict) -> None:
+        pass
+
+    def record_restart(self, reason: str, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -84,15 +121,10 @@ class Trainer:
     """One worker's share of the run. All ranks construct it and call `train()` together."""
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
-                 report=None, membership=None, flush_metrics=None):
+                 metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership()):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.report = report or (lambda metrics, step: None)
-        # Rank 0's view of cluster membership (elastic.WorkerMembership): `.reason` turns
-        # non-None when this group should checkpoint and restart; `.publish()` shares progress.
-        self.membership = membership
-        # Makes the metrics of every step up to a checkpoint durable before the checkpoint is
-        # committed, so a hard kill right after a commit loses no step's record (C5).
-        self.flush_metrics = flush_metrics
+        # The null defaults hold no state, so one instance can serve every Trainer.
+        self.metrics, self.membership = metrics, membership
         self.mlflow_run_id = mlflow_run_id
         self.started = time.time()
         self.device = _device()
@@ -114,7 +146,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = peak_flops(self.device, threads) * 1  # per worker
         self._nonfinite_streak = 0
-        self.async_checkpointer: AsyncCheckpointer | None = None  # made at the first async save
+        self.checkpointer = make_checkpointer(
+            cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
+            trainer_state=self.trainer_state, before_save=self._flush_metrics,
+            on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds))
 
     def _build_model(self) -> GPT:
         # Build on "meta" (no memory), shard, then materialise only this rank's shards.
@@ -134,9 +169,7 @@ class Trainer:
     def setup_line(self) -> str:
         """What this group runs, so a log shows the choices `auto` settings made."""
         t = self.cfg.train
-        policy = "always" if self.reshard_after_forward else "never"
-        if t.reshard_after_forward == "auto":
-            policy += " (auto)"
+        policy = reshard_label(self.reshard_after_forward, t.reshard_after_forward)
         return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.threads} thread(s) each | "
                 f"model {self.n_params / 1e6:,.1f}M params, "
@@ -220,7 +253,7 @@ class Trainer:
         lo, hi = split_fingerprint(batch.fingerprint)
         # The membership flag rides on the same all-reduce: every rank learns at the same step
         # boundary that the group must checkpoint and restart.
-        stop = 1.0 if self.membership is not None and self.membership.reason else 0.0
+        stop = 1.0 if self.membership.reason else 0.0
         stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
         stats[0] = loss_sum
         dist.all_reduce(stats)
@@ -228,8 +261,7 @@ class Trainer:
         loss_total, fp_lo, fp_hi, stop, grad_norm = torch.cat(
             [stats, grad_norm.detach().to(stats).reshape(1)]).tolist()
         if stop > 0:
-            self.stop_reason = (self.membership.reason if self.membership is not None
-                                and self.membership.reason else "membership change")
+            self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.plan.global_batch_size * self.gpt_cfg.seq_len)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -247,29 +279,11 @@ class Trainer:
 
     # ---- checkpoint --------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> None:
-        t0 = time.time()
-        if self.flush_metrics is not None and not self.flush_metrics(5.0):
+    def _flush_metrics(self) -> None:
+        # The metrics of every step up to a checkpoint are made durable before the checkpoint is
+        # committed, so a hard kill right after a commit loses no step's record (C5).
+        if not self.metrics.flush(5.0):
             log.warning("step metrics not yet stored in MLflow at the step-%d checkpoint", self.step)
-        if self.cfg.checkpoint.async_save:
-            # Blocks only to wait for the previous save and copy the shards to CPU; rank 0 commits
-            # in the background once every rank's shard is durable (see async_checkpoint.py).
-            if self.async_checkpointer is None:  # collective (new process group): all ranks here
-                self.async_checkpointer = AsyncCheckpointer(self.store, self.cfg.checkpoint.keep,
-                                                            rank=self.rank)
-            self.async_checkpointer.save(self.step, self.model, self.optimizer, self.trainer_state())
-            self.ledger.on_checkpoint(time.time() - t0)
-            return
-        if self.rank == 0:
-            self.store.prepare_step_dir(self.step)
-        dist.barrier()
-        url = self.store.url(step_dirname(self.step))
-        save_sharded(url, self.model, self.optimizer)
-        self.ledger.on_checkpoint(time.time() - t0)
-        if self.rank == 0:
-            self.store.commit(self.step, self.trainer_state())
-            self.store.retain(self.cfg.checkpoint.keep)
-        dist.barrier()  # nobody runs ahead of a commit they might need to resume from
 
     def trainer_state(self) -> dict:
         return {
@@ -296,7 +310,7 @@ class Trainer:
         self.restore()
         if self.rank == 0:  # at a start nothing is in flight: uncommitted dirs are leftovers (C4)
             self.store.remove_uncommitted()
-        if self.rank == 0 and self.membership is not None:
+        if self.rank == 0:
             event = self.ledger.on_resume(
                 restored_step=self.step, world_size=self.world_size,
                 previous=self.membership.previous, cause=self.membership.cause,
@@ -318,8 +332,8 @@ class Trainer:
                 if self.step == first_step:
                     event = self.ledger.on_first_step_started()
                     if event and self.rank == 0:
-                        self.report({"event_recovery_s": event["recovery_s"],
-                                     "event_lost_steps": event["lost_steps"]}, self.step)
+                        self.metrics.log({"event_recovery_s": event["recovery_s"],
+                                          "event_lost_steps": event["lost_steps"]}, self.step)
                 t0 = time.perf_counter()
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
@@ -338,36 +352,23 @@ class Trainer:
                     "step_time_s": step_time, "data_wait_s": t_data,
                     "data_fingerprint": result.fingerprint,
                 }
-                self.report(metrics, result.step)
+                self.metrics.log(metrics, result.step)
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
                     say(_progress_line(result.step, cfg.train.max_steps, metrics))
-                if self.async_checkpointer is not None:
-                    self.async_checkpointer.poll()  # a failed background write raises here
-                if self.step % cfg.checkpoint.every_steps == 0 or self.step == end \
-                        or self.stop_reason:
-                    self.save_checkpoint()
-                if self.membership is not None:
-                    self.membership.publish(self.step, step_time, self.ledger.to_dict())
+                self.checkpointer.poll()  # a failed background write raises here
+                # The last step, and the step a planned restart resumes from, are always saved.
+                self.checkpointer.save(self.step, force=self.step == end or bool(self.stop_reason))
+                self.membership.publish(self.step, step_time, self.ledger.to_dict())
                 last = metrics
                 if self.stop_reason:
-                    if self.async_checkpointer is not None:
-                        self.async_checkpointer.finish()  # the restart resumes from this step
-                    if self.membership is not None:
-                        self.membership.record_restart(self.stop_reason, self.step)
+                    self.checkpointer.finish()  # the restart resumes from this step
+                    self.membership.record_restart(self.stop_reason, self.step)
                     raise ElasticRestart(self.stop_reason, self.step)
-            if self.async_checkpointer is not None:
-                self.async_checkpointer.finish()  # the last step is committed before we return
+            self.checkpointer.finish()  # the last step is committed before we return
         finally:
             stream.close()
         return {"step": self.step, "last": last, "ledger": self.ledger}
-
-
-def say(line: str) -> None:
-    """One line to the job's output. Not print(): Ray Train patches print into its logger, which
-    echoes each line twice in `ray job logs`."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:
@@ -393,33 +394,3 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def train_loop_per_worker(loop_config: dict) -> None:
-    """Ray Train entry point: everything a worker needs arrives in `loop_config` by value."""
-    import ray
-    import ray.train
-
-    from elastic_gpt.elastic.controller import WorkerMembership
-    from elastic_gpt.tracking.mlflow_tracking import MetricLogger
-
-    ctx = ray.train.get_context()
-    cfg = config_from_dict(loop_config["config"])
-    run_id = loop_config.get("mlflow_run_id")
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    logger = MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id else None
-    # Every rank says which node it is on; rank 0 watches those nodes for drains.
-    nodes = [None] * world
-    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    membership = WorkerMembership(loop_config["run_key"], nodes, world) if rank == 0 else None
-    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id,
-                      report=(lambda m, s: logger.log(m, s)) if logger else None,
-                      membership=membership, flush_metrics=logger.flush if logger else None)
-    try:
-        summary = trainer.train()
-    finally:
-        if membership:
-            membership.close()
-        if logger:
-            logger.close()
-    ray.train.report({"step": summary["step"]})  # the ledger travels in the checkpoints

@@ -1,0 +1,203 @@
+"""When and how the training loop saves: one interface, a synchronous and an asynchronous
+implementation, and `make_checkpointer`, which picks one from the config once.
+
+The loop calls only these, the same way whichever implementation it got:
+
+    save(step, force=...)   at every step boundary; saves when `step` is a multiple of
+                            checkpoint.every_steps, or when forced (last step, planned restart)
+    poll()                  at every step boundary; a failed background write raises here
+    finish()                before the loop returns or restarts: the last save is committed
+
+Synchronous: every rank writes its DCP shard, then rank 0 commits (trainer state, then the commit
+marker last) and applies retention, and no rank goes on before the commit.
+
+Asynchronous: the loop blocks only to wait for the previous save and copy the shards into CPU
+staging buffers (reused across saves); a background thread writes them (fsynced), DCP gathers
+every rank's write result on rank 0, which writes `.metadata` and commits. At most one save is in
+flight. The background collectives run on a dedicated gloo process group, so they never
+interleave with the training collectives on the default group (two threads issuing collectives on
+one group can pair up the wrong calls). A step whose write fails or is killed midway has no commit
+marker, so resume never sees it, and `CheckpointStore.retain` / `remove_uncommitted` delete it
+later (C4).
+
+Knows the store and DCP, not the Trainer: what the trainer state holds, and what must happen just
+before a save (making the step metrics durable), come in as callables.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from elastic_gpt.checkpoint.sharded import save_sharded, training_state_dict
+from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
+
+if TYPE_CHECKING:
+    from elastic_gpt.config import CheckpointSection
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write failed; the step it was writing stays uncommitted."""
+
+
+class Checkpointer:
+    """Saves a model and optimizer (and the trainer state beside them) into a store. Every rank
+    constructs one with the same settings and calls its methods at the same step boundaries.
+
+    `trainer_state()` is read while a save is taken and committed beside its shards.
+    `before_save()` runs first, on every save. `on_blocked(seconds)` is told how long the save
+    held the loop up: from before `before_save()` to the end of the shards' write for a
+    synchronous save, to the end of the copy to CPU for an asynchronous one.
+    """
+
+    in_flight = False
+    """True while a save is still being written in the background."""
+
+    def __init__(self, store: CheckpointStore, *, every_steps: int, keep: int, rank: int,
+                 model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 trainer_state: Callable[[], dict],
+                 before_save: Callable[[], None] = lambda: None,
+                 on_blocked: Callable[[float], None] = lambda seconds: None):
+        self.store, self.every_steps, self.keep, self.rank = store, every_steps, keep, rank
+        self.model, self.optimizer = model, optimizer
+        self.trainer_state, self.before_save, self.on_blocked = (trainer_state, before_save,
+                                                                 on_blocked)
+
+    def save(self, step: int, *, force: bool = False) -> bool:
+        """Collective. Checkpoint the state after `step` steps if the cadence says so or `force`;
+        returns whether it saved."""
+        if not force and step % self.every_steps != 0:
+            return False
+        t0 = time.perf_counter()
+        self.before_save()
+        self._save(step, t0)
+        return True
+
+    def poll(self) -> None:
+        """Raise the error of a failed background save, if one has failed; never blocks."""
+
+    def finish(self) -> None:
+        """Collective. Block until the last save is committed (and raise its error)."""
+
+    def _save(self, step: int, t0: float) -> None:
+        raise NotImplementedError
+
+
+class SyncCheckpointer(Checkpointer):
+    """Writes and commits within `save`: the loop waits for the whole checkpoint."""
+
+    def _save(self, step: int, t0: float) -> None:
+        if self.rank == 0:
+            self.store.prepare_step_dir(step)
+        dist.barrier()  # no rank writes into the directory before rank 0 has cleared a leftover
+        save_sharded(self.store.url(step_dirname(step)), self.model, self.optimizer)
+        self.on_blocked(time.perf_counter() - t0)
+        if self.rank == 0:
+            self.store.commit(step, self.trainer_state())
+            self.store.retain(self.keep)
+        dist.barrier()  # nobody runs ahead of a commit they might need to resume from
+
+
+class AsyncCheckpointer(Checkpointer):
+    """Writes and commits in a background thread after a copy to CPU memory (see the module
+    docstring). Its process group is made at the first save, which every rank reaches at the same
+    step."""
+
+    def __init__(self, store: CheckpointStore, *, storage_options: dict | None = None,
+                 writer_factory: Callable | None = None, **kwargs):
+        super().__init__(store, **kwargs)
+        self.storage_options = storage_options or {}
+        # Tests pass a writer factory to hold a write open (kill-while-in-flight); default: fsspec.
+        self.writer_factory = writer_factory or (
+            lambda url: FsspecWriter(url, sync_files=True, **self.storage_options))
+        self.pg: dist.ProcessGroup | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._staging: dict | None = None
+        self._inflight: Future | None = None
+        self._inflight_step: int | None = None
+        self.last_stage_s = 0.0
+        self.last_write_s = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def poll(self) -> None:
+        if self._inflight is not None and self._inflight.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight save is written and (on rank 0) committed; raise its error."""
+        fut, step = self._inflight, self._inflight_step
+        self._inflight, self._inflight_step = None, None
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except (Exception, CheckpointException) as e:  # DCP's error derives from BaseException
+            raise CheckpointWriteError(
+                f"asynchronous checkpoint of step {step} to {self.store.url(step_dirname(step))} "
+                f"failed: {type(e).__name__}: {e}; the step stays uncommitted and resume uses the "
+                "previous committed checkpoint") from e
+
+    def finish(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def _save(self, step: int, t0: float) -> None:
+        # Copied now: the background commit writes the state of this step, not of a later one.
+        state = copy.deepcopy(self.trainer_state())
+        if self.pg is None:
+            self.pg = dist.new_group(backend="gloo")  # collective: all ranks, same order
+        self.wait()
+        if self.rank == 0:
+            self.store.prepare_step_dir(step)
+        # Nothing runs in the background now, so the writer group is free for this barrier: no
+        # rank writes into the directory before rank 0 has cleared a leftover of it.
+        dist.barrier(group=self.pg)
+        t1 = time.perf_counter()
+        self._stage(training_state_dict(self.model, self.optimizer))
+        self.last_stage_s = time.perf_counter() - t1
+        self._inflight_step = step
+        self._inflight = self._executor.submit(self._write_and_commit, step,
+                                               self.store.url(step_dirname(step)), state)
+        self.on_blocked(time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def _stage(self, state_dict: dict) -> None:
+        """Copy every local shard into CPU buffers allocated once (pinned on CUDA, for fast D2H).
+        The copy is a snapshot: the optimizer may update the live tensors right after we return."""
+        if self._staging is None:
+            self._staging = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        self._staging = _copy_state_dict(state_dict, self._staging, type_check=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the D2H copies land before the writer thread reads them
+
+    def _write_and_commit(self, step: int, url: str, trainer_state: dict) -> None:
+        t0 = time.perf_counter()
+        # DCP gathers every rank's write result on rank 0 (over self.pg) before it writes the
+        # `.metadata`: when this returns on rank 0, every rank's shard is durable (fsynced).
+        dcp.save(self._staging, storage_writer=self.writer_factory(url), process_group=self.pg)
+        if self.rank == 0:
+            self.store.commit(step, trainer_state)  # commit marker last (C4)
+            self.store.retain(self.keep)
+        self.last_write_s = time.perf_counter() - t0
+
+
+def make_checkpointer(cfg: CheckpointSection, store: CheckpointStore, **kwargs) -> Checkpointer:
+    """The checkpointer the config asks for (checkpoint.async_save), saving every
+    checkpoint.every_steps and keeping checkpoint.keep; `kwargs` as for `Checkpointer`."""
+    kind = AsyncCheckpointer if cfg.async_save else SyncCheckpointer
+    return kind(store, every_steps=cfg.every_steps, keep=cfg.keep, **kwargs)

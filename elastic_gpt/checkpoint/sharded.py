@@ -1,0 +1,124 @@
+"""A training state as DCP shards: save and load the model and optimizer under any world size,
+reading nothing from storage but plain tensors.
+
+Every function here is a collective (every rank calls it) except `load_model_weights`, which
+loads just the model in one process (generate, export-hf). Nothing is unpickled beyond plain
+tensors: DCP's `.metadata` is read with an allow-list unpickler, and optimizer hyper-parameters
+are not saved (they come from the config at load time). Where the shards go inside a checkpoint
+root, and when they count as committed, is the store's business (store.py), not this module's.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from elastic_gpt.console import last_line
+
+
+def training_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Model + optimizer moments as (sharded) tensors only. Optimizer param_groups (lr, betas) are
+    plain Python values that DCP would pickle; they are rebuilt from the config instead."""
+    if optimizer is None:
+        return {"model": get_state_dict(model, [], options=StateDictOptions())[0]}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd["state"]}
+
+
+def save_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
+    writer = FsspecWriter(url, sync_files=True, **(storage_options or {}))
+    dcp.save(training_state_dict(model, optimizer), storage_writer=writer)
+
+
+def load_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
+    """Load into the current (possibly differently sharded) model and optimizer: DCP reshards."""
+    sd = training_state_dict(model, optimizer)
+    _dcp_load(sd, url, storage_options)
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=sd["model"], optim_state_dict={})
+        return
+    _, current_optim = get_state_dict(model, optimizer)
+    set_state_dict(model, optimizer, model_state_dict=sd["model"],
+                   optim_state_dict={"state": sd["optim"],
+                                     "param_groups": current_optim["param_groups"]})
+
+
+def load_model_weights(url: str, model: torch.nn.Module,
+                       storage_options: dict | None = None) -> None:
+    """Single-process load of just the model (generate, export-hf): no process group needed."""
+    sd = {"model": model.state_dict()}
+    _dcp_load(sd, url, storage_options,
+              no_dist=not (dist.is_available() and dist.is_initialized()))
+    model.load_state_dict(sd["model"])
+
+
+def _dcp_load(sd: dict, url: str, storage_options: dict | None, **kwargs) -> None:
+    """dcp.load, with its BaseException-derived CheckpointException turned into one readable
+    ValueError naming the checkpoint and the first rank's root cause."""
+    try:
+        dcp.load(sd, storage_reader=SafeFsspecReader(url, **(storage_options or {})),
+                 planner=SafeLoadPlanner(), **kwargs)
+    except CheckpointException as e:
+        causes = [exc for exc, _ in e.failures.values()] or [e]
+        # DCP nests each rank's real error at the end of its own message
+        text = "; ".join(dict.fromkeys(last_line(c) for c in causes))
+        raise CheckpointLoadError(f"cannot load checkpoint {url}: {text}") from None
+
+
+class CheckpointLoadError(ValueError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP pickles its `.metadata` index. Allow only the classes such an index holds, so a
+    checkpoint from untrusted storage cannot run code on load."""
+
+    _ALLOWED = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                ("builtins", "slice"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+
+    def find_class(self, module: str, name: str):
+        allowed = (module, name) in self._ALLOWED or module.startswith(
+            "torch.distributed.checkpoint.") or (module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype))
+        if allowed:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which a DCP index never holds: "
+            "the checkpoint is corrupt or was tampered with")
+
+
+class SafeFsspecReader(FsspecReader):
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor items with weights_only=False; we save none,
+    and refuse anything but plain data if one turns up."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,42 @@
+"""The Ray Train worker entry point: what runs in each worker process of an elastic job.
+
+It turns Ray's view of the worker (rank, world size, node) into the Trainer's collaborators, rank
+0's cluster membership and its MLflow metric logger, runs the Trainer, and reports to Ray Train
+when it returns. The Trainer itself knows nothing of Ray: what it needs from the cluster is made
+here.
+"""
+
+from __future__ import annotations
+
+import ray
+import ray.train
+import torch.distributed as dist
+
+from elastic_gpt.config import config_from_dict
+from elastic_gpt.elastic.membership import WorkerMembership
+from elastic_gpt.tracking.metric_logger import MetricLogger
+from elastic_gpt.train.trainer import Membership, MetricSink, NullMembership, NullMetricSink, Trainer
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Ray Train entry point: everything a worker needs arrives in `loop_config` by value."""
+    ctx = ray.train.get_context()
+    cfg = config_from_dict(loop_config["config"])
+    run_id = loop_config.get("mlflow_run_id")
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
+    metrics: MetricSink = (MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id
+                           else NullMetricSink())
+    # Every rank says which node it is on; rank 0 watches those nodes for drains.
+    nodes = [None] * world
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    membership: Membership = (WorkerMembership(loop_config["run_key"], nodes, world) if rank == 0
+                              else NullMembership())
+    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,
+                      membership=membership)
+    try:
+        summary = trainer.train()
+    finally:
+        membership.close()
+        metrics.close()
+    ray.train.report({"step": summary["step"]})  # the ledger travels in the checkpoints
