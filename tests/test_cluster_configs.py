@@ -41,11 +41,9 @@ def load(path: str) -> dict:
 
 
 def prepared(path: str) -> dict:
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from elastic_gpt.elastic.ray_internals import prepare_cluster_config
 
-    config = prepare_config(copy.deepcopy(load(path)))
-    validate_config(config)
-    return config
+    return prepare_cluster_config(copy.deepcopy(load(path)))
 
 
 def commands(config: dict, key: str) -> str:
@@ -166,11 +164,10 @@ def test_aws_bootstrap_and_launch_every_node_type(tmp_path, monkeypatch):
             iam.create_instance_profile(InstanceProfileName=name)
             iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
 
-        from ray.autoscaler._private.aws.config import bootstrap_aws
-        from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
+        from elastic_gpt.elastic.ray_internals import aws_node_provider, bootstrap_aws
 
         booted = bootstrap_aws(config)
-        provider = AWSNodeProvider(booted["provider"], booted["cluster_name"])
+        provider = aws_node_provider(booted["provider"], booted["cluster_name"])
         for name, node_type in booted["available_node_types"].items():
             provider.create_node(node_type["node_config"],
                                  {"ray-node-type": "worker", "ray-user-node-type": name}, 1)
@@ -249,15 +246,12 @@ def test_kuberay_raycluster_manifest():
 
 def test_kuberay_autoscaling_config_passes_rays_validation():
     """Ray's own KubeRay autoscaler turns the RayCluster into an autoscaling config."""
-    from ray.autoscaler._private.kuberay.autoscaling_config import (
-        _derive_autoscaling_config_from_ray_cr,
-    )
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from elastic_gpt.elastic.ray_internals import kuberay_autoscaling_config, prepare_cluster_config
 
     doc = load("deploy/kuberay/raycluster.yaml")
     doc["metadata"]["namespace"] = "default"
-    config = _derive_autoscaling_config_from_ray_cr(doc)
-    validate_config(prepare_config(config))
+    config = kuberay_autoscaling_config(doc)
+    prepare_cluster_config(config)
     types = config["available_node_types"]
     assert types["gpu-spot"]["resources"]["GPU"] == 8
     assert types["gpu-spot"]["min_workers"] == 1 and types["gpu-ondemand"]["min_workers"] == 0
@@ -327,9 +321,10 @@ def test_gpu_presets_are_realistic(path):
 
 def test_runtime_env_parses_like_ray_job_submit(tmp_path):
     """`ray job submit --working-dir . --runtime-env jobs/runtime_env.yaml`, up to the upload."""
-    from ray._private.runtime_env.packaging import _zip_files
     from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
     from ray.runtime_env import RuntimeEnv
+
+    from elastic_gpt.elastic.ray_internals import zip_working_dir
 
     env = parse_runtime_env_args(runtime_env=str(REPO / "jobs/runtime_env.yaml"),
                                  working_dir=str(REPO))
@@ -338,7 +333,7 @@ def test_runtime_env_parses_like_ray_job_submit(tmp_path):
     assert all(isinstance(v, str) for v in env["env_vars"].values())
     # What would be uploaded: the code and configs, never environments, data or run outputs.
     out = tmp_path / "wd.zip"
-    _zip_files(str(REPO), env["excludes"], str(out), include_gitignore=True)
+    zip_working_dir(str(REPO), env["excludes"], str(out))
     names = zipfile.ZipFile(out).namelist()
     assert "jobs/pretrain.py" in names and "jobs/configs/gpt2-124m.yaml" in names
     for bad in (".venv/", ".git/", "data/", "runs/", ".ray_tmp/"):

@@ -1,17 +1,18 @@
-"""The elastic controller's pieces on their own: Ray internals still have the shape we rely on,
-failure-policy decisions, live capacity from a real GCS, and the goodput ledger arithmetic."""
+"""The elastic controller's pieces on their own: failure-policy decisions, the run's records in a
+real GCS, live capacity from a real GCS, and the goodput ledger arithmetic."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from ray import cloudpickle
+from ray.train import FailureConfig, ScalingConfig
 
-from elastic_gpt.elastic.controller import ElasticRestart, check_ray_internals, live_capacity, make_policies
-from elastic_gpt.errors import NonFiniteLossError
+from elastic_gpt.elastic.membership import RunRecords, live_capacity
+from elastic_gpt.elastic.policies import ElasticFailurePolicy, LiveCapacityScalingPolicy
+from elastic_gpt.errors import ElasticRestart, NonFiniteLossError
 from elastic_gpt.train.goodput import GoodputLedger
-
-
-def test_ray_train_internals_have_the_shape_elastic_py_relies_on():
-    check_ray_internals()  # raises, naming what changed, on any other ray version
 
 
 class _WorkerGroupError(Exception):
@@ -20,20 +21,21 @@ class _WorkerGroupError(Exception):
         self.worker_failures = failures
 
 
-@pytest.fixture
-def failure_policy(monkeypatch):
-    import elastic_gpt.elastic.controller as elastic
+class _Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
 
-    monkeypatch.setattr(elastic, "_safe", lambda *a: None)  # no GCS needed for decisions
-    from ray.train import FailureConfig, ScalingConfig
-    _, policy = make_policies(ScalingConfig(num_workers=(1, 2)), FailureConfig(), "k", 3)
-    clock = {"t": 1000.0}
-    monkeypatch.setattr(elastic.time, "monotonic", lambda: clock["t"])
-    return policy, clock
+    def __call__(self) -> float:
+        return self.t
 
 
-def test_planned_restarts_are_free_fatal_errors_stop_at_once(failure_policy):
-    policy, _ = failure_policy
+def _failure_policy(run_key: str = "test-no-gcs", budget: float = 3):
+    clock = _Clock()
+    return ElasticFailurePolicy(FailureConfig(), RunRecords(run_key), budget, clock=clock), clock
+
+
+def test_planned_restarts_are_free_fatal_errors_stop_at_once():
+    policy, _ = _failure_policy()
     planned = _WorkerGroupError({0: ElasticRestart("resize: 1 -> 2 workers", 5),
                                  1: ElasticRestart("resize: 1 -> 2 workers", 5)})
     for _ in range(10):
@@ -43,13 +45,40 @@ def test_planned_restarts_are_free_fatal_errors_stop_at_once(failure_policy):
     assert policy.make_decision(fatal).name == "RAISE"
 
 
-def test_failures_are_budgeted_per_sliding_hour(failure_policy):
-    policy, clock = failure_policy
+def test_failures_are_budgeted_per_sliding_hour():
+    # No Ray here: the failure record's GCS write fails quietly, and the decisions don't care.
+    policy, clock = _failure_policy()
+    attributes = set(vars(policy))
     crash = _WorkerGroupError({1: RuntimeError("worker died")})
     assert [policy.make_decision(crash).name for _ in range(3)] == ["RETRY"] * 3
     assert policy.make_decision(crash).name == "RAISE"  # a 4th within the hour: budget is 3
-    clock["t"] += 3601  # an hour later the old failures no longer count
+    clock.t += 3601  # an hour later the old failures no longer count
     assert policy.make_decision(crash).name == "RETRY"
+    assert set(vars(policy)) == attributes, "all state is made in the constructor"
+
+
+def test_a_failure_leaves_the_record_the_next_attempt_reads(ray_cluster):
+    records = RunRecords(f"test-failure-{time.time_ns()}")
+    policy, _ = _failure_policy(records.run_key)
+    error = _WorkerGroupError({1: RuntimeError("worker died")})
+    assert policy.make_decision(error).name == "RETRY"
+    cause = records.consume_cause()
+    assert cause["kind"] == "failure" and cause["error"] == "workers failed"
+    assert records.consume_cause() is None, "read once"
+
+
+def test_policies_reach_the_controller_by_reference_with_their_state():
+    """Ray Train pickles the policies into its controller actor: they must arrive as instances
+    of this package's classes (importable there), with everything their constructors made."""
+    records = RunRecords("test-pickle")
+    scaling = LiveCapacityScalingPolicy(ScalingConfig(num_workers=(1, 2)), records)
+    failure = ElasticFailurePolicy(FailureConfig(), records, 3)
+    for policy in (scaling, failure):
+        copy = cloudpickle.loads(cloudpickle.dumps(policy))
+        assert type(copy) is type(policy)
+        assert set(vars(copy)) == set(vars(policy))
+        assert copy.records.run_key == "test-pickle"
+    assert scaling.more_room_since is None and scaling.last_group_nodes == {}
 
 
 def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):
@@ -65,7 +94,6 @@ def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):
 
     hogs = [Hog.remote() for _ in range(3)]
     ray.get([h.ping.remote() for h in hogs])
-    import time
     deadline = time.time() + 10
     while sum(live_capacity({"CPU": 1}).values()) != 1 and time.time() < deadline:
         time.sleep(0.1)

@@ -23,7 +23,7 @@ from urllib.parse import parse_qsl
 
 import pytest
 
-from elastic_gpt.elastic import preemption
+from elastic_gpt.elastic import preemption, ray_internals
 from elastic_gpt.elastic.preemption import (
     AwsSpotNotices,
     GcpPreemptionNotices,
@@ -323,9 +323,9 @@ def test_aws_notice_drains_node(ray_cluster, busy_worker, metadata):
 
         deadline_ms = metadata.notice_in(90)
         assert wait_for(lambda: preemption.is_draining(busy_worker, address), timeout_s=10)
-        assert preemption.draining_nodes(address)[busy_worker] == deadline_ms
+        assert ray_internals.draining_nodes(address)[busy_worker] == deadline_ms
         assert busy_worker not in preemption.schedulable_nodes(address)
-        assert busy_worker in preemption.alive_nodes(address)
+        assert busy_worker in ray_internals.alive_nodes(address)
         assert metadata.rejected == 0, "every GET carried a valid IMDSv2 token"
         # Further polls see the same notice but do not re-drain a node already draining.
         gets = metadata.instance_action_gets
@@ -335,6 +335,24 @@ def test_aws_notice_drains_node(ray_cluster, busy_worker, metadata):
     finally:
         watcher.stop_event.set()
         thread.join(timeout=10)
+
+
+def test_the_watchers_drain_is_what_membership_and_capacity_see(ray_cluster, busy_worker):
+    """One reading of drains for both sides: the worker's watcher and the scaling policy's
+    capacity see the drain the preemption watcher made."""
+    from elastic_gpt.elastic.membership import WorkerMembership, live_capacity
+
+    assert busy_worker in live_capacity({"CPU": 1})
+    membership = WorkerMembership(f"drain-test-{busy_worker[:8]}", [busy_worker], 1, poll_s=0.05)
+    try:
+        time.sleep(0.3)
+        assert membership.reason is None
+        assert preemption.drain_node(busy_worker, 60, message="test")
+        assert wait_for(lambda: membership.reason is not None, timeout_s=10)
+        assert membership.reason.startswith(f"preemption: node {busy_worker[:12]} is draining")
+        assert busy_worker not in live_capacity({"CPU": 1})
+    finally:
+        membership.close()
 
 
 def test_gcp_notice_drains_node(ray_cluster, busy_worker, metadata):
@@ -348,7 +366,7 @@ def test_gcp_notice_drains_node(ray_cluster, busy_worker, metadata):
         metadata.gcp_preempted = True
         t0 = time.time() * 1000
         assert wait_for(lambda: preemption.is_draining(busy_worker, address), timeout_s=10)
-        deadline = preemption.draining_nodes(address)[busy_worker]
+        deadline = ray_internals.draining_nodes(address)[busy_worker]
         assert t0 + 20_000 < deadline < t0 + 35_000
     finally:
         watcher.stop_event.set()
@@ -405,7 +423,7 @@ def test_sigterm_to_cli_watcher_drains(ray_cluster, busy_worker, metadata):
         assert proc.returncode == 0, out
         assert "watching gcp preemption notices" in out
         assert "SIGTERM" in out
-        deadline = preemption.draining_nodes(address)[busy_worker]
+        deadline = ray_internals.draining_nodes(address)[busy_worker]
         assert t0 + 30_000 < deadline < t0 + 45_000
     finally:
         if proc.poll() is None:

@@ -19,8 +19,9 @@ too (Kubernetes and systemd deliver node shutdown that way): it drains, then exi
   (``?wait_for_change=true``) so the notice arrives without waiting out a poll period.
 - none: SIGTERM only, for Kubernetes pods (deploy/kuberay runs the watcher as a sidecar).
 
-The controller side imports ``drain_node``, ``draining_nodes``, ``is_draining`` and
-``schedulable_nodes``: all of them read live GCS state, never a cached view.
+``drain_node``, ``is_draining`` and ``schedulable_nodes`` read and write live GCS state, never a
+cached view, through ``ray_internals`` (the same ``draining_nodes`` the workers' membership
+watcher polls). This module imports no Ray itself, so the watcher starts fast on every node.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-logger = logging.getLogger("elastic_gpt.elastic.preemption")
+from elastic_gpt.console import setup_logging
+from elastic_gpt.elastic import ray_internals
+
+log = logging.getLogger(__name__)
 
 AWS_METADATA_URL = "http://169.254.169.254"
 GCP_METADATA_URL = "http://metadata.google.internal"
@@ -163,7 +167,7 @@ def _parse_aws_time(value: object) -> int:
             raise ValueError("no timezone")
         return int(parsed.timestamp() * 1000)
     except ValueError:
-        logger.warning("unreadable AWS notice time %r; assuming %.0f s", value, AWS_NOTICE_LEAD_S)
+        log.warning("unreadable AWS notice time %r; assuming %.0f s", value, AWS_NOTICE_LEAD_S)
         return _now_ms() + int(AWS_NOTICE_LEAD_S * 1000)
 
 
@@ -264,24 +268,6 @@ def make_notice_source(provider: str, metadata_url: str | None = None,
 
 # --------------------------------------------------------------------------- Ray GCS side
 
-_REASONS = {"preemption": "DRAIN_NODE_REASON_PREEMPTION",
-            "idle_termination": "DRAIN_NODE_REASON_IDLE_TERMINATION"}
-_gcs_clients: dict[str, object] = {}
-
-
-def _gcs_client(address: str | None = None):
-    """A GCS client: the connected driver's/actor's when address is None, else a cached one."""
-    import ray
-
-    if address is None and ray.is_initialized():
-        return ray._private.worker.global_worker.gcs_client
-    from ray._private.services import canonicalize_bootstrap_address_or_die
-
-    address = canonicalize_bootstrap_address_or_die(address or "auto")
-    if address not in _gcs_clients:
-        _gcs_clients[address] = ray._raylet.GcsClient(address=address)
-    return _gcs_clients[address]
-
 
 def _check_node_id(node_id: str) -> None:
     try:
@@ -310,53 +296,32 @@ def drain_node(
     PREEMPTION drains cannot be rejected by the raylet; the return value says whether the GCS
     accepted the request. A second drain of the same node updates its deadline.
     """
-    from ray.core.generated import autoscaler_pb2
-
     _check_node_id(node_id)
-    if reason not in _REASONS:
-        raise ValueError(f"reason={reason!r} is not a drain reason; use one of {list(_REASONS)}")
+    if reason not in ray_internals.DRAIN_REASONS:
+        raise ValueError(f"reason={reason!r} is not a drain reason; use one of "
+                         f"{list(ray_internals.DRAIN_REASONS)}")
     if deadline_ms is None:
         deadline_ms = 0 if deadline_s is None else _now_ms() + int(deadline_s * 1000)
-    accepted, rejection = _gcs_client(address).drain_node(
-        node_id,
-        autoscaler_pb2.DrainNodeReason.Value(_REASONS[reason]),
-        message,
-        int(deadline_ms),
-    )
+    accepted, rejection = ray_internals.drain_node(node_id, reason, message, deadline_ms, address)
     if not accepted:
-        logger.warning("drain of node %s rejected: %s", node_id, rejection)
-    return bool(accepted)
-
-
-def draining_nodes(address: str | None = None) -> dict[str, int]:
-    """Live ``{node_id_hex: deadline_ms}`` of nodes being drained (0 = no deadline)."""
-    return dict(_gcs_client(address).get_draining_nodes())
+        log.warning("drain of node %s rejected: %s", node_id, rejection)
+    return accepted
 
 
 def is_draining(node_id: str, address: str | None = None) -> bool:
-    return node_id in draining_nodes(address)
+    return node_id in ray_internals.draining_nodes(address)
 
 
-def alive_nodes(address: str | None = None) -> dict[str, object]:
-    """Live ``{node_id_hex: GcsNodeInfo}`` of nodes the GCS considers alive."""
-    infos = _gcs_client(address).get_all_node_info()
-    # GcsNodeInfo.state: 0 = ALIVE, 1 = DEAD
-    return {nid.hex(): info for nid, info in infos.items() if info.state == 0}
-
-
-def schedulable_nodes(address: str | None = None) -> dict[str, object]:
+def schedulable_nodes(address: str | None = None) -> set[str]:
     """Alive and not draining: the nodes a resized worker group may be placed on."""
-    draining = draining_nodes(address)
-    return {nid: info for nid, info in alive_nodes(address).items() if nid not in draining}
+    return set(ray_internals.alive_nodes(address)) - set(ray_internals.draining_nodes(address))
 
 
 def local_node_id(address: str | None = None) -> str:
     """This machine's Ray node id, matched by IP (one raylet per VM, as the cluster yamls run)."""
-    import ray._private.services as services
-
-    ip = services.get_node_ip_address()
-    matches = [nid for nid, info in alive_nodes(address).items()
-               if info.node_manager_address == ip]
+    ip = ray_internals.node_ip_address()
+    matches = [nid for nid, raylet in ray_internals.alive_nodes(address).items()
+               if raylet.host == ip]
     if len(matches) != 1:
         raise ValueError(
             f"found {len(matches)} alive Ray nodes with IP {ip}; pass --node-id "
@@ -407,7 +372,7 @@ class PreemptionWatcher:
         )
         if accepted:
             self.drained = notice
-            logger.warning(
+            log.warning(
                 "drained node %s: %s (deadline in %.0f s)", self.node_id, notice.message,
                 (notice.deadline_ms - _now_ms()) / 1000,
             )
@@ -419,12 +384,12 @@ class PreemptionWatcher:
         except MetadataUnavailable as e:
             self.failures += 1
             if self.failures == 1 or self.failures % max(1, int(60 / self.poll_s)) == 0:
-                logger.warning("%s metadata unreadable (%d in a row), still polling: %s",
-                               self.source.provider, self.failures, e)
+                log.warning("%s metadata unreadable (%d in a row), still polling: %s",
+                            self.source.provider, self.failures, e)
             return None
         if self.failures:
-            logger.info("%s metadata readable again after %d failures",
-                        self.source.provider, self.failures)
+            log.info("%s metadata readable again after %d failures",
+                     self.source.provider, self.failures)
             self.failures = 0
         if notice is None:
             return None
@@ -434,12 +399,12 @@ class PreemptionWatcher:
             if self.drained is None or self.node_id in schedulable_nodes(self.address):
                 self.drain(notice)
         except Exception as e:  # GCS briefly unreachable: the next poll retries
-            logger.warning("drain of node %s failed, will retry: %s", self._node_id, e)
+            log.warning("drain of node %s failed, will retry: %s", self._node_id, e)
         return notice
 
     def run(self) -> None:
-        logger.info("watching %s preemption notices every %.1f s for node %s",
-                    self.source.provider, self.poll_s, self._node_id or "(this machine)")
+        log.info("watching %s preemption notices every %.1f s for node %s",
+                 self.source.provider, self.poll_s, self._node_id or "(this machine)")
         while not self.stop_event.is_set():
             self.check_once()
             self.stop_event.wait(self.poll_s)
@@ -454,7 +419,7 @@ class PreemptionWatcher:
         try:
             self.drain(notice)
         except Exception as e:
-            logger.error("SIGTERM drain of node %s failed: %s", self._node_id, e)
+            log.error("SIGTERM drain of node %s failed: %s", self._node_id, e)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -481,8 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level.upper(), stream=sys.stdout, timestamps=True)
     try:
         if args.node_id is not None:
             _check_node_id(args.node_id)
@@ -501,4 +465,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m` runs this file as __main__; run the imported module instead, so the watcher's
+    # log lines carry the module's own name like every other elastic_gpt logger.
+    from elastic_gpt.elastic.preemption import main as _main
+    sys.exit(_main())

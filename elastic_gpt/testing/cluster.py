@@ -79,10 +79,9 @@ class Actor:
 
 def training_workers() -> list[Actor]:
     """Live Ray Train workers, read from the GCS actor table (no dashboard needed)."""
-    from ray._private.state import state
+    from elastic_gpt.elastic.ray_internals import live_actors
 
-    return [Actor(a["Pid"], a["Address"]["NodeID"]) for a in state.actor_table(None).values()
-            if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE"]
+    return [Actor(pid, node_id) for pid, node_id in live_actors("RayTrainWorker")]
 
 
 def sigkill_a_worker() -> int:
@@ -106,8 +105,7 @@ def committed(store, step: int) -> bool:
 
 
 def progress(run_key: str) -> dict | None:
-    from elastic_gpt.elastic.controller import kv_get
-    try:
-        return kv_get(run_key, "progress")
-    except Exception:
-        return None
+    """Rank 0's newest published progress for the run, or None (none yet, or the GCS is down)."""
+    from elastic_gpt.elastic.membership import RunRecords, best_effort
+
+    return best_effort(RunRecords(run_key).get, "progress")
