@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from elastic_gpt.console import say, setup_logging
+
 
 def _train(args) -> int:
     from elastic_gpt.config import load_config
@@ -15,25 +17,25 @@ def _train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, config_path=args.config)
     g = summary["goodput"]
-    print(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}\n"
-          f"[elastic-gpt] goodput {g['goodput']:.1%}: productive {g['productive_s']:.0f}s, "
-          f"recovery {g['recovery_s']:.0f}s, checkpoint {g['checkpoint_s']:.0f}s, lost "
-          f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)")
+    say(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}")
+    say(f"[elastic-gpt] goodput {g['goodput']:.1%}: productive {g['productive_s']:.0f}s, "
+        f"recovery {g['recovery_s']:.0f}s, checkpoint {g['checkpoint_s']:.0f}s, lost "
+        f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)")
     for e in summary["events"]:
-        print(f"[elastic-gpt]   {e['kind']}: W {e['from_world_size']} -> {e['to_world_size']} "
-              f"at step {e['resumed_from_step']}, recovered in {e.get('recovery_s', 0):.1f}s, "
-              f"{e['lost_steps']} step(s) re-done ({e['detail'][:80]})")
+        say(f"[elastic-gpt]   {e['kind']}: W {e['from_world_size']} -> {e['to_world_size']} "
+            f"at step {e['resumed_from_step']}, recovered in {e.get('recovery_s', 0):.1f}s, "
+            f"{e['lost_steps']} step(s) re-done ({e['detail'][:80]})")
     if summary["run_id"]:
-        print(f"[elastic-gpt] MLflow run {summary['run_id']} in {cfg.tracking.uri}\n"
-              f"[elastic-gpt] look at it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+        say(f"[elastic-gpt] MLflow run {summary['run_id']} in {cfg.tracking.uri}")
+        say(f"[elastic-gpt] look at it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
     return 0
 
 
 def _generate(args) -> int:
     from elastic_gpt.inference.generate import sample_text
 
-    print(sample_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
-                      seed=args.seed))
+    say(sample_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                    seed=args.seed))
     return 0
 
 
@@ -41,8 +43,8 @@ def _export_hf(args) -> int:
     from elastic_gpt.inference.hf_export import export_hf
 
     out = export_hf(args.checkpoint, args.out)
-    print(f"[elastic-gpt] wrote {out}/config.json and {out}/model.safetensors "
-          "(load with transformers.GPT2LMHeadModel.from_pretrained)")
+    say(f"[elastic-gpt] wrote {out}/config.json and {out}/model.safetensors "
+        "(load with transformers.GPT2LMHeadModel.from_pretrained)")
     return 0
 
 
@@ -98,8 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         return args.func(args) or 0
