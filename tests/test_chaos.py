@@ -21,6 +21,8 @@ from elastic_gpt.elastic import preemption
 from elastic_gpt.elastic.launcher import run_key, run_training
 from elastic_gpt.testing.cluster import LocalCluster, committed, progress, training_workers, wait_for
 
+pytestmark = pytest.mark.slow
+
 STEPS = 32
 # preset mini on 64-token samples: ~0.3-0.5 s per step here, so faults land mid-run.
 ARGS = ["model.preset=mini", "train.global_batch_size=12", "train.micro_batch_size=2",

@@ -198,6 +198,7 @@ def test_hf_tokenizer_json(tmp_path):
     assert decode_documents(m) == ["hello world hello"]
 
 
+@pytest.mark.slow
 def test_ray_data_job_from_s3_matches_local_job_byte_for_byte(tmp_path, s3, ray_local):
     """The real Ray Data job reading and writing s3:// gives exactly the local engine's shards."""
     expected = write_corpus(tmp_path / "raw")

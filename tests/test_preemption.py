@@ -311,6 +311,7 @@ def run_in_thread(watcher: PreemptionWatcher) -> threading.Thread:
     return thread
 
 
+@pytest.mark.slow
 def test_aws_notice_drains_node(ray_cluster, busy_worker, metadata):
     address = ray_cluster.address
     watcher = PreemptionWatcher(AwsSpotNotices(metadata.url), busy_worker, address, poll_s=0.2)
@@ -355,6 +356,7 @@ def test_the_watchers_drain_is_what_membership_and_capacity_see(ray_cluster, bus
         membership.close()
 
 
+@pytest.mark.slow
 def test_gcp_notice_drains_node(ray_cluster, busy_worker, metadata):
     address = ray_cluster.address
     watcher = PreemptionWatcher(GcpPreemptionNotices(metadata.url), busy_worker, address,
@@ -373,6 +375,7 @@ def test_gcp_notice_drains_node(ray_cluster, busy_worker, metadata):
         thread.join(timeout=10)
 
 
+@pytest.mark.slow
 def test_endpoint_down_keeps_polling_then_drains(ray_cluster, busy_worker, caplog):
     """Metadata service refuses connections: warn, keep polling, drain once it answers."""
     address = ray_cluster.address
@@ -401,6 +404,7 @@ def test_endpoint_down_keeps_polling_then_drains(ray_cluster, busy_worker, caplo
             revived.close()
 
 
+@pytest.mark.slow
 def test_sigterm_to_cli_watcher_drains(ray_cluster, busy_worker, metadata):
     """The CLI as the cluster yaml runs it; SIGTERM drains with the grace deadline and exits 0."""
     address = ray_cluster.address

@@ -252,6 +252,7 @@ def test_missing_config_is_one_line_and_exit_2(tmp_path):
             "with a YAML file such as jobs/configs/mini.yaml"]
 
 
+@pytest.mark.slow
 def test_unreachable_ray_address_is_one_line_and_exit_2(stdlib_dataset, tmp_path):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -297,6 +298,7 @@ def _artifact_files(client, run_id: str, path: str | None = None) -> list[str]:
     return files
 
 
+@pytest.mark.slow
 def test_server_run_has_config_cluster_versions_metrics_events_plot_and_model(server,
                                                                               server_run):
     import mlflow
@@ -336,6 +338,7 @@ def test_server_run_has_config_cluster_versions_metrics_events_plot_and_model(se
     assert '"kind": "submission"' in events and '"finished": true' in events
 
 
+@pytest.mark.slow
 def test_logged_pytorch_model_gives_the_same_logits_as_the_checkpoint(server, server_run):
     import mlflow
     import torch
@@ -358,6 +361,7 @@ def test_logged_pytorch_model_gives_the_same_logits_as_the_checkpoint(server, se
         assert torch.equal(logged.eval()(idx), original(idx))
 
 
+@pytest.mark.slow
 def test_no_secret_reaches_mlflow_or_the_driver_output(server, server_run):
     import mlflow
 
@@ -381,6 +385,7 @@ def test_no_secret_reaches_mlflow_or_the_driver_output(server, server_run):
                 assert secret.encode() not in data, os.path.join(dirpath, name)
 
 
+@pytest.mark.slow
 def test_training_goes_on_when_the_server_is_down(server, server_run, stdlib_dataset):
     """Resume the same run with the server stopped: a warning, the stored run id kept, every
     step trained and checkpointed; the run's metrics wait in the workers' queue."""

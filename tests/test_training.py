@@ -17,6 +17,7 @@ from elastic_gpt.config import load_config
 from elastic_gpt.elastic.launcher import run_training
 
 pytest_plugins = ["elastic_gpt.testing.s3_server"]
+pytestmark = pytest.mark.slow
 
 STEPS = 8
 # G=12 sequences of 64 tokens in micro-batches of 2: 6 micro-batches, so W=1, 2 and 3 all divide
