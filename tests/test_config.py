@@ -1,11 +1,17 @@
-"""Configuration: overrides, validation messages (C6), and the LR schedule."""
+"""Configuration: overrides, validation messages (C6), field types and docstrings, dicts written
+by older code, and the LR schedule."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+
 import pytest
 
-from elastic_gpt.config import load_config
-from elastic_gpt.train.metrics import lr_at
+from elastic_gpt import config as config_module
+from elastic_gpt.config import Config, config_from_dict, load_config
+from elastic_gpt.train.schedule import lr_at
 
 TINY = "jobs/configs/mini.yaml"
 
@@ -40,12 +46,112 @@ def test_file_then_overrides():
     (["train.reshard_after_forward=sometimes"],
      "train.reshard_after_forward='sometimes' must be auto, always or never"),
     (["train.grad_sync=never"], "train.grad_sync='never' must be step or microbatch"),
+    (["scaling.use_gpu=sometimes"], "scaling.use_gpu='sometimes' must be auto, true or false"),
+    (["scaling.use_gpu=1"], "scaling.use_gpu=1 must be auto, true or false"),
+    (["checkpoint.async_save=yes please"], "checkpoint.async_save='yes please' must be true or false"),
+    (["train.lr=fast"], "train.lr='fast' must be a number"),
+    (["train.dtype="], "train.dtype='' must be auto, float32 or bfloat16"),
+    (["train.max_steps=0"], "train.max_steps=0 must be at least 1"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0 must be at least 1"),
+    (["model.dropout=1.0"], "model.dropout=1.0 must be in [0, 1)"),
+    (["model.n_layer=two"], "model.n_layer='two' must be an integer"),
+    (["train.max_steps=10", "train.warmup_steps=11"],
+     "train.warmup_steps=11 must be in [0, train.max_steps=10]"),
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ValueError) as e:
         load_config(TINY, overrides)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_yaml_values_users_write_today_keep_their_meaning(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("data: {path: d}\nscaling: {use_gpu: auto}\ntrain: {dtype: bfloat16, "
+                   "lr: 1e-3, min_lr: 1e-4, reshard_after_forward: never, grad_sync: microbatch}\n")
+    cfg = load_config(str(yml))
+    assert cfg.scaling.use_gpu == "auto" and cfg.train.dtype == "bfloat16"
+    assert cfg.train.lr == 1e-3 and cfg.train.min_lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
+    assert (cfg.train.reshard_after_forward, cfg.train.grad_sync) == ("never", "microbatch")
+    for text, expected in [("true", True), ("false", False), ("auto", "auto")]:
+        assert load_config(str(yml), [f"scaling.use_gpu={text}"]).scaling.use_gpu == expected
+    cfg = load_config(str(yml), ["model.n_layer=3", "model.n_layer=null", "run.name=123",
+                                 "train.weight_decay=0"])
+    assert cfg.model.n_layer is None  # null resets an optional field
+    assert cfg.run.name == "123" and cfg.train.weight_decay == 0.0
+    assert isinstance(cfg.train.weight_decay, float)
+
+
+def test_every_field_has_a_docstring():
+    """torchtitan style: the line under each field says what it is (what `--help` and the
+    README can point to). Read from the source: dataclasses keep no field docstrings."""
+    tree = ast.parse(inspect.getsource(config_module))
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    sections = [Config] + [f.default_factory for f in dataclasses.fields(Config)]
+    missing = []
+    for cls in sections:
+        body = classes[cls.__name__].body
+        for i, stmt in enumerate(body):
+            if not isinstance(stmt, ast.AnnAssign):
+                continue
+            doc = body[i + 1] if i + 1 < len(body) else None
+            if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str) and doc.value.value.strip()):
+                missing.append(f"{cls.__name__}.{stmt.target.id}")
+        assert len([s for s in body if isinstance(s, ast.AnnAssign)]) == \
+            len(dataclasses.fields(cls))
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+# What main's code before the layout change (commit 6fe36d8) sent workers as train_loop_config
+# ["config"]: `resolve_paths(load_config(tests/fixtures/main-v0/config.yaml, [train.dtype=bfloat16,
+# train.reshard_after_forward=never, scaling.use_gpu=auto, run.stop_at_step=3]), cwd="/old/run")
+# .to_dict()`, printed by that code. Written out here so that a change to today's Config cannot
+# change it too.
+OLD_MAIN_DICT = {
+    "model": {"preset": "tiny", "n_layer": None, "n_head": None, "n_embd": None,
+              "seq_len": None, "vocab_size": None, "dropout": 0.0},
+    "data": {"path": "file:///old/run/dataset", "seed": 7, "shuffle_window": 16384,
+             "prefetch_steps": 4},
+    "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": 4, "lr": 0.003,
+              "min_lr": None, "warmup_steps": 1, "weight_decay": 0.1, "beta1": 0.9,
+              "beta2": 0.95, "grad_clip": 1.0, "dtype": "bfloat16",
+              "activation_checkpointing": False, "compile": False,
+              "reshard_after_forward": "never", "grad_sync": "step", "seed": 0, "log_every": 1,
+              "threads_per_worker": 0, "nan_patience": 0},
+    "scaling": {"min_workers": 1, "max_workers": 2, "use_gpu": "auto", "cpus_per_worker": 1,
+                "accelerator_type": None},
+    "checkpoint": {"path": "file:///old/run/checkpoints", "every_steps": 2, "keep": 2,
+                   "async_save": False},
+    "tracking": {"uri": "sqlite:////old/run/mlflow.db", "experiment": "elastic-gpt",
+                 "enabled": False, "log_model": True},
+    "run": {"name": "v0-fixture", "storage_path": "/old/run/runs", "stop_at_step": 3},
+    "elastic": {"max_failures_per_hour": 10.0, "worker_start_timeout_s": 20.0},
+}
+
+
+def test_a_config_dict_written_by_old_main_loads():
+    cfg = config_from_dict(OLD_MAIN_DICT)
+    assert cfg.to_dict() == OLD_MAIN_DICT
+    assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
+    assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"
+    # And today's dicts round-trip: what the launcher sends is what the worker rebuilds.
+    today = load_config("tests/fixtures/main-v0/config.yaml", ["scaling.use_gpu=true"])
+    assert config_from_dict(today.to_dict()) == today
+
+
+def test_a_config_dict_with_a_key_this_code_lacks_names_it():
+    old = {**OLD_MAIN_DICT, "train": {**OLD_MAIN_DICT["train"], "dtype": "fp8"}}
+    with pytest.raises(ValueError, match="train.dtype='fp8' must be auto, float32 or bfloat16"):
+        config_from_dict(old)
+    with pytest.raises(ValueError, match="unknown config key 'train.lrr'"):
+        config_from_dict({"train": {"lrr": 1.0}})
+
+
+def test_shuffle_window_default_is_the_data_layers():
+    from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW
+
+    assert Config().data.shuffle_window == DEFAULT_SHUFFLE_WINDOW
 
 
 def test_missing_or_broken_file(tmp_path):
