@@ -227,6 +227,7 @@ def _assert_bit_identical(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
+@pytest.mark.slow
 def test_async_resume_equals_uninterrupted_sync_run_bit_for_bit(stdlib_dataset, tmp_path):
     sync_root, async_root = str(tmp_path / "sync"), str(tmp_path / "async")
     _run("trainer", sync_root, DATA=stdlib_dataset, OVERRIDES="checkpoint.async_save=false")

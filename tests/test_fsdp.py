@@ -65,9 +65,10 @@ def single(stdlib_dataset, tmp_path_factory):
 # ZeRO-3's re-gather in backward; microbatch reduce-scatters after every micro-batch.
 @pytest.mark.parametrize("world,extra", [
     (2, ()),
-    (4, ()),
+    pytest.param(4, (), marks=pytest.mark.slow),  # 4 processes oversubscribe a small machine
     (2, ("train.reshard_after_forward=always",)),
-    (4, ("train.reshard_after_forward=always", "train.grad_sync=microbatch")),
+    pytest.param(4, ("train.reshard_after_forward=always", "train.grad_sync=microbatch"),
+                 marks=pytest.mark.slow),
     (2, ("train.reshard_after_forward=never", "train.grad_sync=microbatch")),
 ])
 def test_data_parallel_step_equals_single_process(single, world, extra, stdlib_dataset, tmp_path):

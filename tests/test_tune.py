@@ -37,6 +37,7 @@ def test_candidates_divide_the_global_batch_and_leave_every_worker_one():
         candidate_list(8, 2, [1, 3], cuda=False)
 
 
+@pytest.mark.slow
 def test_tune_measures_every_candidate_and_writes_the_fastest_that_fits(
         stdlib_dataset, ray_cluster, tmp_path, capsys):
     out, table = tmp_path / "tuned.yaml", tmp_path / "table.json"
@@ -98,6 +99,7 @@ def test_the_winner_is_the_fastest_fitting_row():
     assert Candidate(2, True, False).label == "mb=2 ckpt=on compile=off"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, grad_sync, resharded", [
     ("auto", "step", False),  # auto keeps a 4-layer toy gathered on CPU (never)
     ("always", "microbatch", True),

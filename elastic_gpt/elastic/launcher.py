@@ -13,10 +13,11 @@ import time
 
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config, resolve_paths
+from elastic_gpt.console import first_line, say
 from elastic_gpt.errors import check_checkpoint_shape
 from elastic_gpt.train.goodput import GoodputLedger
 
-log = logging.getLogger("elastic_gpt")
+log = logging.getLogger(__name__)
 
 
 def preflight(cfg: Config):
@@ -60,7 +61,7 @@ def connect_ray(cfg: Config) -> bool:
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS="
-                             f"{os.environ['RAY_ADDRESS']} ({_first_line(e)}); start it with "
+                             f"{os.environ['RAY_ADDRESS']} ({first_line(e)}); start it with "
                              "`ray start --head` or unset RAY_ADDRESS for a local cluster") from None
         return False
     need = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
@@ -178,11 +179,10 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
     started_cluster = connect_ray(cfg)
     try:
-        print(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
-              f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
-              f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
-              f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""),
-              flush=True)
+        say(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
+            f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
+            f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
+            f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""))
         tracking.log_cluster_shape(cfg.tracking.uri, run_id)
         trainer = build_trainer(cfg, run_id)
         try:
@@ -235,8 +235,3 @@ def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | 
 def _n_params(gpt_cfg) -> int:
     from elastic_gpt.model.gpt import count_params
     return count_params(gpt_cfg)["total"]
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import yaml
 
 from elastic_gpt.config import Config, load_config, resolve_paths
+from elastic_gpt.console import say
 from elastic_gpt.hardware import GPU, GPUS, GiB, get_gpu
 
 MiB = 1 << 20
@@ -264,7 +265,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
 
     from elastic_gpt.config import config_from_dict
     from elastic_gpt.parallel.fsdp import resolve_dtype, resolve_reshard_after_forward
-    from elastic_gpt.train.trainer import _device, say
+    from elastic_gpt.train.trainer import _device
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -475,12 +476,12 @@ def run_tune(args) -> int:
                                   cfg.train.reshard_after_forward)
             if line:
                 raise ValueError(line)
-        print(f"[elastic-gpt tune] {count_params(gpt_cfg)['total'] / 1e6:.2f}M params, "
-              f"G={G} x T={gpt_cfg.seq_len}, {world} {device.upper()} worker(s), {dtype}: "
-              f"{len(cands)} candidates, {args.steps} timed step(s) each", flush=True)
+        say(f"[elastic-gpt tune] {count_params(gpt_cfg)['total'] / 1e6:.2f}M params, "
+            f"G={G} x T={gpt_cfg.seq_len}, {world} {device.upper()} worker(s), {dtype}: "
+            f"{len(cands)} candidates, {args.steps} timed step(s) each")
         if not gpu:
-            print("[elastic-gpt tune] torch.compile not tried: no CUDA on the workers "
-                  "(compiling on CPU costs minutes)", flush=True)
+            say("[elastic-gpt tune] torch.compile not tried: no CUDA on the workers "
+                "(compiling on CPU costs minutes)")
         s = cfg.scaling
         resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if gpu else {})}
         env = {**_worker_env(), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
