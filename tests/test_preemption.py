@@ -338,6 +338,7 @@ def test_aws_notice_drains_node(ray_cluster, busy_worker, metadata):
         thread.join(timeout=10)
 
 
+@pytest.mark.slow
 def test_the_watchers_drain_is_what_membership_and_capacity_see(ray_cluster, busy_worker):
     """One reading of drains for both sides: the worker's watcher and the scaling policy's
     capacity see the drain the preemption watcher made."""
