@@ -83,7 +83,7 @@ class _HookedWriter:
     """A real fsspec DCP writer whose shard write runs `hook` after the bytes are on disk."""
 
     def __new__(cls, url: str, hook):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from elastic_gpt.torch_internals import FsspecWriter
 
         class Writer(FsspecWriter):
             def write_data(self, plan, planner):

@@ -35,12 +35,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_gpt.checkpoint.sharded import save_sharded, training_state_dict
 from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
+from elastic_gpt.torch_internals import FsspecWriter, _copy_state_dict, _create_cpu_state_dict
 
 if TYPE_CHECKING:
     from elastic_gpt.config import CheckpointSection

@@ -16,8 +16,6 @@ import pickle
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -27,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from elastic_gpt.console import last_line
+from elastic_gpt.torch_internals import FsspecReader, FsspecWriter, set_element
 
 
 def training_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -4,7 +4,8 @@ Every use in elastic-gpt of a Ray API that is not public goes through this modul
 `ray._raylet`, the `_internal_kv_*` functions, the generated protobufs, `ray.train.v2._internal.*`,
 and the private members of public classes. A Ray upgrade has one file to read, and
 `check_ray_internals()` (the launcher calls it before a run) verifies every entry of
-`PRIVATE_APIS` and `PRIVATE_MEMBERS`; tests/test_ray_internals.py checks that those tables list
+`PRIVATE_APIS` and `PRIVATE_MEMBERS`; tests/test_ray_internals.py checks those and `TEST_APIS`
+(Ray's cluster tooling, which only the tests of our deploy files use), and that the tables list
 exactly what this module imports.
 
 Importing this module imports no Ray: each function imports what it needs, and the Ray Train base

@@ -1,0 +1,37 @@
+"""The private PyTorch APIs elastic-gpt relies on, imported here and nowhere else.
+
+PyTorch may move or change these between releases without notice, which is why pyproject.toml
+pins torch to the range the tests ran on. tests/test_torch_internals.py checks every signature and
+attribute the code uses, so an upgrade fails there, by name, rather than mid-run; an import that
+moved fails here, at import, naming the torch version.
+
+- `FsspecWriter` / `FsspecReader`: DCP storage on any fsspec URL (local, s3://, gs://). The
+  checkpoint code subclasses the reader to unpickle the metadata index safely, which uses its
+  `fs`, `load_id` and `_get_metadata_path`.
+- `set_element`: how DCP's default load planner puts a loaded value back into a nested state dict.
+- `_create_cpu_state_dict` / `_copy_state_dict`: pinned CPU staging buffers for async saves,
+  reused across saves.
+- `checkpoint_wrapper` / `CheckpointWrapper`: activation checkpointing of one module
+  (torchtitan's way; no public equivalent wraps a module).
+
+The names are torch's own, so a reader can look them up. Nothing here knows about elastic-gpt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint._traverse import set_element
+except ImportError as e:
+    raise ImportError(f"torch {torch.__version__}: a private API elastic-gpt uses moved ({e}); "
+                      "install a torch in the range pyproject.toml states") from e
+
+__all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "_copy_state_dict",
+           "_create_cpu_state_dict", "checkpoint_wrapper", "set_element"]
