@@ -186,6 +186,7 @@ def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
     assert "system/cpu_utilization_percentage" in client.get_run(run_id).data.metrics
 
 
+@pytest.mark.slow  # bound by MLflow's retry back-off, not by CPU
 def test_unreachable_server_degrades_quickly_with_a_warning(caplog):
     uri = f"http://user:{PASSWORD}@127.0.0.1:{free_port()}"  # nothing listens there
     t0 = time.time()
