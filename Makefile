@@ -3,8 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # TORCH_SPEC is installed only when the venv has no torch yet, before the package, so a torch
-# already in the venv (a CUDA build, say) is kept: the range in pyproject.toml accepts it. For a
-# given build pass an index, e.g. the CPU wheel with
+# already in the venv (a CUDA build, say) is kept when it is in the range pyproject.toml states
+# (pip replaces it otherwise). For a given build pass an index, e.g. the CPU wheel with
 # TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" or a CUDA one with
 # TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
 TORCH_SPEC ?= torch==2.13.0
