@@ -1,0 +1,1 @@
+"""The GPT model alone: no Ray, no FSDP, no config files (gpt.py: modules, presets, FLOPs)."""

@@ -1,0 +1,1 @@
+"""Capacity planning: `elastic-gpt plan` (analytic model) and `elastic-gpt tune` (measurements)."""
