@@ -1,2 +1,2 @@
 """Everything Ray: the driver (launcher), the worker entry point, Ray Train controller policies,
-membership, spot-notice watchers. The one package that may import private Ray APIs."""
+membership, spot-notice watchers. Private Ray APIs are imported in ray_internals.py only."""
