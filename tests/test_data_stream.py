@@ -191,6 +191,7 @@ def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
         next(s)
 
 
+@pytest.mark.slow
 def test_ray_data_engine_gives_the_same_steps(dataset, ray_local):
     """The optional Ray Data reader honours C2 exactly like the default thread reader."""
     plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
