@@ -8,8 +8,9 @@ Exactly the pieces the trainer uses on a GPU: the model built on "meta" and shar
 from `build_optimizer`, autocast to bf16, the summed cross-entropy of `token_losses`.
 Batches are random token ids already on the GPU (the data pipeline has its own benchmark).
 MFU = tokens/s x model FLOPs per token (`flops_per_token`: 6N + 12 L d T) / the chip's dense
-bf16 peak (`GPU_PEAK_BF16`). Timed: --steps steps after --warmup steps (compile happens there),
-with CUDA synchronisation only at the ends of the window.
+bf16 peak (elastic_gpt/hardware.py's table, which the trainer's MFU reads too). Timed: --steps
+steps after --warmup steps (compile happens there), with CUDA synchronisation only at the ends of
+the window.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
         parallelize,
         resolve_reshard_after_forward,
     )
-    from elastic_gpt.train.metrics import peak_flops
-    from elastic_gpt.train.trainer import build_optimizer
+    from elastic_gpt.train.optimizer import build_optimizer
+    from elastic_gpt.train.throughput import peak_flops
 
     cuda = device.type == "cuda"
     cfg = preset_config(name)  # GPT-2 vocab padded to 50304, the preset's seq_len

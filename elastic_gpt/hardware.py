@@ -1,4 +1,7 @@
-"""A small table of GPUs for the planner: peak FLOP/s, memory, interconnect and prices.
+"""The one table of GPUs: peak FLOP/s, memory, interconnect and prices.
+
+The planner reads every field; the trainer reads `peak_flops` for the MFU it logs each step
+(`gpu_for_device` maps the name torch reports to a row). Nothing here imports torch.
 
 Figures are datasheet peaks (dense bf16 tensor-core FLOP/s, no 2:4 sparsity) and *typical*
 achievable collective bandwidths of the cloud instance named in `instance` (NCCL bus bandwidth,
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +50,15 @@ class GPU:
         return self.memory_gib * GiB
 
 
-# Peak bf16 dense: NVIDIA datasheets (A100 312, H100/H200 SXM 989, L4 121 TFLOP/s). A10G is AWS's
-# lower-clocked A10 (A10: 125 TFLOP/s); NVIDIA publishes no A10G tensor figure, 70 is the one
-# commonly measured/quoted. Bandwidths: NVLink3 600 GB/s bidirectional -> ~230 GB/s NCCL busbw,
-# NVLink4 900 -> ~370; PCIe Gen4 x16 -> ~20. Inter-node: EFA 400 Gb/s (p4d/p4de) = 50 GB/s,
-# 3200 Gb/s (p5/p5en) = 400 GB/s, 100 Gb/s (g5/g6.48xlarge) = 12.5 GB/s, times ~0.8 achieved.
+# Peak bf16 dense: NVIDIA datasheets (A100 312, H100/H200 SXM 989, L4 121, L40S 362 TFLOP/s).
+# A10G: 70. It is AWS's variant of the A10, not the A10 itself (whose datasheet says 125): same
+# memory, about half the tensor throughput. NVIDIA has no public A10G datasheet; 70 is the A10G's
+# dense bf16 figure in Baseten's side-by-side of the two cards ("NVIDIA A10 vs A10G for ML model
+# inference"), and bf16 GEMMs measured on A10Gs top out just below it (~69 TFLOP/s).
+# Bandwidths: NVLink3 600 GB/s bidirectional -> ~230 GB/s NCCL busbw, NVLink4 900 -> ~370; PCIe
+# Gen4 x16 -> ~20. Inter-node: EFA 400 Gb/s (p4d/p4de, g6e.48xlarge) = 50 GB/s, 3200 Gb/s
+# (p5/p5en) = 400 GB/s, 100 Gb/s (g5/g6.48xlarge) = 12.5 GB/s, times ~0.8 achieved.
+# L40S's spot price is not a looked-up figure: the other g-family rows' spot/on-demand ratio.
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in [
@@ -60,6 +68,7 @@ GPUS: dict[str, GPU] = {
         GPU("H200", 989e12, 140.4, 4800, 370, 320, 8, 7.91, 3.00, "AWS p5en.48xlarge"),
         GPU("L4", 121e12, 22.5, 300, 20, 10, 8, 0.80, 0.35, "AWS g6.48xlarge"),
         GPU("A10G", 70e12, 22.5, 600, 20, 10, 8, 1.01, 0.45, "AWS g5.48xlarge"),
+        GPU("L40S", 362e12, 45.0, 864, 20, 40, 8, 3.77, 1.70, "AWS g6e.48xlarge"),
     ]
 }
 ALIASES = {"a100": "A100-80GB", "a100-40g": "A100-40GB", "a100-80g": "A100-80GB",
@@ -75,6 +84,20 @@ def get_gpu(name: str, table: dict[str, GPU] | None = None) -> GPU:
         raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(table)} (add your own "
                          "with --hardware-file FILE)")
     return table[key]
+
+
+def gpu_for_device(device_name: str, table: dict[str, GPU] | None = None) -> GPU | None:
+    """The row for the name torch reports (e.g. "NVIDIA A100-SXM4-80GB" -> an A100 row), or None.
+
+    A row matches when its family (the name before any "-": "A100" of "A100-40GB") is a whole word
+    of the device name, so "NVIDIA L40S" is not taken for an L4 and "NVIDIA A10" not for an A10G.
+    Variants of one family share its peak (an "H100 PCIe" gets the SXM row's)."""
+    table = GPUS if table is None else table
+    words = set(re.split(r"[^0-9A-Z]+", device_name.upper()))
+    for gpu in table.values():
+        if gpu.name.split("-")[0].upper() in words:
+            return gpu
+    return None
 
 
 def load_overrides(path: str, table: dict[str, GPU] | None = None) -> dict[str, GPU]:

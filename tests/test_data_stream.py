@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_gpt.data.manifest import load_manifest, sample_hash
+from elastic_gpt.data.fingerprint import sample_hash
+from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.order import BatchPlan, SampleOrder
 from elastic_gpt.data.prepare import prepare_data
 from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream

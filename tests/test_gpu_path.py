@@ -5,14 +5,13 @@ through FSDP2 (gloo, W=1) whose loss matches fp32."""
 
 from __future__ import annotations
 
+import logging
+import math
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -26,6 +25,8 @@ from elastic_gpt.parallel.fsdp import (
     resolve_dtype,
     resolve_reshard_after_forward,
 )
+from elastic_gpt.testing.gloo import gloo_group
+from elastic_gpt.torch_internals import CheckpointWrapper
 
 SMALL = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 
@@ -33,16 +34,8 @@ SMALL = GPTConfig(n_layer=3, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 @pytest.fixture(scope="module")
 def world1():
     """A real gloo process group of one rank (what a single-GPU run has, with nccl)."""
-    owned = not dist.is_initialized()
-    if owned:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
+    with gloo_group():
+        yield init_device_mesh("cpu", (1,))
 
 
 def _sharded(cfg: GPTConfig, mesh, dtype, **kw) -> GPT:
@@ -88,6 +81,24 @@ def test_blocks_reshard_after_forward_as_asked_and_the_root_never(world1, reshar
     # The last block's weights are the first backward needs: never freed in between.
     assert [g.post_forward_mesh_info is not None for g in groups] == [reshard] * 2 + [False]
     assert model._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
+
+
+def test_mfu_divides_by_the_planners_gpu_table_and_an_unknown_gpu_gets_nan(caplog):
+    from elastic_gpt.hardware import GPUS
+    from elastic_gpt.train.throughput import gpu_peak_flops
+
+    # Names as torch.cuda.get_device_name reports them on each chip.
+    assert gpu_peak_flops("NVIDIA A10G") == GPUS["A10G"].peak_flops == 70e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB") == GPUS["A100-80GB"].peak_flops
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == GPUS["H100"].peak_flops
+    assert gpu_peak_flops("NVIDIA L40S") == GPUS["L40S"].peak_flops != GPUS["L4"].peak_flops
+    assert gpu_peak_flops("NVIDIA L4") == GPUS["L4"].peak_flops
+    # An A10 is not an A10G (125 vs 70 TFLOP/s): no row, so no figure rather than a wrong one.
+    with caplog.at_level(logging.WARNING, logger="elastic_gpt.train.throughput"):
+        assert all(math.isnan(gpu_peak_flops("NVIDIA A10")) for _ in range(3))
+    warned = [r.getMessage() for r in caplog.records if "'NVIDIA A10'" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per process, not once per Trainer
+    assert "MFU is logged as NaN" in warned[0] and "elastic_gpt/hardware.py" in warned[0]
 
 
 def test_mixed_precision_policy_computes_in_bf16_and_reduces_in_fp32():
@@ -172,7 +183,7 @@ def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
 
 def test_fused_adamw_runs_and_matches_the_unfused_step():
     """The GPU path asks for fused AdamW; torch has a fused CPU kernel too, so check it here."""
-    from elastic_gpt.train.trainer import build_optimizer
+    from elastic_gpt.train.optimizer import build_optimizer
     cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused"])
     models = [GPT(SMALL), GPT(SMALL)]
     opts = [build_optimizer(models[0], cfg, fused=True), build_optimizer(models[1], cfg, fused=False)]

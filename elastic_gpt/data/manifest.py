@@ -5,6 +5,7 @@ Layout of a dataset directory (any fsspec URL):
     manifest.json          written last: a dataset without it is unfinished
     shard-00000.bin        num_samples fixed-size records of (seq_len + 1) little-endian tokens
     shard-00000.idx        one little-endian uint64 per record: sample_hash(record), the checksum
+                           (elastic_gpt/data/fingerprint.py)
     shard-00000.done.json  per-shard commit marker, lets an interrupted job redo only missing shards
 
 Record i of a shard starts at byte i * (seq_len + 1) * itemsize, so any sample is one ranged read.
@@ -12,7 +13,6 @@ Record i of a shard starts at byte i * (seq_len + 1) * itemsize, so any sample i
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -22,8 +22,6 @@ import numpy as np
 FORMAT = "elastic-gpt-tokens"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
-HASH_BITS = 52
-HASH_MASK = (1 << HASH_BITS) - 1
 
 
 @dataclass(frozen=True)
@@ -102,25 +100,6 @@ class Manifest:
 
 def join_url(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name
-
-
-def sample_hash(sample_tokens) -> int:
-    """52-bit content hash of one sample, independent of the storage dtype (tokens are hashed as
-    little-endian int64). 52 bits so sums of hashes stay exact in a float64 metric."""
-    if hasattr(sample_tokens, "detach"):  # torch.Tensor, without importing torch here
-        sample_tokens = sample_tokens.detach().cpu().numpy()
-    data = np.ascontiguousarray(sample_tokens, dtype="<i8").tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & HASH_MASK
-
-
-def sample_hashes(records: np.ndarray) -> np.ndarray:
-    """sample_hash of every row of a (n, record_tokens) array, as uint64."""
-    wide = np.ascontiguousarray(records, dtype="<i8")
-    out = np.empty(len(wide), dtype="<u8")
-    for i, row in enumerate(wide):
-        out[i] = int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(),
-                                "little") & HASH_MASK
-    return out
 
 
 def describe_storage_error(url: str, e: BaseException) -> str:

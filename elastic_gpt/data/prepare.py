@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
+from elastic_gpt.data.fingerprint import sample_hashes
 from elastic_gpt.data.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
     describe_storage_error,
     join_url,
-    sample_hashes,
 )
 from elastic_gpt.data.tokenizers import get_tokenizer, token_dtype
 

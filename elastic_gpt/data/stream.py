@@ -23,14 +23,8 @@ import fsspec
 import numpy as np
 import torch
 
-from elastic_gpt.data.manifest import (
-    HASH_MASK,
-    Manifest,
-    describe_storage_error,
-    load_manifest,
-    sample_hash,
-    sample_hashes,
-)
+from elastic_gpt.data.fingerprint import FINGERPRINT_MASK, sample_hash, sample_hashes
+from elastic_gpt.data.manifest import Manifest, describe_storage_error, load_manifest
 from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW, BatchPlan, SampleOrder
 
 __all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
@@ -176,7 +170,7 @@ def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, plan: Batc
     for _ in range(plan.slots(world_size) - n_real):
         tokens.append(tokens[-1])  # zero-weight repeat: keeps collectives in step (C1)
         weights.append(0.0)
-    fingerprint = int(sum(int(h) for h in hashes)) & HASH_MASK
+    fingerprint = int(sum(int(h) for h in hashes)) & FINGERPRINT_MASK
     return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint)
 
 
