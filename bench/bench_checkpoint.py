@@ -4,9 +4,9 @@
 
 The real `Trainer.train()` loop (W=1, FSDP2 over gloo, in this process) runs twice on the same
 data: once with `checkpoint.async_save=false`, once with `true`, saving every `--every` steps to
-local disk (fsynced, committed, retention on). Blocked = wall time of each `save_checkpoint()` call
-(sync: the whole save and commit; async: waiting for the previous save + the copy to CPU),
-in wall time and in the training thread's CPU time; medians over the periodic saves after the
+local disk (fsynced, committed, retention on). Blocked = wall time of each `checkpointer.save()`
+that saved (sync: the whole save and commit; async: waiting for the previous save + the copy to
+CPU), in wall time and in the training thread's CPU time; medians over the periodic saves after the
 first (which also sets up the writer, reported apart). The
 async background write (DCP write + fsync + commit) is timed too. The dip: median step time of the
 steps that ran while an async write was in flight vs the steps that did not.
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 
@@ -29,8 +28,9 @@ _TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> dict:
+    from elastic_gpt.checkpoint.checkpointer import AsyncCheckpointer
     from elastic_gpt.config import load_config
-    from elastic_gpt.train.trainer import Trainer
+    from elastic_gpt.train.trainer import NullMetricSink, Trainer
 
     ckpt = os.path.join(root, "async" if async_save else "sync")
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -41,34 +41,35 @@ def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> d
         f"checkpoint.every_steps={every}", "checkpoint.keep=2", f"checkpoint.path={ckpt}",
         f"checkpoint.async_save={str(async_save).lower()}"])
     steps_log: list[dict] = []
-    trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
     flight = {"at_start": False}
 
-    def report(metrics, step):
-        ac = trainer.async_checkpointer
-        now = bool(ac and ac.in_flight)
-        steps_log.append({"step": step, "step_time_s": metrics["step_time_s"],
-                          "overlapped": flight["at_start"] or now})
-        flight["at_start"] = now
+    class StepLog(NullMetricSink):
+        def log(self, metrics, step):
+            now = saver.in_flight
+            steps_log.append({"step": step, "step_time_s": metrics["step_time_s"],
+                              "overlapped": flight["at_start"] or now})
+            flight["at_start"] = now
 
-    trainer.report = report
+    trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None, metrics=StepLog())
+    saver = trainer.checkpointer
     blocked, blocked_cpu, writes = [], [], []
-    original = trainer.save_checkpoint
+    original = saver.save
 
-    def timed_save():
+    def timed_save(step, *, force=False):
         t0, c0 = time.perf_counter(), time.thread_time()
-        original()
+        if not original(step, force=force):
+            return False
         blocked.append(time.perf_counter() - t0)
         blocked_cpu.append(time.thread_time() - c0)  # this (the training) thread's CPU only
-        ac = trainer.async_checkpointer
-        flight["at_start"] = bool(ac and ac.in_flight)
-        if ac is not None and len(blocked) > 1:
-            writes.append(ac.last_write_s)  # the previous save's background time
+        flight["at_start"] = saver.in_flight
+        if isinstance(saver, AsyncCheckpointer) and len(blocked) > 1:
+            writes.append(saver.last_write_s)  # the previous save's background time
+        return True
 
-    trainer.save_checkpoint = timed_save
+    saver.save = timed_save
     trainer.train()
-    if trainer.async_checkpointer is not None:
-        writes.append(trainer.async_checkpointer.last_write_s)
+    if isinstance(saver, AsyncCheckpointer):
+        writes.append(saver.last_write_s)
     # Periodic saves only: the first one also creates the writer's process group and allocates
     # the staging buffers (one-time, reported as first_save_s), and the final save at max_steps
     # is waited for by finish().
@@ -97,19 +98,14 @@ def _dir_bytes(root: str) -> int:
 
 def run(steps: int, every: int, work: str) -> dict:
     import torch
-    import torch.distributed as dist
+
+    from elastic_gpt.testing.gloo import gloo_group
 
     data = prepare_dataset(work)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    torch.set_num_threads(1)
-    try:
+    with gloo_group():
+        torch.set_num_threads(1)
         sync = one_run(data, work, False, steps, every)
         asyn = one_run(data, work, True, steps, every)
-    finally:
-        dist.destroy_process_group()
     out = {"model": f"{PRESET} W=1, G=4, micro=2, local disk, fsync on",
            "sync": sync, "async": asyn,
            "sync_save_s": sync["blocked_median_s"],

@@ -7,7 +7,7 @@ Prints predicted / measured ratios for:
            plan.memory_per_gpu(dtype="float32", context_bytes=0, fragmentation=0, grad_sync="step",
            reshard_after_forward=what the Trainer resolved) vs the peak
            resident set of the worker process above its baseline, measured the way `elastic-gpt
-           tune` measures it (tune.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs);
+           tune` measures it (planner.measure.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs);
            train.reshard_after_forward auto (never, for these small models) and always
   comm     bytes each rank sends per step in FSDP2's all-gathers and reduce-scatters: the planner's
            step_time(...).all_gather_bytes / .reduce_scatter_bytes (grad_sync="step": the trainer
@@ -64,13 +64,6 @@ MEM_CASES = [  # (preset, seq_len = the preset's, global batch, micro-batch, che
 WORLD = 2
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class CollectiveCounter:
     """Wraps the torch.distributed collectives FSDP2 issues; bytes each rank sends by the ring
     formula: (N-1)/N x the gathered tensor (all-gather) or the pre-reduction tensor (RS)."""
@@ -107,7 +100,7 @@ class CollectiveCounter:
             self.bytes[k], self.calls[k] = 0, 0
 
 
-def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: str) -> None:
+def _mem_worker(rank: int, world: int, cases: list, data: dict, steps: int) -> list[dict]:
     import copy
 
     import torch.distributed as dist
@@ -115,65 +108,54 @@ def _mem_worker(rank: int, port: int, cases: list, data: dict, steps: int, out: 
     from elastic_gpt.config import load_config
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.data.stream import open_step_stream
-    from elastic_gpt.planner.measure import Candidate, measure, warm_up_process
+    from elastic_gpt.planner.measure import TrainSettings, measure, warm_up_process
     from elastic_gpt.train.trainer import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     counter = CollectiveCounter()
     results = []
-    try:
-        first = True
-        for preset, seq, G, mb, ckpt, policy in cases:
-            cfg = load_config("jobs/configs/mini.yaml", [
-                f"model.preset={preset}", f"data.path={data[seq]}", f"train.global_batch_size={G}",
-                f"train.micro_batch_size={mb}", f"scaling.max_workers={WORLD}",
-                "scaling.min_workers=1", "checkpoint.path=/tmp/unused-bench-planner",
-                "tracking.enabled=false", "train.threads_per_worker=1",
-                f"train.reshard_after_forward={policy}"])
-            if first:  # as tune does: one-time allocations of the process are not a candidate's
-                warm_up_process(cfg, Candidate(1, False, False), rank=rank, world=WORLD)
-                first = False
-            row = measure(cfg, Candidate(mb, ckpt, False), rank=rank, world=WORLD, steps=steps)
-            # Communication: a fresh trainer, one warm-up step, then count `steps` steps.
-            c = copy.deepcopy(cfg)
-            c.train.activation_checkpointing = ckpt
-            trainer = Trainer(c, rank=rank, world_size=WORLD, mlflow_run_id=None)
-            stream = open_step_stream(c.data.path, plan=BatchPlan(G, mb), rank=rank,
-                                      world_size=WORLD, start_step=0, seed=c.data.seed)
+    first = True
+    for preset, seq, G, mb, ckpt, policy in cases:
+        cfg = load_config("jobs/configs/mini.yaml", [
+            f"model.preset={preset}", f"data.path={data[seq]}", f"train.global_batch_size={G}",
+            f"train.micro_batch_size={mb}", f"scaling.max_workers={WORLD}",
+            "scaling.min_workers=1", "checkpoint.path=/tmp/unused-bench-planner",
+            "tracking.enabled=false", "train.threads_per_worker=1",
+            f"train.reshard_after_forward={policy}"])
+        if first:  # as tune does: one-time allocations of the process are not a candidate's
+            warm_up_process(cfg, TrainSettings(1, False, False), rank=rank, world=world)
+            first = False
+        row = measure(cfg, TrainSettings(mb, ckpt, False), rank=rank, world=world, steps=steps)
+        # Communication: a fresh trainer, one warm-up step, then count `steps` steps.
+        c = copy.deepcopy(cfg)
+        c.train.activation_checkpointing = ckpt
+        trainer = Trainer(c, rank=rank, world_size=WORLD, mlflow_run_id=None)
+        stream = open_step_stream(c.data.path, plan=BatchPlan(G, mb), rank=rank,
+                                  world_size=WORLD, start_step=0, seed=c.data.seed)
+        trainer.train_step(next(stream))
+        resharded = trainer.reshard_after_forward
+        assert resharded == row["reshard_after_forward"], (resharded, row)
+        counter.reset()
+        for _ in range(steps):
             trainer.train_step(next(stream))
-            resharded = trainer.reshard_after_forward
-            assert resharded == row["reshard_after_forward"], (resharded, row)
-            counter.reset()
-            for _ in range(steps):
-                trainer.train_step(next(stream))
-            stream.close()
-            del trainer
-            peaks = [None] * WORLD
-            dist.all_gather_object(peaks, row["peak_bytes"])
-            results.append({"case": [preset, seq, G, mb, ckpt, policy],
-                            "reshard_after_forward": resharded,
-                            "grad_sync": c.train.grad_sync, "peak_bytes": max(peaks),
-                            "step_s": row["step_s"],
-                            "bytes_per_step": {k: v / steps for k, v in counter.bytes.items()},
-                            "calls_per_step": {k: v / steps for k, v in counter.calls.items()}})
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+        stream.close()
+        del trainer
+        peaks = [None] * WORLD
+        dist.all_gather_object(peaks, row["peak_bytes"])
+        results.append({"case": [preset, seq, G, mb, ckpt, policy],
+                        "reshard_after_forward": resharded,
+                        "grad_sync": c.train.grad_sync, "peak_bytes": max(peaks),
+                        "step_s": row["step_s"],
+                        "bytes_per_step": {k: v / steps for k, v in counter.bytes.items()},
+                        "calls_per_step": {k: v / steps for k, v in counter.calls.items()}})
+    return results
 
 
 def measure_memory_comm(root: str, steps: int = 2) -> list[dict]:
-    import torch.multiprocessing as mp
+    from elastic_gpt.testing.gloo import run_gloo
     data = {seq: stdlib_data(root, seq) for seq in sorted({c[1] for c in MEM_CASES})}
     # As `elastic-gpt tune` runs its workers: freed tensors return to the kernel (honest baseline).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
-    out = os.path.join(root, "memcomm.json")
-    mp.start_processes(_mem_worker, args=(_free_port(), MEM_CASES, data, steps, out),
-                       nprocs=WORLD, start_method="spawn")
-    with open(out) as f:
-        return json.load(f)
+    return run_gloo(_mem_worker, WORLD, MEM_CASES, data, steps)[0]
 
 
 def predict_memory_comm(row: dict) -> dict:

@@ -25,7 +25,7 @@ a cross-check the wall time between consecutive step records (MLflow timestamps)
 everything else the loop does per step (metrics dict, logging enqueue). Startup (Ray, worker
 group, model build) and the final checkpoint are excluded: only steps >= --warmup count, and the
 figure is the median over those steps. Ratios are taken within a repeat, then the median over
-repeats is reported (this machine is shared; absolute times drift between repeats).
+repeats is reported (absolute times drift with the machine's load between repeats).
 """
 
 from __future__ import annotations
@@ -78,24 +78,29 @@ def plain_loop(data: str, steps: int, threads: int, warmup: int) -> list[float]:
     return times[warmup:]
 
 
-def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
+def interleaved(data: str, rounds: int, per_round: int) -> dict:
     """The trainer's step vs the plain loop's, alternating in one process (same noise for both).
 
     Trainer side: `Trainer.train_step` exactly as the loop calls it (FSDP2 at W=1 over a gloo
     group, the real prefetching data stream, the metrics all-reduce and host sync, AdamW on
     DTensors), plus `next(stream)`. Both wall time and process CPU time (all threads: the data
-    prefetch thread counts against the trainer) per step; CPU time is what the noise of this
-    shared 2-core machine does not distort.
+    prefetch thread counts against the trainer) per step; CPU time is what other load on a
+    2-core machine does not distort.
     """
+    from elastic_gpt.testing.gloo import gloo_group
+
+    with gloo_group():
+        return _interleaved(data, rounds, per_round)
+
+
+def _interleaved(data: str, rounds: int, per_round: int) -> dict:
     import torch
-    import torch.distributed as dist
 
     from elastic_gpt.config import load_config
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.model.gpt import GPT, preset_config, token_losses
     from elastic_gpt.train.trainer import Trainer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     cfg = load_config(_TINY, [
         f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
         f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
@@ -138,7 +143,6 @@ def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
     finally:
         stream.close()
         plain_batches.close()
-        dist.destroy_process_group()
     m = {k: median(v) for k, v in out.items()}
     return {"steps": {k: [round(x, 4) for x in v] for k, v in out.items()},
             **{f"{k}_s": v for k, v in m.items()},
@@ -146,59 +150,45 @@ def interleaved(data: str, rounds: int, per_round: int, port: int) -> dict:
             "overhead_ratio_wall": m["plain_wall"] / m["trainer_wall"]}
 
 
-def _scaling_worker(rank: int, world: int, port: int, data: str, steps: int, warmup: int,
-                    mode: str, out: str, overrides: list[str]) -> None:
-    """One process of the in-process scaling part: the real Trainer over a gloo group of `world`
-    processes (mode "trainer"), or the plain loop alone in its process (mode "plain")."""
+def _scaling_worker(rank: int, world: int, data: str, steps: int, warmup: int, mode: str,
+                    overrides: list[str]) -> dict:
+    """One rank of the in-process scaling part: the real Trainer over the gloo group of `world`
+    processes (mode "trainer"), or the plain loop alone in its process (mode "plain", which leaves
+    the group unused); its step times."""
     import torch
-    import torch.distributed as dist
     torch.set_num_threads(1)
     if mode == "plain":
-        times = plain_loop(data, steps, 1, warmup)
-        _write_json(f"{out}.{rank}", {"wall": times})
-        return
+        return {"wall": plain_loop(data, steps, 1, warmup)}
     from elastic_gpt.config import load_config
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.train.trainer import Trainer
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        cfg = load_config(_TINY, [
-            f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
-            f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
-            "scaling.cpus_per_worker=1", "scaling.min_workers=1", f"scaling.max_workers={world}",
-            "checkpoint.path=/nonexistent-unused", *overrides])
-        trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
-        stream = open_step_stream(data, plan=trainer.plan, rank=rank, world_size=world,
-                                  start_step=0, seed=cfg.data.seed)
-        wall, cpu = [], []
-        for _ in range(steps):
-            w0, c0 = time.perf_counter(), time.process_time()
-            trainer.train_step(next(stream))
-            trainer.step += 1
-            wall.append(time.perf_counter() - w0)
-            cpu.append(time.process_time() - c0)
-        stream.close()
-        _write_json(f"{out}.{rank}", {"wall": wall[warmup:], "cpu": cpu[warmup:],
-                                      "setup": trainer.setup_line()})
-    finally:
-        dist.destroy_process_group()
+    cfg = load_config(_TINY, [
+        f"model.preset={PRESET}", f"data.path={data}", f"train.global_batch_size={G}",
+        f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
+        "scaling.cpus_per_worker=1", "scaling.min_workers=1", f"scaling.max_workers={world}",
+        "checkpoint.path=/nonexistent-unused", *overrides])
+    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
+    stream = open_step_stream(data, plan=trainer.plan, rank=rank, world_size=world,
+                              start_step=0, seed=cfg.data.seed)
+    wall, cpu = [], []
+    for _ in range(steps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        trainer.train_step(next(stream))
+        trainer.step += 1
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
+    stream.close()
+    return {"wall": wall[warmup:], "cpu": cpu[warmup:], "setup": trainer.setup_line()}
 
 
-def _spawn(out: str, world: int, data: str, steps: int, warmup: int, mode: str,
+def _spawn(world: int, data: str, steps: int, warmup: int, mode: str,
            overrides: list[str]) -> list[dict]:
     """Run `_scaling_worker` in `world` fresh processes; each rank's step times."""
-    import torch.multiprocessing as mp
-    mp.start_processes(_scaling_worker, nprocs=world, start_method="spawn",
-                       args=(world, _free_port(), data, steps, warmup, mode, out, list(overrides)))
-    per_rank = []
-    for k in range(world):
-        with open(f"{out}.{k}") as f:
-            per_rank.append(json.load(f))
-    return per_rank
+    from elastic_gpt.testing.gloo import run_gloo
+    return run_gloo(_scaling_worker, world, data, steps, warmup, mode, list(overrides))
 
 
-def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: str,
+def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int,
                       overrides: list[str] = ()) -> dict:
     """W=2 vs W=1 with the real Trainer in plain processes (no Ray), and the machine's own ceiling:
     two plain loops side by side vs one. Repeats alternate W=1 and W=2, so load drift hits both."""
@@ -207,8 +197,7 @@ def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: st
         row = {}
         for name, world, mode in (("w1", 1, "trainer"), ("w2", 2, "trainer"),
                                   ("plain1", 1, "plain"), ("plain2", 2, "plain")):
-            per_rank = _spawn(os.path.join(work, f"scaling-{name}-{r}.json"), world, data, steps,
-                              warmup, mode, overrides)
+            per_rank = _spawn(world, data, steps, warmup, mode, overrides)
             row[f"{name}_step_s"] = max(median(p["wall"]) for p in per_rank)
             if mode == "trainer":
                 row[f"{name}_cpu_s"] = median(per_rank[0]["cpu"])
@@ -227,7 +216,7 @@ def scaling_inprocess(data: str, repeats: int, steps: int, warmup: int, work: st
             "w2_tokens_per_s": G * 256 / m["w2_step_s"]}
 
 
-def ab_inprocess(data: str, rounds: int, steps: int, warmup: int, work: str, world: int,
+def ab_inprocess(data: str, rounds: int, steps: int, warmup: int, world: int,
                  overrides: list[str]) -> dict:
     """The Trainer at W=`world` with the default config (A) and with `overrides` (B), alternating
     `rounds` times in one sitting, so the machine's drift hits both sides alike."""
@@ -235,8 +224,7 @@ def ab_inprocess(data: str, rounds: int, steps: int, warmup: int, work: str, wor
                                                 "b": {"wall": [], "cpu": []}}
     for r in range(rounds):
         for side, extra in (("a", []), ("b", overrides)):
-            per_rank = _spawn(os.path.join(work, f"ab-{side}-{r}.json"), world, data, steps,
-                              warmup, "trainer", extra)
+            per_rank = _spawn(world, data, steps, warmup, "trainer", extra)
             runs[side]["wall"].append(max(median(p["wall"]) for p in per_rank))
             runs[side]["cpu"].append(median(per_rank[0]["cpu"]))
         print(f"[bench_trainer] A/B round {r + 1}/{rounds}: A {runs['a']['wall'][-1]:.3f} s, "
@@ -292,8 +280,8 @@ def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
     try:
         for r in range(repeats):
             peak1 = _peak(1)
-            # The plain loop brackets the Ray runs (before and after), so a load change on this
-            # shared machine during the repeat moves both sides of the ratio alike.
+            # The plain loop brackets the Ray runs (before and after), so a load change on the
+            # machine during the repeat moves both sides of the ratio alike.
             before = plain_loop(data, steps, 1, warmup)
             w1 = trainer_run(data, work, f"w1-{r}-{int(time.time())}", 1, steps, warmup)
             w2 = trainer_run(data, work, f"w2-{r}-{int(time.time())}", 2, steps, warmup)
@@ -336,18 +324,18 @@ def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
 def _peak(threads: int) -> float:
     """Fresh (uncached) matmul peak of `threads` threads: median of 3 best-of-0.3 s measurements,
     taken next to the runs it normalises (the figure moves with the machine's load)."""
-    from elastic_gpt.train import metrics
+    from elastic_gpt.train import throughput
     vals = []
     for _ in range(3):
-        metrics._cpu_peak_cache.pop(threads, None)
-        vals.append(metrics.measure_cpu_matmul_flops(threads))
-    metrics._cpu_peak_cache.pop(threads, None)
+        throughput._cpu_peak_cache.pop(threads, None)
+        vals.append(throughput.measure_cpu_matmul_flops(threads))
+    throughput._cpu_peak_cache.pop(threads, None)
     return median(vals)
 
 
 def cpu_time_matmul_peak(n: int = 512, reps: int = 20) -> float:
     """1-thread fp32 GEMM FLOPs per CPU second (best of `reps` blocks): the same shape as
-    `metrics.measure_cpu_matmul_flops`, but timed in CPU time like the interleaved step figures,
+    `throughput.measure_cpu_matmul_flops`, but timed in CPU time like the interleaved step figures,
     so other processes' load does not deflate it."""
     import torch
     torch.set_num_threads(1)
@@ -364,13 +352,6 @@ def cpu_time_matmul_peak(n: int = 512, reps: int = 20) -> float:
 def _fpt() -> int:
     from elastic_gpt.model.gpt import flops_per_token, preset_config
     return flops_per_token(preset_config(PRESET, vocab_size=256, seq_len=256))
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_json(path: str | None, res: dict) -> None:
@@ -395,7 +376,7 @@ def main() -> None:
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_")
     if args.part == "interleaved":
-        res = interleaved(prepare_dataset(work), args.rounds, 2, port=_free_port())
+        res = interleaved(prepare_dataset(work), args.rounds, 2)
         peak_cpu, peak_wall = cpu_time_matmul_peak(), _peak(1)
         res.update(peak_1thread_cpu_time_flops=peak_cpu, peak_1thread_wall_flops=peak_wall,
                    mfu_plain_cpu=G * 256 / res["plain_cpu_s"] * _fpt() / peak_cpu,
@@ -405,13 +386,13 @@ def main() -> None:
     if args.part == "ab":
         if not args.set:
             ap.error("--part ab needs --set KEY=VALUE (the B side)")
-        res = ab_inprocess(prepare_dataset(work), args.rounds, args.steps, args.warmup, work,
+        res = ab_inprocess(prepare_dataset(work), args.rounds, args.steps, args.warmup,
                            args.world, args.set)
         print(f"A (defaults) {res['a_wall_s']:.3f} s/step, B ({' '.join(args.set)}) "
               f"{res['b_wall_s']:.3f} s/step: B/A tokens/s {res['b_vs_a_tokens_per_s']:.3f}")
         return _write_json(args.json, res)
     if args.part == "scaling":
-        res = scaling_inprocess(prepare_dataset(work), args.repeats, args.steps, args.warmup, work,
+        res = scaling_inprocess(prepare_dataset(work), args.repeats, args.steps, args.warmup,
                                 args.set)
         print(f"scaling_ratio {res['scaling_ratio']:.3f} (machine ceiling "
               f"{res['ceiling_ratio']:.3f}); {res['setup_w2']}")

@@ -255,7 +255,7 @@ def test_plan_picks_a_fitting_config_and_reports_throughput():
 
 
 def test_gpu_table_covers_the_common_chips():
-    for name in ("A100-40GB", "A100-80GB", "H100", "H200", "L4", "A10G"):
+    for name in ("A100-40GB", "A100-80GB", "H100", "H200", "L4", "L40S", "A10G"):
         g = get_gpu(name)
         assert g.peak_flops > 1e13 and g.memory_gib > 20 and g.spot_usd < g.on_demand_usd
     assert get_gpu("h100").name == "H100"

@@ -11,9 +11,9 @@ import pytest
 from elastic_gpt.cli import build_parser
 from elastic_gpt.config import load_config
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.planner.measure import Candidate, candidate_list, pick_winner, predicted_bytes
+from elastic_gpt.planner.measure import TrainSettings, candidate_list, pick_winner, predicted_bytes
 from elastic_gpt.planner.plan import model_shape
-from elastic_gpt.train.trainer import model_config_for
+from elastic_gpt.train.model_config import model_config_for
 
 
 def overrides(tmp_path, data: str, *extra: str) -> list[str]:
@@ -96,7 +96,7 @@ def test_the_winner_is_the_fastest_fitting_row():
             {"micro_batch": 4, "fits": True, "step_s": 0.2}]
     assert pick_winner(rows)["micro_batch"] == 4
     assert pick_winner([dict(r, fits=False) for r in rows]) is None
-    assert Candidate(2, True, False).label == "mb=2 ckpt=on compile=off"
+    assert TrainSettings(2, True, False).label == "mb=2 ckpt=on compile=off"
 
 
 @pytest.mark.slow
@@ -123,7 +123,7 @@ def test_the_planner_column_predicts_what_the_trainer_ran(stdlib_dataset, ray_cl
     assert shape.cfg.n_layer == 4
     for row, pred in zip(res["rows"], res["predicted_bytes"]):
         assert row["reshard_after_forward"] is resharded, row
-        cand = Candidate(row["micro_batch"], row["activation_checkpointing"], row["compile"])
+        cand = TrainSettings(row["micro_batch"], row["activation_checkpointing"], row["compile"])
         ran = predicted_bytes(shape, 2, 8, cand, "float32", False, grad_sync=grad_sync,
                               reshard_after_forward=resharded)
         other = predicted_bytes(shape, 2, 8, cand, "float32", False, grad_sync=grad_sync,

@@ -34,7 +34,8 @@ TABLE_FILE = "tune_table.json"
 
 
 @dataclass(frozen=True)
-class Candidate:
+class TrainSettings:
+    """One candidate of `elastic-gpt tune`: the train.* settings one measurement runs with."""
     micro_batch: int
     activation_checkpointing: bool
     compile: bool
@@ -46,7 +47,7 @@ class Candidate:
 
 
 def candidate_list(global_batch: int, world: int, micro_batch_sizes: list[int] | None,
-                   cuda: bool) -> list[Candidate]:
+                   cuda: bool) -> list[TrainSettings]:
     """Micro-batch sizes that divide the global batch (C1) and leave every worker >= 1 micro-batch,
     times checkpointing off/on, times compile off/on where it is worth trying (CUDA)."""
     usable = [m for m in range(1, global_batch // world + 1) if global_batch % m == 0]
@@ -59,7 +60,8 @@ def candidate_list(global_batch: int, world: int, micro_batch_sizes: list[int] |
                              f"one; usable: {','.join(map(str, usable))}")
         usable = sorted(set(micro_batch_sizes))
     compiles = [False, True] if cuda else [False]
-    return [Candidate(m, ckpt, comp) for m in usable for ckpt in (False, True) for comp in compiles]
+    return [TrainSettings(m, ckpt, comp)
+            for m in usable for ckpt in (False, True) for comp in compiles]
 
 
 # ---- peak memory of one candidate ------------------------------------------------------------
@@ -130,9 +132,19 @@ class PeakMemory:
         return max(0, _hwm() - self.baseline)
 
 
+def _psutil():
+    """psutil, which this project gets from Ray's bundled copy: on sys.path once ray is imported
+    (tune's workers have; a process that only builds Trainers, like bench_planner's, has not)."""
+    try:
+        import psutil
+    except ImportError:
+        import ray  # noqa: F401
+        psutil = __import__("psutil")
+    return psutil
+
+
 def _rss() -> int:
-    import psutil
-    return psutil.Process().memory_info().rss
+    return _psutil().Process().memory_info().rss
 
 
 def _hwm() -> int:
@@ -162,8 +174,7 @@ def memory_budget(device, local_world_size: int) -> tuple[int, int]:
         import torch
         free, total = torch.cuda.mem_get_info(device)
         return total, (total - free) - torch.cuda.memory_reserved(device)
-    import psutil
-    return psutil.virtual_memory().total // max(1, local_world_size), _rss()
+    return _psutil().virtual_memory().total // max(1, local_world_size), _rss()
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -177,7 +188,7 @@ def _is_oom(e: BaseException) -> bool:
 # ---- the worker side ---------------------------------------------------------------------------
 
 
-def measure(cfg: Config, cand: Candidate, *, rank: int, world: int, steps: int) -> dict:
+def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: int) -> dict:
     """Build a fresh Trainer for `cand`, run warm-up + timed steps; this rank's figures."""
     import torch
 
@@ -233,8 +244,8 @@ def measure(cfg: Config, cand: Candidate, *, rank: int, world: int, steps: int) 
             "reshard_after_forward": resharded}
 
 
-def warm_up_process(cfg: Config, cand: Candidate, *, rank: int, world: int) -> None:
-    measure(cfg, Candidate(1, cand.activation_checkpointing, False), rank=rank, world=world,
+def warm_up_process(cfg: Config, cand: TrainSettings, *, rank: int, world: int) -> None:
+    measure(cfg, TrainSettings(1, cand.activation_checkpointing, False), rank=rank, world=world,
             steps=1)
 
 
@@ -275,7 +286,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     if loop_config.get("budget_bytes"):
         budget = int(loop_config["budget_bytes"])
     margin = loop_config["memory_margin"]
-    cands = [Candidate(**c) for c in loop_config["candidates"]]
+    cands = [TrainSettings(**c) for c in loop_config["candidates"]]
     G, T = cfg.train.global_batch_size, loop_config["seq_len"]
     # The Trainer's own rule with its own inputs: what every candidate's Trainer will run, known
     # even for rows where no Trainer could be built (the planner predicts those rows with it).
@@ -340,7 +351,7 @@ def _row_summary(row: dict) -> str:
 # ---- the driver side -----------------------------------------------------------------------------
 
 
-def predicted_bytes(shape, world: int, G: int, cand: Candidate, dtype: str, cuda: bool, *,
+def predicted_bytes(shape, world: int, G: int, cand: TrainSettings, dtype: str, cuda: bool, *,
                     grad_sync: str, reshard_after_forward: bool) -> float:
     """The planner's figure for a candidate as the Trainer runs it: the run's train.grad_sync and
     the reshard_after_forward its Trainer resolved (CPU: no CUDA context, no fragmentation)."""
@@ -430,14 +441,16 @@ def tuned_config_dict(config_path: str, overrides: list[str], winner: dict) -> d
 
 def run_tune(args) -> int:
     import ray
+    import torch
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from elastic_gpt.data.manifest import load_manifest
     from elastic_gpt.elastic.launcher import _worker_env, connect_ray, use_gpu
     from elastic_gpt.model.gpt import count_params
+    from elastic_gpt.parallel.fsdp import reshard_label, resolve_dtype
     from elastic_gpt.planner.plan import model_shape
-    from elastic_gpt.train.trainer import model_config_for
+    from elastic_gpt.train.model_config import model_config_for
 
     cfg = load_config(args.config, args.overrides)
     if args.steps < 1:
@@ -463,8 +476,7 @@ def run_tune(args) -> int:
     try:
         gpu = use_gpu(cfg)
         device = "cuda" if gpu else "cpu"
-        dtype = cfg.train.dtype if cfg.train.dtype != "auto" else (
-            "bfloat16" if gpu else "float32")  # parallelize.resolve_dtype's rule
+        dtype = str(resolve_dtype(cfg.train.dtype, torch.device(device))).removeprefix("torch.")
         cands = candidate_list(G, world, mbs, cuda=gpu)
         shape = model_shape(gpt_cfg)
         # The planner first: a model that cannot fit even at micro-batch 1 with checkpointing is
@@ -508,7 +520,7 @@ def run_tune(args) -> int:
         out = json.load(f)
     rows = out["rows"]
     grad_sync = cfg.train.grad_sync
-    predicted = [predicted_bytes(shape, world, G, Candidate(r["micro_batch"],
+    predicted = [predicted_bytes(shape, world, G, TrainSettings(r["micro_batch"],
                                  r["activation_checkpointing"], r["compile"]), dtype, gpu,
                                  grad_sync=grad_sync,
                                  reshard_after_forward=r["reshard_after_forward"])
@@ -516,9 +528,7 @@ def run_tune(args) -> int:
     winner = pick_winner(rows)
     method = next((r["method"] for r in rows if r["method"]), "")
     budget_b = rows[0]["budget_bytes"]
-    policy = "always" if out["reshard_after_forward"] else "never"
-    if cfg.train.reshard_after_forward == "auto":
-        policy += " (auto)"
+    policy = reshard_label(out["reshard_after_forward"], cfg.train.reshard_after_forward)
     print(f"\nmemory: {method}; budget {budget_b / GiB:.2f} GiB per worker, "
           f"{args.memory_margin:.0%} kept free; the trainer ran reshard_after_forward={policy}, "
           f"grad_sync={grad_sync}\n")
@@ -539,7 +549,7 @@ def run_tune(args) -> int:
         raise ValueError(f"no candidate fits in {usable / GiB:.2f} GiB per worker{least}; "
                          + (line or "use more workers (a smaller shard each) or workers with "
                                     "more memory"))
-    label = Candidate(winner["micro_batch"], winner["activation_checkpointing"],
+    label = TrainSettings(winner["micro_batch"], winner["activation_checkpointing"],
                       winner["compile"]).label
     print(f"\nfastest that fits: {label} ({winner['tokens_per_s']:,.0f} tokens/s)")
     if args.write_config:

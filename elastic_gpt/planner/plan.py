@@ -1,7 +1,7 @@
 """`elastic-gpt plan`: memory, communication, step time, goodput and cost of a run, before renting it.
 
 Every model here is first-order arithmetic with its assumptions stated next to it (and in
-docs/planner.md). Shapes and FLOPs come from model.py; GPU figures from hardware.py.
+docs/planner.md). Shapes and FLOPs come from model/gpt.py; GPU figures from hardware.py.
 
 Units: bytes, seconds, FLOP/s; GB/s = 1e9 bytes/s; GiB = 2**30 bytes (GPU memory is reported so).
 """
@@ -40,7 +40,7 @@ the gradient w.r.t. the logits (the bf16 logits themselves are freed after the f
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs from a GPTConfig, all derived from model.py's arithmetic."""
+    """What the planner needs from a GPTConfig, all derived from model/gpt.py's arithmetic."""
 
     cfg: GPTConfig
     params: int
@@ -413,7 +413,7 @@ class PlanInputs:
     ckpt_gbps: float = 2.0
     """Write/read bandwidth to checkpoint storage per node, GB/s."""
     restart_s: float = 90.0
-    """Restart after a failure before reloading (measured 66-83 s with Ray Train, DESIGN.md)."""
+    """Restart after a failure before reloading (Ray Train's defaults: over a minute, docs/design.md)."""
     ckpt_every_steps: int | None = None
     market: str = "spot"
     """Which price/MTBF the written config's checkpoint interval is tuned for: spot or on-demand."""
@@ -421,7 +421,9 @@ class PlanInputs:
 
 
 @dataclass
-class Candidate:
+class LayoutCandidate:
+    """One layout the planner weighs: micro-batch, checkpointing, gradient sync and resharding,
+    with the memory and step time it predicts for them."""
     micro_batch: int
     activation_checkpointing: bool
     grad_sync: str
@@ -448,7 +450,7 @@ class Plan:
     global_batch_size: int
     tokens: float
     usable_bytes: float
-    chosen: Candidate
+    chosen: LayoutCandidate
     max_micro_batch: dict[bool, int]
     """Largest micro-batch that fits, keyed by activation checkpointing."""
     memory_at_chosen: dict[bool, Memory]
@@ -629,7 +631,7 @@ def _micro_batch_sizes(p: PlanInputs, G: int, n_gpus: int) -> list[int]:
 
 
 def _candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, n_gpus: int,
-                G: int) -> list[Candidate]:
+                G: int) -> list[LayoutCandidate]:
     ckpts = [False, True] if p.activation_checkpointing is None else [p.activation_checkpointing]
     if p.grad_sync not in ("auto", "microbatch", "step"):
         raise PlanError(f"--grad-sync={p.grad_sync!r} must be auto, microbatch or step")
@@ -646,7 +648,7 @@ def _candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, n_gpus
             st = step_time(shape, gpu, net, n_gpus, mb, k, activation_checkpointing=ckpt,
                            dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
                            reshard_after_forward=reshard)
-            out.append(Candidate(mb, ckpt, sync, k, mem, st, reshard))
+            out.append(LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard))
     return out
 
 
@@ -669,7 +671,8 @@ def _floor_memory(p: PlanInputs, shape: ModelShape, n_gpus: int) -> Memory:
                           context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
 
 
-def _min_workers(p: PlanInputs, shape: ModelShape, c: Candidate, usable: float, G: int) -> int:
+def _min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: float,
+                 G: int) -> int:
     """Fewest workers at which the chosen micro-batch, checkpointing, grad sync and resharding
     still fit: the elastic floor (the written config fixes all four, so a smaller group runs them
     too). Fewer workers means more micro-batches per worker but the same activations per
