@@ -98,6 +98,12 @@ def agree_on_resharding(wish: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def reshard_label(resharded: bool, policy: str) -> str:
+    """What a log line calls the resharding that ran: always or never, and " (auto)" when the
+    `train.reshard_after_forward: auto` rule chose it."""
+    return ("always" if resharded else "never") + (" (auto)" if policy == "auto" else "")
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """The memory one worker may count on: its GPU's, or on CPU the host's shared by the workers
     of this node (Ray Train sets LOCAL_WORLD_SIZE)."""
