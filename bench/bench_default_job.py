@@ -29,7 +29,8 @@ def plain_loop(cfg, steps: int, threads: int) -> float:
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.model.gpt import GPT, token_losses
-    from elastic_gpt.train.trainer import build_optimizer, model_config_for
+    from elastic_gpt.train.model_config import model_config_for
+    from elastic_gpt.train.optimizer import build_optimizer
 
     torch.set_num_threads(threads)
     gpt_cfg = model_config_for(cfg, load_manifest(cfg.data.path))

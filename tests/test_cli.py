@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from elastic_gpt.checkpoint.store import CheckpointStore, save_sharded, step_dirname
+from elastic_gpt.checkpoint.sharded import save_sharded
+from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
 from elastic_gpt.cli import main
 from elastic_gpt.model.gpt import GPT, GPTConfig
 

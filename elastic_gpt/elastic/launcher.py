@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 def preflight(cfg: Config):
     """Resolve paths, open the dataset, derive the model shape, check any existing checkpoint."""
     from elastic_gpt.data.manifest import load_manifest
-    from elastic_gpt.train.trainer import model_config_for
+    from elastic_gpt.train.model_config import model_config_for
 
     resolve_paths(cfg)
     manifest = load_manifest(cfg.data.path)
@@ -103,17 +103,17 @@ def _worker_env() -> dict:
 
 def use_gpu(cfg: Config) -> bool:
     import ray
-    if str(cfg.scaling.use_gpu) == "auto":
+    if cfg.scaling.use_gpu == "auto":
         return ray.cluster_resources().get("GPU", 0) > 0
-    return str(cfg.scaling.use_gpu) == "True"
+    return cfg.scaling.use_gpu
 
 
 def build_trainer(cfg: Config, run_id: str | None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    from elastic_gpt.elastic.controller import check_ray_internals, elastic_trainer_class
-    from elastic_gpt.train.trainer import train_loop_per_worker
+    from elastic_gpt.elastic.ray_internals import check_ray_internals
+    from elastic_gpt.elastic.worker import train_loop_per_worker
 
     gpu = use_gpu(cfg)
     s = cfg.scaling
@@ -127,17 +127,18 @@ def build_trainer(cfg: Config, run_id: str | None):
     run_config = RunConfig(
         name=f"{cfg.run.name}-{int(time.time())}",  # Ray's run state is per submission; ours isn't
         storage_path=cfg.run.storage_path,
-        # Our failure policy (elastic.py) replaces Ray's counter with a sliding-hour budget.
+        # Our failure policy (elastic/policies.py) replaces Ray's counter with a sliding-hour budget.
         failure_config=FailureConfig(max_failures=-1),
         worker_runtime_env={"env_vars": _worker_env()},
     )
     check_ray_internals()
     _tune_ray_train_env(cfg)
-    trainer_cls = elastic_trainer_class()
-    trainer_cls.run_key = run_key(cfg)
-    trainer_cls.max_failures_per_hour = cfg.elastic.max_failures_per_hour
-    return trainer_cls(
+    # Imported only now: it loads the Ray Train private classes the check has just verified.
+    from elastic_gpt.elastic.controller import ElasticTorchTrainer
+
+    return ElasticTorchTrainer(
         train_loop_per_worker,
+        run_key=run_key(cfg), max_failures_per_hour=cfg.elastic.max_failures_per_hour,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id,
                            "run_key": run_key(cfg)},
         scaling_config=scaling,
@@ -172,9 +173,12 @@ def fatal_cause(error: BaseException) -> BaseException | None:
 
 
 def run_training(cfg: Config, config_path: str | None = None) -> dict:
-    from elastic_gpt.tracking import mlflow_tracking as tracking
+    from elastic_gpt.inference.mlflow_model import log_final_model
+    from elastic_gpt.tracking.publish import finish_run
+    from elastic_gpt.tracking.redaction import install_redaction
+    from elastic_gpt.tracking.runs import log_cluster_shape
 
-    tracking.install_redaction(cfg.to_dict())  # no credential in printed lines or logs
+    install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
     run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
     started_cluster = connect_ray(cfg)
@@ -183,7 +187,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
             f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
             f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
             f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""))
-        tracking.log_cluster_shape(cfg.tracking.uri, run_id)
+        log_cluster_shape(cfg.tracking.uri, run_id)
         trainer = build_trainer(cfg, run_id)
         try:
             result = trainer.fit()
@@ -204,17 +208,19 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
                "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {}),
                "goodput": ledger.summary(), "events": ledger.events}
     if run_id:
-        tracking.finish_run(cfg.tracking.uri, run_id, config_path=config_path,
-                            finished=bool(final and final.step >= cfg.train.max_steps),
-                            config=cfg.to_dict(),
-                            checkpoint_url=summary["checkpoint"], step=summary["step"],
-                            log_model=cfg.tracking.log_model)
+        final_model = None
+        if final and cfg.tracking.log_model:
+            final_model = lambda: log_final_model(cfg.tracking.uri, run_id, final.url, final.step)
+        finish_run(cfg.tracking.uri, run_id, config_path=config_path,
+                   finished=bool(final and final.step >= cfg.train.max_steps),
+                   config=cfg.to_dict(), ledger=final.state.get("ledger") if final else None,
+                   step=summary["step"], log_model=final_model)
     return summary
 
 
 def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:
     """The run to continue (its id is stored with the checkpoints, C5) or a new one."""
-    from elastic_gpt.tracking import mlflow_tracking as tracking
+    from elastic_gpt.tracking.runs import resolve_run
 
     if not cfg.tracking.enabled:
         return None
@@ -223,9 +229,8 @@ def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | 
         run_info.get("mlflow_run_id")
     params = {**cfg.flat(), "model.n_params": _n_params(gpt_cfg),
               "data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens}
-    run_id = tracking.resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name,
-                                  existing, params,
-                                  resumed_from_step=latest.step if latest else None)
+    run_id = resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name, existing, params,
+                         resumed_from_step=latest.step if latest else None)
     if run_id and run_id != run_info.get("mlflow_run_id"):
         store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
                               "created_at": time.time()})

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore, load_model_weights
+from elastic_gpt.checkpoint.sharded import load_model_weights
+from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore
 from elastic_gpt.model.gpt import GPT, GPTConfig
 
 

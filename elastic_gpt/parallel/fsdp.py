@@ -11,12 +11,12 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from elastic_gpt.model.gpt import GPT
+from elastic_gpt.torch_internals import checkpoint_wrapper
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
