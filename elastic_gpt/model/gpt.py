@@ -1,7 +1,7 @@
 """GPT-2 style decoder in one readable file (nanoGPT lineage).
 
 Parameter names follow GPT-2 (`wte`, `wpe`, `h.N.attn.c_attn`, ...) so checkpoints map one to one
-onto Hugging Face's `GPT2LMHeadModel` (see `export_hf.py`). Nothing here knows about Ray or FSDP.
+onto Hugging Face's `GPT2LMHeadModel` (see `inference/hf_export.py`). Nothing here knows about Ray or FSDP.
 """
 
 from __future__ import annotations
