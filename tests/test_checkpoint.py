@@ -111,13 +111,9 @@ def test_run_info_round_trips_atomically(tmp_path):
 @pytest.fixture
 def one_rank_group():
     """A process group of this process alone: the checkpointers' collectives need one."""
-    import torch.distributed as dist
-
-    from elastic_gpt.testing.ports import free_port
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
+    from elastic_gpt.testing.gloo import gloo_group
+    with gloo_group():
+        yield
 
 
 @pytest.mark.parametrize("async_save", [False, True])
