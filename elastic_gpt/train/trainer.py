@@ -137,7 +137,7 @@ class Trainer:
         self.compute_dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.mesh = init_device_mesh(self.device.type, (world_size,))
         self.model = self._build_model()
-        # Fused AdamW: one kernel over all shards, on CUDA and (torch >= 2.4) on CPU alike.
+        # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.store = CheckpointStore(cfg.checkpoint.path)
         self.step = 0
