@@ -53,6 +53,36 @@ class ModelShape:
     block_fwd_flops_per_token: float
     head_fwd_flops_per_token: float
 
+    # What tensor parallelism leaves whole on every TP rank (the rest is split tp ways): in a
+    # block, ln_1 and ln_2 (SequenceParallel replicates them) and the biases of the two
+    # row-parallel c_proj layers, added after the partial sums; in the root, ln_f. wte (and the
+    # lm_head tied to it) is split on the vocabulary, wpe on the positions.
+    @property
+    def block_norm_params(self) -> int:
+        """ln_1 + ln_2 of a block: replicated, and their gradients are partial sums over the TP
+        ranks (each saw its part of the sequence), all-reduced when FSDP2 reduces the block."""
+        return 4 * self.cfg.n_embd
+
+    @property
+    def block_replicated_params(self) -> int:
+        return self.block_norm_params + 2 * self.cfg.n_embd  # + attn.c_proj and mlp.c_proj biases
+
+    @property
+    def root_replicated_params(self) -> int:
+        return 2 * self.cfg.n_embd  # ln_f, whose gradient is a partial sum like ln_1's
+
+    def block_local(self, tp: int = 1) -> float:
+        """Parameters of one block on one TP rank: what FSDP2 shards, gathers and reduces."""
+        rep = self.block_replicated_params
+        return (self.block_params - rep) / tp + rep
+
+    def root_local(self, tp: int = 1) -> float:
+        rep = self.root_replicated_params
+        return (self.root_params - rep) / tp + rep
+
+    def local_params(self, tp: int = 1) -> float:
+        return self.root_local(tp) + self.cfg.n_layer * self.block_local(tp)
+
 
 def model_shape(cfg: GPTConfig) -> ModelShape:
     no_blocks = dataclasses.replace(cfg, n_layer=0)
@@ -88,7 +118,7 @@ def zero_model_state_bytes(n_params: float, n_gpus: int, stage: int, k: int = 12
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_head: int, *,
                                act_bytes: int = 2, flash: bool = True,
-                               dropout: bool = False) -> float:
+                               dropout: bool = False, tp: int = 1) -> float:
     """Activations one transformer layer saves for backward (Korthikanti et al. 2022, section 4.1).
 
     Their count for 16-bit activations, no tensor parallelism, is s*b*h*(34 + 5*a*s/h) bytes:
@@ -97,19 +127,26 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_he
     output 2). Adapted here: flash/SDPA attention stores no s*s scores, only the output (s*b*h, an
     extra tensor because the transpose to (B, T, C) copies it) and a fp32 log-sum-exp per row and
     head (4*a*s*b bytes); without dropout there are no masks.
+
+    With tensor parallelism tp and sequence parallelism (their section 4.2.2: sbh(34/t + 5as/(ht)))
+    every tensor is split tp ways except two: the inputs of c_attn and c_fc. They are the
+    LayerNorm outputs all-gathered over the sequence, and autograd keeps the gathered tensor for
+    the column-parallel weight's gradient (Megatron-LM keeps the shard and gathers it again in
+    backward; DTensor's ColwiseParallel does not), so they stay whole.
     """
     s, b, h, a = seq_len, micro_batch, n_embd, n_head
-    elems = (1 + 2 + 1  # attention: c_attn input, q and k, v ...
+    whole = 2  # c_attn's and c_fc's inputs (the gathered LayerNorm outputs under TP)
+    split = (2 + 1  # attention: q and k, v ...
              + 1  # ... and c_proj's input
-             + 1 + 4 + 4  # MLP: c_fc input, GELU input, c_proj input
-             + 2) * s * b * h  # ln_1 and ln_2 inputs
-    total = elems * act_bytes
+             + 4 + 4  # MLP: GELU input, c_proj input
+             + 2)  # ln_1 and ln_2 inputs (the residual stream)
+    total = (whole + split / tp) * s * b * h * act_bytes
     if dropout:  # 1-byte masks after attention c_proj and after the MLP
-        total += 2 * s * b * h
+        total += 2 * s * b * h / tp
     if flash:
-        total += act_bytes * s * b * h + FP32 * a * s * b  # SDPA output + log-sum-exp
+        total += (act_bytes * s * b * h + FP32 * a * s * b) / tp  # SDPA output + log-sum-exp
     else:
-        total += (5 if dropout else 2) * a * s * s * b  # 2-byte scores (+ mask + dropped copy)
+        total += (5 if dropout else 2) * a * s * s * b / tp  # 2-byte scores (+ mask + dropped copy)
     return total
 
 
@@ -118,11 +155,12 @@ class Memory:
     """Peak bytes per GPU, by what holds them."""
 
     sharded_state: float
-    """fp32 params + fp32 grads + Adam m, v: 16 bytes/param / N."""
+    """fp32 params + fp32 grads + Adam m, v: 16 bytes per parameter of this TP rank / the FSDP
+    shard degree (all data-parallel ranks; under HSDP only those of one node)."""
     gathered_params: float
     """Unsharded compute-dtype params (root + current and prefetched block with ZeRO-3; root +
     every block when blocks stay gathered) and one block's unsharded grads + fp32 reduce-scatter
-    buffer."""
+    buffer, each the TP rank's part."""
     accumulated_grads: float
     """Unsharded fp32 grads kept across micro-batches when reducing once per step (no_sync)."""
     activations: float
@@ -141,34 +179,41 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                    grad_sync: str = "microbatch", micro_batches_per_rank: int = 1,
                    reshard_after_forward: bool = True,
                    context_bytes: float = 1.0 * GiB, fragmentation: float = 0.05,
-                   flash: bool = True) -> Memory:
-    """Peak memory of one FSDP2 rank (one unit per block, then the root).
+                   flash: bool = True, tp: int = 1, dp_shard: int | None = None) -> Memory:
+    """Peak memory of one rank: FSDP2 (one unit per block, then the root) over the data-parallel
+    ranks, on top of tensor parallelism of degree tp (Megatron-style with sequence parallelism).
 
     reshard_after_forward=True is ZeRO-3: a block's gathered params are freed after its forward
     and gathered again in backward. False (the trainer's `never`) keeps every block gathered from
     the first forward to the last backward of a step: + (L - 2) blocks in the compute dtype.
+    dp_shard is FSDP2's shard degree: n_gpus / tp (every data-parallel rank), or under HSDP the
+    data-parallel ranks of one node.
     """
     cfg, pb = shape.cfg, _dtype_bytes(dtype)
     s, b, h, L = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_layer
-    sharded = OPTIMIZER_BYTES_PER_PARAM * shape.params / n_gpus
+    shards = dp_shard if dp_shard is not None else max(1, n_gpus // tp)
+    sharded = OPTIMIZER_BYTES_PER_PARAM * shape.local_params(tp) / shards
     # The root stays gathered through forward and backward (FSDP2 never reshards the root after
     # forward) and its grads (wte is tied, so from the lm_head on) live until the end of backward.
     # Blocks: current + prefetched params (ZeRO-3) or all L of them (kept gathered), plus in
     # backward one block's grads in compute dtype and their fp32 copy in the reduce-scatter buffer.
     held_blocks = min(2, L) if reshard_after_forward else L
-    gathered = (shape.root_params * (pb + pb + FP32)
-                + shape.block_params * (held_blocks * pb + pb + FP32))
-    accumulated = (FP32 * shape.params if grad_sync == "step" and micro_batches_per_rank > 1
-                   else 0.0)
+    gathered = (shape.root_local(tp) * (pb + pb + FP32)
+                + shape.block_local(tp) * (held_blocks * pb + pb + FP32))
+    accumulated = (FP32 * shape.local_params(tp)
+                   if grad_sync == "step" and micro_batches_per_rank > 1 else 0.0)
     per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=flash,
-                                           dropout=cfg.dropout > 0)
+                                           dropout=cfg.dropout > 0, tp=tp)
     if activation_checkpointing:
-        # Each block keeps only its input; in backward one block at a time is recomputed.
-        acts = L * pb * s * b * h + per_layer
+        # Each block keeps only its input (sequence-sharded under TP); in backward one block at a
+        # time is recomputed.
+        acts = L * pb * s * b * h / tp + per_layer
     else:
         acts = L * per_layer
-    acts += 2 * pb * s * b * h  # ln_f input and output (the lm_head input)
-    logits = LOGIT_BYTES * b * s * cfg.vocab_size
+    # ln_f's input and the lm_head's input: under TP the first is sequence-sharded and the second
+    # the all-gathered whole, which the column-parallel lm_head keeps for its weight gradient.
+    acts += pb * s * b * h * (1 / tp + 1)
+    logits = LOGIT_BYTES * b * s * cfg.vocab_size / tp  # vocab-parallel loss: each rank its slice
     allocated = sharded + gathered + accumulated + acts + logits
     return Memory(sharded, gathered, accumulated, acts, logits,
                   context_bytes + fragmentation * allocated)
@@ -211,9 +256,74 @@ class Network:
             return 0.0
         return ring_bytes(full_bytes, n_gpus) / (self.bus_gbps(n_gpus) * GB) + self.latency_s
 
+    def ring_s(self, bytes_per_gpu: float, *, across_nodes: bool, nic_sharing: int = 1) -> float:
+        """A ring collective in which each member sends `bytes_per_gpu`.
+
+        Inside a node every GPU has its own NVLink/PCIe bandwidth. A ring across nodes pushes
+        each member's bytes through every node's NICs once, and the NICs are the node's: when
+        `nic_sharing` such rings run at once with members on the same nodes (one per tensor-
+        parallel rank for FSDP's data-parallel groups, one per GPU for HSDP's replicate groups),
+        they share them. With nic_sharing=1 this is `collective_s`."""
+        if bytes_per_gpu <= 0:
+            return 0.0
+        t = bytes_per_gpu / (self.intra_node_gbps * GB)
+        if across_nodes:
+            t = max(t, nic_sharing * bytes_per_gpu / (self.inter_node_gbps * GB))
+        return t + self.latency_s
+
 
 def ring_bytes(full_bytes: float, n_gpus: int) -> float:
     return (n_gpus - 1) / n_gpus * full_bytes
+
+
+TP_DEGREES = (1, 2, 4, 8)
+"""Tensor-parallel degrees the planner weighs: a TP group lives inside one node (8 GPUs)."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """How the GPUs are laid out: world = dp_replicate x dp_shard x tp, tp innermost (a TP group
+    is consecutive ranks of one node). FSDP2 shards over dp_shard and, under HSDP, replicates
+    over dp_replicate (one replica per node); the data-parallel degree is dp_replicate x dp_shard."""
+
+    tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    spans_nodes: bool = False
+    """Whether the group spans more than one node (FSDP's groups then cross nodes unless HSDP)."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    def short(self) -> str:
+        dp = f"HSDP {self.dp_shard}x{self.dp_replicate}" if self.hsdp else f"FSDP {self.dp}"
+        return f"tp={self.tp} {dp}"
+
+    def label(self) -> str:
+        if self.hsdp:
+            dp = (f"HSDP: FSDP over {self.dp_shard} in each node x {self.dp_replicate} replicas "
+                  "across nodes")
+        else:
+            where = "across nodes" if self.spans_nodes else "in one node"
+            dp = f"FSDP over {self.dp} {where}"
+        return f"tp={self.tp} x dp={self.dp} ({dp})"
+
+
+def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int = 8) -> Mesh:
+    """The mesh the trainer builds for n_gpus workers; hsdp on one node is plain FSDP."""
+    spans = n_gpus > gpus_per_node
+    if hsdp and spans:
+        return Mesh(tp, gpus_per_node // tp, n_gpus // gpus_per_node, True)
+    return Mesh(tp, n_gpus // tp, 1, spans)
 
 
 @dataclass
@@ -221,28 +331,78 @@ class StepTime:
     compute_s: float
     """Kernel time at peak * efficiency, recomputation included."""
     comm_s: float
-    """All collective time if none of it overlapped compute."""
+    """All FSDP collective time if none of it overlapped compute."""
     exposed_comm_s: float
     """The part of comm_s compute does not hide."""
     optimizer_s: float
     all_gather_bytes: float
-    """Per GPU per step (bytes this rank sends; it receives as many)."""
+    """FSDP2's, per GPU per step (bytes this rank sends; it receives as many)."""
     reduce_scatter_bytes: float
+    all_reduce_bytes: float = 0.0
+    """HSDP's gradient all-reduce across nodes, per GPU per step."""
+    tp_comm_s: float = 0.0
+    """Tensor-parallel collectives: on the critical path, none of it overlapped."""
+    tp_bytes: float = 0.0
+    """Tensor-parallel all-gathers, reduce-scatters and all-reduces, per GPU per step."""
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.optimizer_s
+        return self.compute_s + self.exposed_comm_s + self.tp_comm_s + self.optimizer_s
 
     @property
     def overlapped_fraction(self) -> float:
         return 1.0 - self.exposed_comm_s / self.comm_s if self.comm_s else 1.0
 
 
+@dataclass(frozen=True)
+class TPTraffic:
+    """Tensor-parallel collectives of one micro-batch and of one gradient sync, as DTensor runs
+    the trainer's plan (Megatron-style TP with sequence parallelism): counts and bytes per GPU."""
+
+    all_gathers: int
+    reduce_scatters: int
+    all_reduces: int
+    bytes_per_micro_batch: float
+    sync_all_reduces: int
+    bytes_per_sync: float
+
+
+def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_checkpointing: bool,
+               act_bytes: int, grad_bytes: int) -> TPTraffic:
+    """Per block, forward: the attention's and the MLP's inputs are all-gathered over the sequence
+    (Shard(1) -> Replicate) and their row-parallel outputs reduce-scattered back (Partial ->
+    Shard(1)): 2 all-gathers + 2 reduce-scatters of a (b, s, h) tensor. Backward mirrors each (the
+    gradient of an all-gather is a reduce-scatter and back). Activation checkpointing runs the
+    forward again but stops at the last tensor backward needs (torch's non-reentrant checkpoint
+    stops early), the MLP's c_proj input, so the recomputation repeats 2 all-gathers and 1
+    reduce-scatter. The root: wte and wpe are row-parallel embeddings whose outputs are
+    reduce-scattered to Shard(1) (wpe's is (1, s, h): the positions are shared by the batch), the
+    lm_head all-gathers its input, and the vocab-parallel loss all-reduces three fp32 values per
+    token (max, sum of exponentials, the target's logit); backward mirrors the three activations
+    and the loss needs none. Per gradient sync, the LayerNorm gradients (partial sums over the
+    sequence shards) are all-reduced, one collective per tensor."""
+    if tp <= 1:
+        return TPTraffic(0, 0, 0, 0.0, 0, 0.0)
+    cfg, L = shape.cfg, shape.cfg.n_layer
+    act = micro_batch * cfg.seq_len * cfg.n_embd
+    pos = cfg.seq_len * cfg.n_embd
+    ag_blk = 4 + (2 if activation_checkpointing else 0)
+    rs_blk = 4 + (1 if activation_checkpointing else 0)
+    ag = L * ag_blk + 3  # root: lm_head in forward, wte and wpe in backward
+    rs = L * rs_blk + 3  # root: wte and wpe in forward, lm_head in backward
+    ar = 3
+    moved = ((L * (ag_blk + rs_blk) + 4) * ring_bytes(act_bytes * act, tp)
+             + 2 * ring_bytes(act_bytes * pos, tp)
+             + ar * 2 * ring_bytes(FP32 * micro_batch * cfg.seq_len, tp))
+    norms = L * shape.block_norm_params + shape.root_replicated_params
+    return TPTraffic(ag, rs, ar, moved, 4 * L + 2, 2 * ring_bytes(grad_bytes * norms, tp))
+
+
 def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batch: int,
               micro_batches_per_rank: int, *, activation_checkpointing: bool,
               dtype: str = "bfloat16", grad_sync: str = "microbatch", efficiency: float = 0.6,
-              reshard_after_forward: bool = True) -> StepTime:
-    """One optimizer step on the slowest rank (the one with ceil(M / N) micro-batches).
+              reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False) -> StepTime:
+    """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches).
 
     Overlap (FSDP2's prefetching): the all-gather of block i+1 runs during block i's forward; in
     backward the gather of block i-1 and the reduce-scatter of block i+1 run during block i's
@@ -254,19 +414,42 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     L - 1 blocks again in backward (the last block is not resharded). False (the trainer's
     `never`, which also keeps the weights gathered between micro-batches): root + L blocks are
     gathered once per step, in the first micro-batch's forward, and never in backward.
+
+    tp > 1: each rank computes 1/tp of every matmul; FSDP2 gathers and reduces the TP rank's part
+    of each unit over the data-parallel ranks (tp such groups share a node's NICs); the TP
+    collectives (`tp_traffic`) run on the intra-node link between the matmuls that need them, so
+    they are on the critical path (none overlapped). hsdp: FSDP2's groups are the data-parallel
+    ranks of one node, and each gradient sync adds an all-reduce of the reduce-scattered shard
+    across nodes (every GPU of a node in its own replicate group: they share the NICs).
     """
     cfg, pb, L, k = shape.cfg, _dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
+    mesh = make_mesh(n_gpus, tp, hsdp, net.gpus_per_node)
     flops_s = gpu.peak_flops * efficiency
     tokens = micro_batch * cfg.seq_len
-    fwd_blk = shape.block_fwd_flops_per_token * tokens / flops_s
+    fwd_blk = shape.block_fwd_flops_per_token * tokens / tp / flops_s
     bwd_blk = (2 + activation_checkpointing) * fwd_blk
-    head = 3 * shape.head_fwd_flops_per_token * tokens / flops_s
+    head = 3 * shape.head_fwd_flops_per_token * tokens / tp / flops_s
     compute_mb = L * (fwd_blk + bwd_blk) + head
 
-    ag_blk = net.collective_s(pb * shape.block_params, n_gpus)
-    ag_root = net.collective_s(pb * shape.root_params, n_gpus)
-    rs_blk = net.collective_s(FP32 * shape.block_params, n_gpus)
-    rs_root = net.collective_s(FP32 * shape.root_params, n_gpus)
+    shard_across = mesh.spans_nodes and not mesh.hsdp
+    blk, root = shape.block_local(tp), shape.root_local(tp)
+
+    def gather_s(elems: float) -> float:
+        if mesh.dp_shard <= 1:
+            return 0.0
+        return net.ring_s(ring_bytes(pb * elems, mesh.dp_shard), across_nodes=shard_across,
+                          nic_sharing=tp)
+
+    def reduce_s(elems: float) -> float:  # reduce-scatter, then (HSDP) all-reduce of the shard
+        rs = 0.0 if mesh.dp_shard <= 1 else net.ring_s(
+            ring_bytes(FP32 * elems, mesh.dp_shard), across_nodes=shard_across, nic_sharing=tp)
+        ar = 0.0 if mesh.dp_replicate <= 1 else net.ring_s(
+            2 * ring_bytes(FP32 * elems / mesh.dp_shard, mesh.dp_replicate), across_nodes=True,
+            nic_sharing=mesh.dp_shard * tp)
+        return rs + ar
+
+    ag_blk, ag_root = gather_s(blk), gather_s(root)
+    rs_blk, rs_root = reduce_s(blk), reduce_s(root)
     regathers = L - 1 if reshard_after_forward else 0  # the last block stays gathered
 
     def backward_exposed(sync: bool) -> tuple[float, float]:
@@ -285,14 +468,27 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     comm_s = n_fwd_gathers * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
     exposed_s = n_fwd_gathers * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
 
+    # FSDP2 accumulates unsharded grads in the reduce dtype (fp32) when it syncs once per step.
+    accumulated = grad_sync == "step" and k > 1
+    tpt = tp_traffic(shape, micro_batch, tp, activation_checkpointing=activation_checkpointing,
+                     act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
+    tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
+    n_tp = (k * (tpt.all_gathers + tpt.reduce_scatters + tpt.all_reduces)
+            + n_sync * tpt.sync_all_reduces)
+    tp_s = tp_bytes / (net.intra_node_gbps * GB) + n_tp * net.latency_s if tp > 1 else 0.0
+
     # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
-    optimizer_s = 32 * shape.params / n_gpus / (0.7 * gpu.hbm_gbps * GB)
-    gather_elems = (n_fwd_gathers * (shape.root_params + L * shape.block_params)
-                    + k * regathers * shape.block_params)
+    local = shape.local_params(tp)
+    optimizer_s = 32 * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
+    gather_elems = n_fwd_gathers * (root + L * blk) + k * regathers * blk
+    shard_bytes = FP32 * local / mesh.dp_shard
     return StepTime(compute_s=k * compute_mb, comm_s=comm_s, exposed_comm_s=exposed_s,
                     optimizer_s=optimizer_s,
-                    all_gather_bytes=ring_bytes(pb * gather_elems, n_gpus),
-                    reduce_scatter_bytes=n_sync * ring_bytes(FP32 * shape.params, n_gpus))
+                    all_gather_bytes=ring_bytes(pb * gather_elems, mesh.dp_shard),
+                    reduce_scatter_bytes=n_sync * ring_bytes(FP32 * local, mesh.dp_shard),
+                    all_reduce_bytes=(n_sync * 2 * ring_bytes(shard_bytes, mesh.dp_replicate)
+                                      if mesh.hsdp else 0.0),
+                    tp_comm_s=tp_s, tp_bytes=tp_bytes)
 
 
 def time_to_train_s(tokens: float, flops_per_token_: float, n_gpus: int,
@@ -375,7 +571,7 @@ class PlanInputs:
     gpu: str = "H100"
     n_gpus: int = 8
     global_batch_size: int | None = None
-    """Sequences per step. None: ~0.5M tokens (GPT-3 small's batch), 32 below 10M params."""
+    """Sequences per step. None: GPT-3's batch for the size (`default_global_batch`)."""
     tokens: float | None = None
     """Training token budget. None: 20 tokens per parameter (Chinchilla)."""
     gpus_per_node: int | None = None
@@ -396,6 +592,11 @@ class PlanInputs:
     """always: ZeRO-3, blocks re-gathered in backward and every micro-batch; never: every block
     stays gathered for the whole step (one all-gather per block per step, L blocks in memory);
     auto: the faster that fits."""
+    tp: int | None = None
+    """Tensor-parallel degree (1, 2, 4 or 8; inside one node). None: the fastest that fits."""
+    hsdp: str = "auto"
+    """on: FSDP2 shards within a node and replicates across nodes; off: shards over every
+    data-parallel rank; auto: the faster that fits."""
     dtype: str = "bfloat16"
     memory_margin: float = 0.10
     """Fraction of GPU memory left free on purpose (spikes, allocator rounding)."""
@@ -432,11 +633,26 @@ class LayoutCandidate:
     step: StepTime
     reshard_after_forward: bool = True
     """True: ZeRO-3 (the trainer's `always`); False: blocks stay gathered (`never`)."""
+    mesh: Mesh = field(default_factory=Mesh)
+    """Tensor parallelism and how FSDP2 spreads over the data-parallel ranks."""
 
     @property
     def reshard_policy(self) -> str:
         """The value of the trainer's `train.reshard_after_forward` that runs this candidate."""
         return "always" if self.reshard_after_forward else "never"
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def hsdp(self) -> bool:
+        return self.mesh.hsdp
+
+    def settings(self) -> str:
+        return (f"micro-batch {self.micro_batch}, checkpointing "
+                f"{'on' if self.activation_checkpointing else 'off'}, grads per {self.grad_sync}, "
+                f"reshard {self.reshard_policy}")
 
 
 @dataclass
@@ -471,6 +687,15 @@ class Plan:
     market: str
     achieved_flops_per_gpu: float | None = None
     notes: list[str] = field(default_factory=list)
+    layouts: list[tuple[Mesh, LayoutCandidate | None, Memory]] = field(default_factory=list)
+    """Each mesh weighed: its fastest fitting candidate (None: nothing fits) and its smallest
+    footprint (micro-batch 1, checkpointing, ZeRO-3)."""
+
+    @property
+    def runner_up(self) -> LayoutCandidate | None:
+        """The fastest fitting candidate of another mesh than the chosen one."""
+        others = [c for m, c, _ in self.layouts if c is not None and m != self.chosen.mesh]
+        return min(others, key=_choice_key, default=None)
 
     @property
     def reliability(self) -> Reliability:
@@ -508,33 +733,42 @@ def plan_training(inputs: PlanInputs) -> Plan:
     if not 0 < p.efficiency <= 1:
         raise PlanError(f"--efficiency={p.efficiency} must be in (0, 1]")
     G = p.global_batch_size or default_global_batch(shape)
-    if G < p.n_gpus:
-        raise PlanError(f"--global-batch-size={G} gives fewer sequences than --gpus={p.n_gpus}: "
-                        f"every worker needs a micro-batch; use a global batch >= {p.n_gpus}")
+    meshes = _meshes(p, cfg, net, p.n_gpus)
+    if G < min(m.dp for m in meshes):
+        dp = min(m.dp for m in meshes)
+        raise PlanError(f"--global-batch-size={G} gives fewer sequences than the {dp} "
+                        f"data-parallel ranks of {p.n_gpus} GPUs: every rank needs a micro-batch; "
+                        f"use a global batch >= {dp}")
     tokens = p.tokens or 20.0 * shape.params
     usable = gpu.memory_bytes * (1 - p.memory_margin)
 
-    candidates = _candidates(p, shape, gpu, net, p.n_gpus, G)
+    candidates = _candidates(p, shape, gpu, net, meshes, G)
     fitting = [c for c in candidates if c.memory.total <= usable]
     if not fitting:
-        raise PlanError(_what_would_fit(p, name, shape, gpu, G))
-    if p.achieved_flops_per_gpu:  # measured throughput: pick the largest micro-batch that fits
-        # (then the modelled-faster grad sync and resharding: the measured figure does not say)
-        chosen = max(fitting, key=lambda c: (c.micro_batch, not c.activation_checkpointing,
-                                             -c.step.step_s, -c.memory.total))
-    else:
-        # Ties (one GPU: no communication to save) go to the smaller footprint.
-        chosen = min(fitting, key=lambda c: (c.step.step_s, -c.micro_batch, c.memory.total))
+        raise PlanError(_what_would_fit(p, name, shape, gpu, net, G))
+    chosen = min(fitting, key=_choice_key)
+    if p.achieved_flops_per_gpu:  # measured throughput: in the modelled-fastest mesh, the
+        # largest micro-batch that fits (then the modelled-faster grad sync and resharding: the
+        # measured figure does not say)
+        chosen = max((c for c in fitting if c.mesh == chosen.mesh),
+                     key=lambda c: (c.micro_batch, not c.activation_checkpointing,
+                                    -c.step.step_s, -c.memory.total))
+    layouts = []
+    for mesh in meshes:
+        mine = [c for c in fitting if c.mesh == mesh]
+        layouts.append((mesh, min(mine, key=_choice_key, default=None),
+                        _mesh_floor_memory(p, shape, mesh)))
 
-    max_mb = {ckpt: max((c.micro_batch for c in fitting if c.activation_checkpointing == ckpt),
-                        default=0) for ckpt in (False, True)}
+    max_mb = {ckpt: max((c.micro_batch for c in fitting if c.activation_checkpointing == ckpt
+                         and c.mesh == chosen.mesh), default=0) for ckpt in (False, True)}
     at_mb = {ckpt: memory_per_gpu(shape, p.n_gpus, chosen.micro_batch,
                                   activation_checkpointing=ckpt, dtype=p.dtype,
                                   grad_sync=chosen.grad_sync,
                                   micro_batches_per_rank=chosen.micro_batches_per_rank,
                                   reshard_after_forward=chosen.reshard_after_forward,
                                   context_bytes=p.context_gib * GiB,
-                                  fragmentation=p.fragmentation) for ckpt in (False, True)}
+                                  fragmentation=p.fragmentation, tp=chosen.tp,
+                                  dp_shard=chosen.mesh.dp_shard) for ckpt in (False, True)}
 
     tokens_per_step = G * cfg.seq_len
     if p.achieved_flops_per_gpu:
@@ -563,10 +797,17 @@ def plan_training(inputs: PlanInputs) -> Plan:
     if _dtype_bytes(p.dtype) == 4:
         notes.append("float32 matmuls run at TF32/FP32 rates, far below the bf16 peak the step "
                      "time assumes; use the memory figures, not the speed")
-    if nodes > 1:
-        notes.append(f"{nodes} nodes: collectives run at the inter-node bandwidth "
-                     f"({net.bus_gbps(p.n_gpus):.0f} GB/s)")
-    kept = next((c for c in candidates if not c.reshard_after_forward
+    if chosen.mesh.hsdp:
+        notes.append(f"{nodes} nodes, HSDP: FSDP's all-gathers and reduce-scatters stay on the "
+                     f"intra-node link; only the gradient all-reduce crosses nodes "
+                     f"({net.inter_node_gbps:.0f} GB/s per node, shared by its "
+                     f"{net.gpus_per_node} GPUs)")
+    elif nodes > 1:
+        notes.append(f"{nodes} nodes: FSDP's collectives run at the inter-node bandwidth "
+                     f"({net.inter_node_gbps:.0f} GB/s per node"
+                     + (f", shared by the node's {chosen.tp} data-parallel groups)"
+                        if chosen.tp > 1 else ")"))
+    kept = next((c for c in candidates if not c.reshard_after_forward and c.mesh == chosen.mesh
                  and (c.micro_batch, c.activation_checkpointing, c.grad_sync)
                  == (chosen.micro_batch, chosen.activation_checkpointing, chosen.grad_sync)), None)
     if chosen.reshard_after_forward and kept is not None and kept.memory.total > usable:
@@ -576,6 +817,14 @@ def plan_training(inputs: PlanInputs) -> Plan:
                      f"the {usable / GiB:.1f} usable"
                      + (f"; it would save {saving:.3f} s/step" if saving > 0
                         and not p.achieved_flops_per_gpu else ""))
+    unwritable = ({"tp"} if chosen.tp > 1 else set()) | ({"hsdp"} if chosen.hsdp else set())
+    unwritable -= trainer_parallel_keys()
+    if unwritable:
+        notes.append(f"this trainer's config has no parallel.{' or parallel.'.join(sorted(unwritable))}"
+                     f": a written config cannot ask for {chosen.mesh.label()}; plan with --tp 1 "
+                     "--hsdp off for what it runs today")
+    if not p.achieved_flops_per_gpu:
+        notes += _beyond_tp_and_fsdp(chosen)
     plan = Plan(
         model_name=name, cfg=cfg, shape=shape, gpu=gpu, n_gpus=p.n_gpus, nodes=nodes,
         global_batch_size=G, tokens=tokens, usable_bytes=usable, chosen=chosen,
@@ -586,17 +835,51 @@ def plan_training(inputs: PlanInputs) -> Plan:
         spot_usd=p.spot_usd if p.spot_usd is not None else gpu.spot_usd,
         lr=default_lr(shape.params),
         warmup_steps=max(1, min(math.ceil(375e6 / tokens_per_step), max_steps // 10)),
-        min_workers=p.min_workers or _min_workers(p, shape, chosen, usable, G), dtype=p.dtype,
-        market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu, notes=notes)
+        min_workers=p.min_workers or _min_workers(p, shape, chosen, usable, G, net),
+        dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
+        notes=notes, layouts=layouts)
     if plan.warmup_steps > max_steps:
         plan.warmup_steps = max_steps
     return plan
 
 
+def _beyond_tp_and_fsdp(c: LayoutCandidate) -> list[str]:
+    """Where FSDP's traffic across nodes, not compute, sets the step, what would: FSDP moves the
+    TP rank's part of every weight (and gradient) through each node's NICs every step whatever
+    the GPU count, so past this point more GPUs or more TP do not help. Pipeline parallelism
+    gives each node only its stage's layers to gather and reduce: 1/pp of that traffic."""
+    st = c.step
+    if not c.mesh.spans_nodes or c.hsdp or st.exposed_comm_s < 0.25 * st.step_s:
+        return []
+    pp = next((n for n in (2, 4, 8, 16, 32, 64) if st.comm_s / n <= st.compute_s), 64)
+    return [f"FSDP's exposed communication is {st.exposed_comm_s:.1f} s of the {st.step_s:.1f} s "
+            f"step ({st.comm_s:.1f} s of collectives per step across nodes, against "
+            f"{st.compute_s:.1f} s of compute): more GPUs shrink the compute, not that traffic. "
+            f"Pipeline parallelism (not implemented) over {pp} stages would leave each node 1/{pp} "
+            f"of the layers to gather and reduce, {st.comm_s / pp:.1f} s per step, under the "
+            f"compute, at the cost of a pipeline bubble of (pp - 1) / micro-batches per pipeline"]
+
+
+def _choice_key(c: LayoutCandidate) -> tuple:
+    """Fastest step; ties (one GPU: no communication to save) go to the larger micro-batch, then
+    the smaller footprint, then the simpler mesh."""
+    return (c.step.step_s, -c.micro_batch, c.memory.total, c.tp, c.hsdp)
+
+
+# GPT-3 (Brown et al. 2020, table 2.1): batch size in tokens by model size. 0.5M, 1M and 2M are
+# 2^19, 2^20 and 2^21 tokens; 175B's 3.2M is 1536 sequences of 2048 (Megatron-LM's run too).
+_GPT3_BATCH_TOKENS = [(125e6, 2**19), (350e6, 2**19), (760e6, 2**19), (1.3e9, 2**20),
+                      (2.7e9, 2**20), (6.7e9, 2**21), (13e9, 2**21), (175e9, 1536 * 2048)]
+
+
 def default_global_batch(shape: ModelShape) -> int:
+    """GPT-3's batch for the size, in sequences of the model's seq_len: the table row nearest in
+    log(params) (the paper's batch grows in steps, so no interpolation); 32 below 10M params."""
     if shape.params < 10e6:
         return 32
-    return max(1, 2**19 // shape.cfg.seq_len)
+    _, batch_tokens = min(_GPT3_BATCH_TOKENS,
+                          key=lambda row: abs(math.log(shape.params / row[0])))
+    return max(1, round(batch_tokens / shape.cfg.seq_len))
 
 
 # GPT-3 (Brown et al. 2020, table 2.1): peak learning rate by model size.
@@ -622,33 +905,79 @@ def _network(p: PlanInputs, gpu: GPU) -> Network:
                    inter_node_gbps=p.inter_node_gbps or gpu.inter_node_gbps)
 
 
-def _micro_batch_sizes(p: PlanInputs, G: int, n_gpus: int) -> list[int]:
-    """Divisors of G (C1) that still give every worker at least one micro-batch."""
+def tp_problem(tp: int, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> str | None:
+    """Why `tp` cannot run this model on these GPUs (one line), or None."""
+    if tp not in TP_DEGREES:
+        return f"--tp={tp} must be one of {', '.join(map(str, TP_DEGREES))}"
+    if cfg.n_head % tp:
+        ok = [t for t in TP_DEGREES if cfg.n_head % t == 0]
+        return (f"--tp={tp} does not divide n_head={cfg.n_head}: each tensor-parallel rank needs "
+                f"whole attention heads; use --tp {' or '.join(map(str, ok))}")
+    if tp > gpus_per_node or gpus_per_node % tp:
+        return (f"--tp={tp} does not fit the {gpus_per_node} GPUs per node: a tensor-parallel "
+                f"group stays inside one node, so tp must divide the GPUs per node")
+    if tp > n_gpus:
+        return f"--tp={tp} is more than the {n_gpus} GPUs (--gpus) of the run"
+    if n_gpus % tp:
+        return f"--gpus={n_gpus} is not a multiple of --tp={tp}: every rank is in one TP group"
+    return None
+
+
+def _tp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[int]:
+    if p.tp is not None:
+        problem = tp_problem(p.tp, cfg, n_gpus, gpus_per_node)
+        if problem:
+            raise PlanError(problem)
+        return [p.tp]
+    return [t for t in TP_DEGREES if tp_problem(t, cfg, n_gpus, gpus_per_node) is None]
+
+
+def _meshes(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> list[Mesh]:
+    """Every tp x HSDP layout to weigh for n_gpus (forced ones only, when forced)."""
+    if p.hsdp not in ("auto", "on", "off"):
+        raise PlanError(f"--hsdp={p.hsdp!r} must be auto, on or off")
+    gpn = net.gpus_per_node
+    spans, whole_nodes = n_gpus > gpn, n_gpus % gpn == 0
+    if p.hsdp == "on" and spans and not whole_nodes:
+        raise PlanError(f"--hsdp on replicates whole nodes: --gpus={n_gpus} is not a multiple of "
+                        f"the {gpn} GPUs per node")
+    hsdps = {"off": [False], "on": [True], "auto": [False] + ([True] if spans and whole_nodes
+                                                             else [])}[p.hsdp]
+    return [make_mesh(n_gpus, tp, h, gpn) for tp in _tp_choices(p, cfg, n_gpus, gpn)
+            for h in hsdps]
+
+
+def _micro_batch_sizes(p: PlanInputs, G: int, dp: int) -> list[int]:
+    """Divisors of G (C1) that still give every data-parallel rank at least one micro-batch."""
     if p.micro_batch_size:
-        BatchPlan(G, p.micro_batch_size).check_world_size(n_gpus)
-        return [p.micro_batch_size]
-    return [m for m in range(1, G // n_gpus + 1) if G % m == 0]
+        return [p.micro_batch_size] if G // p.micro_batch_size >= dp else []
+    return [m for m in range(1, G // dp + 1) if G % m == 0]
 
 
-def _candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, n_gpus: int,
+def _candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, meshes: list[Mesh],
                 G: int) -> list[LayoutCandidate]:
     ckpts = [False, True] if p.activation_checkpointing is None else [p.activation_checkpointing]
     if p.grad_sync not in ("auto", "microbatch", "step"):
         raise PlanError(f"--grad-sync={p.grad_sync!r} must be auto, microbatch or step")
     syncs = ["microbatch", "step"] if p.grad_sync == "auto" else [p.grad_sync]
     reshards = _reshard_choices(p)
+    if p.micro_batch_size:  # C1: the micro-batch must divide the global batch (one clear line)
+        BatchPlan(G, p.micro_batch_size).check_world_size(min(m.dp for m in meshes))
     out = []
-    for mb in _micro_batch_sizes(p, G, n_gpus):
-        k = BatchPlan(G, mb).slots(n_gpus)
-        for ckpt, sync, reshard in itertools.product(ckpts, syncs, reshards):
-            mem = memory_per_gpu(shape, n_gpus, mb, activation_checkpointing=ckpt, dtype=p.dtype,
-                                 grad_sync=sync, micro_batches_per_rank=k,
-                                 reshard_after_forward=reshard,
-                                 context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
-            st = step_time(shape, gpu, net, n_gpus, mb, k, activation_checkpointing=ckpt,
-                           dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
-                           reshard_after_forward=reshard)
-            out.append(LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard))
+    for mesh in meshes:
+        for mb in _micro_batch_sizes(p, G, mesh.dp):
+            k = BatchPlan(G, mb).slots(mesh.dp)
+            for ckpt, sync, reshard in itertools.product(ckpts, syncs, reshards):
+                mem = memory_per_gpu(shape, p.n_gpus, mb, activation_checkpointing=ckpt,
+                                     dtype=p.dtype, grad_sync=sync, micro_batches_per_rank=k,
+                                     reshard_after_forward=reshard,
+                                     context_bytes=p.context_gib * GiB,
+                                     fragmentation=p.fragmentation, tp=mesh.tp,
+                                     dp_shard=mesh.dp_shard)
+                st = step_time(shape, gpu, net, p.n_gpus, mb, k, activation_checkpointing=ckpt,
+                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                               reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp)
+                out.append(LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh))
     return out
 
 
@@ -659,87 +988,135 @@ def _reshard_choices(p: PlanInputs) -> list[bool]:
     return {"auto": [True, False], "always": [True], "never": [False]}[p.reshard_after_forward]
 
 
-def _floor_fits(p: PlanInputs, shape: ModelShape, n_gpus: int, usable: float) -> bool:
-    """Does micro-batch 1 with checkpointing (the smallest footprint) fit on n_gpus?"""
-    return _floor_memory(p, shape, n_gpus).total <= usable
-
-
-def _floor_memory(p: PlanInputs, shape: ModelShape, n_gpus: int) -> Memory:
-    """Micro-batch 1, checkpointing, reduce per micro-batch, and ZeRO-3 unless `never` is forced."""
-    return memory_per_gpu(shape, n_gpus, 1, activation_checkpointing=True, dtype=p.dtype,
+def _mesh_floor_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh) -> Memory:
+    """A mesh's smallest footprint: micro-batch 1, checkpointing, reduce per micro-batch, and
+    ZeRO-3 unless `never` is forced."""
+    return memory_per_gpu(shape, mesh.world, 1, activation_checkpointing=True, dtype=p.dtype,
                           reshard_after_forward=p.reshard_after_forward != "never",
-                          context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
+                          context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
+                          tp=mesh.tp, dp_shard=mesh.dp_shard)
+
+
+def _floor_memory(p: PlanInputs, shape: ModelShape, net: Network, n_gpus: int,
+                  hsdp: bool | None = None) -> tuple[Memory, Mesh] | None:
+    """The smallest footprint on n_gpus over the tensor-parallel degrees allowed there (more TP
+    is always smaller), and its mesh; None if no degree divides n_gpus."""
+    on = p.hsdp == "on" if hsdp is None else hsdp
+    try:
+        tps = _tp_choices(p, shape.cfg, n_gpus, net.gpus_per_node)
+    except PlanError:
+        return None
+    if not tps or (on and n_gpus > net.gpus_per_node and n_gpus % net.gpus_per_node):
+        return None
+    mesh = make_mesh(n_gpus, max(tps), on, net.gpus_per_node)
+    return _mesh_floor_memory(p, shape, mesh), mesh
 
 
 def _min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: float,
-                 G: int) -> int:
-    """Fewest workers at which the chosen micro-batch, checkpointing, grad sync and resharding
-    still fit: the elastic floor (the written config fixes all four, so a smaller group runs them
-    too). Fewer workers means more micro-batches per worker but the same activations per
+                 G: int, net: Network) -> int:
+    """Fewest workers at which the chosen tp, HSDP, micro-batch, checkpointing, grad sync and
+    resharding still fit: the elastic floor (the written config fixes them all, so a smaller group
+    runs them too). The group shrinks in whole TP groups, and under HSDP in whole nodes (one
+    replica each). Fewer workers means more micro-batches per rank but the same activations per
     micro-batch."""
-    for w in range(1, p.n_gpus + 1):
-        k = BatchPlan(G, c.micro_batch).slots(w)
+    step = net.gpus_per_node if c.hsdp else c.tp
+    for w in range(step, p.n_gpus + 1, step):
+        mesh = make_mesh(w, c.tp, c.hsdp, net.gpus_per_node)
+        k = BatchPlan(G, c.micro_batch).slots(mesh.dp)
         mem = memory_per_gpu(shape, w, c.micro_batch,
                              activation_checkpointing=c.activation_checkpointing, dtype=p.dtype,
                              grad_sync=c.grad_sync, micro_batches_per_rank=k,
                              reshard_after_forward=c.reshard_after_forward,
-                             context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
+                             context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
+                             tp=c.tp, dp_shard=mesh.dp_shard)
         if mem.total <= usable:
             return w
     return p.n_gpus
 
 
-def _what_would_fit(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, G: int) -> str:
+def _what_would_fit(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, net: Network,
+                    G: int) -> str:
     usable = gpu.memory_bytes * (1 - p.memory_margin)
-    need = _floor_memory(p, shape, p.n_gpus)
+    floor = _floor_memory(p, shape, net, p.n_gpus)
+    need, mesh = floor if floor else (_mesh_floor_memory(p, shape, Mesh(1, p.n_gpus)),
+                                      Mesh(1, p.n_gpus))
     forced = " and every block kept gathered" if p.reshard_after_forward == "never" else ""
+    tp = f", tp={mesh.tp}" if mesh.tp > 1 else ""
+    hsdp = ", HSDP" if mesh.hsdp else ""
     head = (f"{name} ({shape.params / 1e9:.2f}B params) does not fit on {p.n_gpus} x {gpu.name} "
-            f"even at micro-batch 1 with activation checkpointing{forced} (needs "
+            f"even at micro-batch 1 with activation checkpointing{forced}{tp}{hsdp} (needs "
             f"{need.total / GiB:.1f} GiB per GPU, {usable / GiB:.1f} GiB usable)")
     options = []
-    if forced and _floor_fits(dataclasses.replace(p, reshard_after_forward="always"), shape,
+    if forced and _floor_fits(dataclasses.replace(p, reshard_after_forward="always"), shape, net,
                               p.n_gpus, usable):
         options.append("--reshard-after-forward always (train.reshard_after_forward: always, "
                        "ZeRO-3)")
-    more = _fewest_gpus(p, shape, p.n_gpus, usable)
+    if mesh.hsdp and _floor_fits(dataclasses.replace(p, hsdp="off"), shape, net, p.n_gpus,
+                                 usable):
+        options.append("--hsdp off (HSDP keeps a whole copy of the model state in every node)")
+    more = _fewest_gpus(p, shape, net, p.n_gpus, usable)
     if more is not None:
+        more_mesh = _floor_memory(p, shape, net, more)[1]
         options.append(f"at least {more} x {gpu.name}"
-                       + (f" (with --global-batch-size >= {more})" if more > G else ""))
+                       + (f" (tp={more_mesh.tp})" if more_mesh.tp > 1 else "")
+                       + (f" (with --global-batch-size >= {more_mesh.dp})"
+                          if more_mesh.dp > G else ""))
     for g in sorted(p.hardware.values(), key=lambda g: g.memory_gib):
         if g.memory_gib <= gpu.memory_gib:
             continue
-        n = _fewest_gpus(p, shape, p.n_gpus, g.memory_bytes * (1 - p.memory_margin))
+        gnet = Network(p.gpus_per_node or g.gpus_per_node, g.intra_node_gbps,
+                       g.inter_node_gbps)
+        n = _fewest_gpus(p, shape, gnet, p.n_gpus, g.memory_bytes * (1 - p.memory_margin))
         if n is not None:  # the smallest bigger chip that fits at some count
             options.append(f"{n} x {g.name}")
             break
     if not options:
-        return (head + "; no GPU count fits: the unsharded part (gathered blocks, activations, "
-                "logits) alone exceeds every known chip; use a shorter seq_len")
+        top = _floor_memory(p, shape, net, 2**20)
+        unsharded = (top[0].total - top[0].sharded_state) if top else need.total
+        return (head + f"; no GPU count fits: with every tensor-parallel degree allowed the part "
+                f"FSDP cannot shard (gathered blocks, activations, logits) alone needs "
+                f"{unsharded / GiB:.1f} GiB; splitting the sequence (context parallelism, not "
+                "implemented) or a shorter seq_len would")
     return head + "; use " + " or ".join(options)
 
 
-def _fewest_gpus(p: PlanInputs, shape: ModelShape, start: int, usable: float) -> int | None:
-    """Smallest GPU count >= start at which micro-batch 1 with checkpointing fits, if any."""
-    if _floor_fits(p, shape, start, usable):
-        return start
-    hi = next((n for n in _doublings(start) if _floor_fits(p, shape, n, usable)), None)
-    return None if hi is None else _smallest_fitting(p, shape, hi // 2 + 1, hi, usable)
+def _floor_fits(p: PlanInputs, shape: ModelShape, net: Network, n_gpus: int,
+                usable: float) -> bool:
+    """Does micro-batch 1 with checkpointing (the smallest footprint) fit on n_gpus?"""
+    floor = _floor_memory(p, shape, net, n_gpus)
+    return floor is not None and floor[0].total <= usable
+
+
+def _fewest_gpus(p: PlanInputs, shape: ModelShape, net: Network, start: int,
+                 usable: float) -> int | None:
+    """Smallest GPU count >= start at which micro-batch 1 with checkpointing fits, if any.
+
+    Counts are searched per tensor-parallel degree in its multiples (memory falls as they grow),
+    FSDP over all of them (HSDP's state does not shrink with more nodes)."""
+    q = dataclasses.replace(p, hsdp="off")
+    best = None
+    for tp in _tp_choices(q, shape.cfg, net.gpus_per_node, net.gpus_per_node):
+        fits = lambda d, tp=tp: _mesh_floor_memory(
+            q, shape, make_mesh(d * tp, tp, False, net.gpus_per_node)).total <= usable
+        lo = max(1, -(-start // tp))
+        hi = next((d for d in itertools.chain([lo], _doublings(lo)) if fits(d)), None)
+        if hi is None:
+            continue
+        lo = max(lo, hi // 2 + 1) if hi > lo else hi
+        while lo < hi:  # binary search the first multiple that fits
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        best = hi * tp if best is None else min(best, hi * tp)
+    return best
 
 
 def _doublings(n: int, limit: int = 2**20):
     while n <= limit:
         n *= 2
         yield n
-
-
-def _smallest_fitting(p: PlanInputs, shape: ModelShape, lo: int, hi: int, usable: float) -> int:
-    while lo < hi:  # memory per GPU falls as GPUs grow: binary search the first that fits
-        mid = (lo + hi) // 2
-        if _floor_fits(p, shape, mid, usable):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
 
 
 # ----------------------------------------------------------------------------- config + report
@@ -763,7 +1140,25 @@ def training_config(plan: Plan) -> dict:
                   "dtype": "float32" if _dtype_bytes(plan.dtype) == 4 else "bfloat16"},
         "scaling": {"min_workers": plan.min_workers, "max_workers": plan.n_gpus, "use_gpu": True},
         "checkpoint": {"every_steps": plan.reliability.every_steps},
-    }
+    } | _parallel_keys(c)
+
+
+def trainer_parallel_keys() -> set[str]:
+    """The keys of the trainer's `parallel` config section (empty when it has none)."""
+    from elastic_gpt.config import Config
+    section = next((f for f in dataclasses.fields(Config) if f.name == "parallel"), None)
+    if section is None:
+        return set()
+    return {f.name for f in dataclasses.fields(section.default_factory())}
+
+
+def _parallel_keys(c: LayoutCandidate) -> dict:
+    """parallel.tp and parallel.hsdp as planned (`on`/`off`, not the trainer's `auto`), so the
+    trainer runs the plan's mesh; only the keys the trainer's config knows."""
+    known = trainer_parallel_keys()
+    section = {k: v for k, v in (("tp", c.tp), ("hsdp", "on" if c.hsdp else "off"))
+               if k in known}
+    return {"parallel": section} if section else {}
 
 
 def format_report(plan: Plan) -> str:
@@ -773,49 +1168,80 @@ def format_report(plan: Plan) -> str:
     if plan.achieved_flops_per_gpu:
         step_source = f"at the measured {plan.achieved_flops_per_gpu / 1e12:.0f} TFLOP/s per GPU"
     else:
-        step_source = (f"compute {st.compute_s:.3f} s + exposed comm {st.exposed_comm_s:.3f} s "
-                       f"+ optimizer {st.optimizer_s:.4f} s")
+        step_source = (f"compute {st.compute_s:.3f} s + exposed FSDP comm "
+                       f"{st.exposed_comm_s:.3f} s"
+                       + (f" + TP comm {st.tp_comm_s:.3f} s" if c.tp > 1 else "")
+                       + f" + optimizer {st.optimizer_s:.4f} s")
+    tp_part = f"P/{c.tp} on this TP rank, " if c.tp > 1 else ""
+    shard_part = (f"/ {c.mesh.dp_shard} in a node (HSDP)" if c.hsdp
+                  else f"/ {c.mesh.dp_shard}")
     lines = [
         f"model     {plan.model_name}: {plan.shape.params / 1e6:,.1f}M params, L={cfg.n_layer} "
         f"H={cfg.n_head} d={cfg.n_embd} T={cfg.seq_len} V={cfg.vocab_size}, "
         f"{plan.shape.model_flops_per_token / 1e9:.2f} GFLOP/token",
         f"hardware  {plan.n_gpus} x {plan.gpu.name} on {plan.nodes} node(s), "
         f"{plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak, {plan.gpu.memory_gib:.1f} GiB each",
+        f"layout    {c.mesh.label()}",
         f"batch     {plan.global_batch_size} seqs x {cfg.seq_len} = {tok:,} tokens/step; "
-        f"micro-batch {c.micro_batch}, {c.micro_batches_per_rank} per worker per step, "
-        f"activation checkpointing {'on' if c.activation_checkpointing else 'off'}, "
+        f"micro-batch {c.micro_batch}, {c.micro_batches_per_rank} per data-parallel rank per "
+        f"step, activation checkpointing {'on' if c.activation_checkpointing else 'off'}, "
         f"grads reduced per {c.grad_sync}, reshard_after_forward={c.reshard_policy}",
         "",
-        ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward)"
+        ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward"
          if c.reshard_after_forward else
-         "memory per GPU (FSDP2, blocks kept gathered through the step)"),
+         "memory per GPU (FSDP2, blocks kept gathered through the step")
+        + (f"; tensor parallel over {c.tp}, sequence parallel)" if c.tp > 1 else ")"),
         *(f"  {label:<50s}{value}" for label, value in [
-            (f"params+grads+Adam, sharded (16 B/param / {plan.n_gpus})", gib(m.sharded_state)),
+            (f"params+grads+Adam, sharded (16 B x {tp_part}{shard_part})",
+             gib(m.sharded_state)),
             ("gathered blocks + root in flight" if c.reshard_after_forward else
              f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
             ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads)),
             ("activations, checkpointing off / on",
              f"{gib(plan.memory_at_chosen[False].activations)} / "
              f"{gib(plan.memory_at_chosen[True].activations)}"),
-            ("logits for the loss (12 B x B x T x V)", gib(m.logits)),
+            ("logits for the loss (12 B x B x T x V" + (f" / {c.tp})" if c.tp > 1 else ")"),
+             gib(m.logits)),
             ("CUDA context + fragmentation", gib(m.overhead)),
             ("total", f"{gib(m.total)}  of {plan.usable_bytes / GiB:.1f} GiB usable "
                       f"({plan.gpu.memory_gib:.1f} minus margin)"),
         ]),
         f"  largest micro-batch that fits: {plan.max_micro_batch[False] or 'none'} without, "
         f"{plan.max_micro_batch[True] or 'none'} with activation checkpointing (at most "
-        f"global batch / GPUs = {plan.global_batch_size // plan.n_gpus})",
+        f"global batch / data-parallel ranks = {plan.global_batch_size // c.mesh.dp})",
         "",
         "communication per GPU per step",
-        f"  all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
-        f"{st.reduce_scatter_bytes / GB:.2f} GB = {st.comm_s:.3f} s if serial; "
-        f"{st.exposed_comm_s:.3f} s exposed ({100 * st.overlapped_fraction:.0f}% overlapped)",
+        f"  FSDP: all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
+        f"{st.reduce_scatter_bytes / GB:.2f} GB"
+        + (f" + all-reduce across nodes {st.all_reduce_bytes / GB:.2f} GB" if c.hsdp else "")
+        + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
+        f"({100 * st.overlapped_fraction:.0f}% overlapped)",
+    ]
+    if c.tp > 1:
+        lines.append(f"  tensor parallel: {st.tp_bytes / GB:.2f} GB on the intra-node link = "
+                     f"{st.tp_comm_s:.3f} s, on the critical path (not overlapped)")
+    lines += [
         "",
         "throughput",
         f"  step {plan.step_s:.3f} s ({step_source}), "
         f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
         f"  {plan.tokens / 1e9:.3g}B tokens = {plan.max_steps:,} steps = "
         f"{_duration(plan.time_to_train_s)} of training",
+    ]
+    if len(plan.layouts) > 1:
+        lines += ["", "layouts weighed (the fastest fitting settings of each)"]
+        for mesh, best, floor in plan.layouts:
+            mark = "*" if mesh == c.mesh else " "
+            if best is None:
+                lines.append(f"  {mark} {mesh.short():<20s} does not fit: needs "
+                             f"{floor.total / GiB:.1f} GiB at micro-batch 1 with checkpointing")
+            else:
+                lines.append(f"  {mark} {mesh.short():<20s} step {best.step.step_s:8.3f} s, "
+                             f"{best.memory.total / GiB:5.1f} GiB: {best.settings()}")
+        ru = plan.runner_up
+        if ru is not None and not plan.achieved_flops_per_gpu:
+            lines.append(f"  chosen: {_why(c, ru)}")
+    lines += [
         "",
         f"reliability (checkpoint {plan.on_demand.ckpt_write_s:.0f} s blocking, recovery "
         f"{plan.on_demand.recovery_s:.0f} s)",
@@ -834,10 +1260,24 @@ def format_report(plan: Plan) -> str:
         f"  spot      ${plan.spot_usd:.2f}: ${plan.cost_usd(spot=True):,.0f} over "
         f"{_duration(plan.time_to_train_s / max(plan.spot.goodput, 1e-9))}",
         "",
-        f"elastic floor: the chosen micro-batch fits down to {plan.min_workers} worker(s)",
+        f"elastic floor: the chosen layout fits down to {plan.min_workers} worker(s)",
     ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _why(chosen: LayoutCandidate, other: LayoutCandidate) -> str:
+    """One line: what the chosen layout saves over the runner-up, by where the time goes."""
+    a, b = chosen.step, other.step
+    parts = [(label, y - x) for label, x, y in (
+        ("compute", a.compute_s, b.compute_s),
+        ("exposed FSDP comm", a.exposed_comm_s, b.exposed_comm_s),
+        ("TP comm", a.tp_comm_s, b.tp_comm_s),
+        ("optimizer", a.optimizer_s, b.optimizer_s))]
+    parts = [f"{label} {d:+.3f} s" for label, d in parts if abs(d) >= 5e-4]
+    return (f"{chosen.mesh.label()}, {b.step_s - a.step_s:.3f} s/step faster than the runner-up "
+            f"{other.mesh.label()} ({other.settings()}; runner-up minus chosen: "
+            f"{', '.join(parts) or 'equal'})")
 
 
 def _duration(s: float) -> str:
@@ -876,7 +1316,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--vocab-size", type=int)
     t = parser.add_argument_group("training")
     t.add_argument("--global-batch-size", type=int,
-                   help="sequences per step (default ~0.5M tokens)")
+                   help="sequences per step (default: GPT-3's batch for the size, 0.5M-3.2M "
+                   "tokens)")
     t.add_argument("--tokens", type=parse_count,
                    help="token budget, e.g. 300B (default 20 x params)")
     t.add_argument("--micro-batch-size", type=int, help="force one (default: fastest that fits)")
@@ -885,6 +1326,11 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--reshard-after-forward", choices=["auto", "always", "never"],
                    default="auto", help="always: ZeRO-3; never: keep every block gathered for "
                    "the step (one all-gather per block per step); auto: the faster that fits")
+    t.add_argument("--tp", type=int, help="tensor-parallel degree, 1, 2, 4 or 8 (default: the "
+                   "fastest that fits)")
+    t.add_argument("--hsdp", choices=["auto", "on", "off"], default="auto",
+                   help="on: FSDP shards within a node and replicates across nodes (default: "
+                   "the faster that fits)")
     t.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     h = parser.add_argument_group("hardware")
     h.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
@@ -933,7 +1379,7 @@ def inputs_from_args(args) -> PlanInputs:
         achieved_flops_per_gpu=args.achieved_tflops * 1e12 if args.achieved_tflops else None,
         micro_batch_size=args.micro_batch_size, activation_checkpointing=ckpt,
         grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward,
-        dtype=args.dtype, memory_margin=args.memory_margin,
+        tp=args.tp, hsdp=args.hsdp, dtype=args.dtype, memory_margin=args.memory_margin,
         on_demand_usd=args.on_demand_price, spot_usd=args.spot_price, hardware=hardware,
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,
@@ -966,17 +1412,24 @@ def plan_summary(plan: Plan) -> dict:
         "n_gpus": plan.n_gpus, "nodes": plan.nodes,
         "micro_batch_size": c.micro_batch, "activation_checkpointing": c.activation_checkpointing,
         "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
+        "tp": c.tp, "hsdp": c.hsdp, "dp_shard": c.mesh.dp_shard,
+        "dp_replicate": c.mesh.dp_replicate,
         "memory_bytes": dataclasses.asdict(c.memory)
         | {"total": c.memory.total},
         "max_micro_batch": {"no_ckpt": plan.max_micro_batch[False],
                             "ckpt": plan.max_micro_batch[True]},
         "all_gather_bytes": c.step.all_gather_bytes,
         "reduce_scatter_bytes": c.step.reduce_scatter_bytes,
-        "comm_s": c.step.comm_s, "exposed_comm_s": c.step.exposed_comm_s,
+        "all_reduce_bytes": c.step.all_reduce_bytes, "tp_bytes": c.step.tp_bytes,
+        "tp_comm_s": c.step.tp_comm_s, "comm_s": c.step.comm_s, "exposed_comm_s": c.step.exposed_comm_s,
         "step_s": plan.step_s, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
         "max_steps": plan.max_steps, "time_to_train_s": plan.time_to_train_s,
         "goodput_on_demand": plan.on_demand.goodput, "goodput_spot": plan.spot.goodput,
         "ckpt_every_steps": plan.reliability.every_steps,
         "cost_on_demand_usd": plan.cost_usd(spot=False), "cost_spot_usd": plan.cost_usd(spot=True),
+        "layouts": [{"tp": m.tp, "hsdp": m.hsdp, "fits": best is not None,
+                     "step_s": best.step.step_s if best else None,
+                     "memory_bytes": best.memory.total if best else floor.total}
+                    for m, best, floor in plan.layouts],
         "config": training_config(plan),
     }
