@@ -76,22 +76,24 @@ def preset_config(name: str, **overrides) -> GPTConfig:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # c_attn's output is [q | k | v]. Under tensor parallelism it holds only this rank's heads
+        # of each (parallel/tensor.py), so the head count is read from the width, not the config.
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        # (B, T, nh * hs) -> (B, nh, T, hs)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # SDPA picks flash / memory-efficient kernels on GPU and a fused math path on CPU.
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, nh, T, hs) -> (B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -120,6 +122,27 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class TiedLMHead(nn.Linear):
+    """The output projection, tied to the token embedding (GPT-2): its weight IS `wte.weight`.
+
+    A Linear, so tensor parallelism can give it a plan of its own (vocab-parallel logits), but it
+    registers no parameter: parameters, state dict and checkpoints hold `wte.weight` once, as
+    GPT-2's do. The weight is read from the embedding at every call, so whatever wte holds then
+    (a DTensor under tensor parallelism, FSDP's gathered weight during a step) is what it uses.
+    """
+
+    def __init__(self, wte: nn.Embedding):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = wte.embedding_dim, wte.num_embeddings
+        self.register_parameter("bias", None)
+        # A plain attribute, not a submodule: wte stays registered once, under GPT.
+        self.__dict__["_wte"] = wte
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._wte.weight
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -129,7 +152,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        # Tied embeddings: the output projection reuses wte (GPT-2), so no separate lm_head weight.
+        self.lm_head = TiedLMHead(self.wte)
         if not self.wte.weight.is_meta:  # on "meta" the trainer inits after sharding instead
             self.init_weights()
 
@@ -167,8 +190,7 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
             x = block(x)
-        x = self.ln_f(x)
-        return F.linear(x, self.wte.weight)  # (B, T, vocab)
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
