@@ -18,6 +18,9 @@ def test_logits_shape_and_gpt2_parameter_names():
                      "ln_f.bias"]:
         assert expected in names
     assert not any(n.startswith("lm_head") for n in names)  # tied to wte
+    # The state dict (what checkpoints and export-hf hold) is the parameters, once each.
+    assert list(model.state_dict()) == list(dict(model.named_parameters()))
+    assert model.lm_head.weight is model.wte.weight
 
 
 def test_future_tokens_do_not_change_past_logits():
