@@ -1,6 +1,6 @@
 """The planner (elastic_gpt/planner/plan.py) checked against measurements on this machine (issue 7).
 
-    .venv/bin/python bench/bench_planner.py [--only memory,comm,goodput] [--goodput-s 200]
+    .venv/bin/python bench/bench_planner.py [--only memory,comm,tp,goodput] [--goodput-s 200]
 
 Prints predicted / measured ratios for:
   memory   peak memory per worker, presets `tiny` and `small`, fp32 on CPU, 2 FSDP2 ranks (gloo):
@@ -16,6 +16,13 @@ Prints predicted / measured ratios for:
            by wrapping torch.distributed.all_gather_single / reduce_scatter_single, each call
            counted as (N-1)/N x the full (gathered / pre-reduction) tensor, the ring formula the
            planner uses
+  tp       tensor parallelism and HSDP (issue 11): bytes each rank sends per step, the planner's
+           step_time(..., tp, hsdp) (.tp_bytes, .all_gather_bytes, .reduce_scatter_bytes,
+           .all_reduce_bytes) vs the collectives the trainer issues at tp=2 (W=2), dp=2 x tp=2
+           (W=4) and HSDP 2 x 2 (two "nodes" named by rank_nodes): FSDP2's through the
+           torch.distributed wrappers above, DTensor's (functional collectives, issued inside
+           DTensor's dispatch) by a dispatch mode that lets DTensor run first, as CommDebugMode
+           does, and sees the functional collectives it issues
   goodput  a chaos run (bench/bench_recovery.py's: tiny model, 2 one-CPU Ray nodes, a node killed
            every 60 s and replaced 20 s later): measured goodput vs plan.goodput(...) fed the
            measured recovery time, checkpoint interval and checkpoint write time
@@ -72,6 +79,8 @@ class CollectiveCounter:
         import torch.distributed as dist
         self.dist, self.bytes = dist, {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
         self.calls = dict.fromkeys(self.bytes, 0)
+        self.by_group: dict[tuple[str, int], float] = {}
+        """Bytes by (kind, group size): HSDP's all-reduce is the one over dp_replicate ranks."""
         self._orig = {}
         for name, kind, pick in [("all_gather_single", "all_gather", lambda a, k: a[0]),
                                  ("all_gather_into_tensor", "all_gather", lambda a, k: a[0]),
@@ -92,12 +101,15 @@ class CollectiveCounter:
             ring = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
             self.bytes[kind] += ring * t.numel() * t.element_size()
             self.calls[kind] += 1
+            key = (kind, n)
+            self.by_group[key] = self.by_group.get(key, 0.0) + ring * t.numel() * t.element_size()
             return orig(*args, **kwargs)
         setattr(self.dist, name, wrapped)
 
     def reset(self):
         for k in self.bytes:
             self.bytes[k], self.calls[k] = 0, 0
+        self.by_group.clear()
 
 
 def _mem_worker(rank: int, world: int, cases: list, data: dict, steps: int) -> list[dict]:
@@ -216,6 +228,178 @@ def report_memory_comm(rows: list[dict]) -> list[dict]:
     return out
 
 
+# ---- tensor parallelism and HSDP: counted collective bytes ---------------------------------------
+
+TP_CASES = [  # (preset, seq_len, global batch, micro-batch, checkpointing, parallel.tp,
+    #            parallel.hsdp, world size, nodes named by rank_nodes)
+    ("tiny", 128, 8, 4, False, 2, "off", 2, 1), ("tiny", 128, 8, 2, True, 2, "off", 2, 1),
+    ("small", 256, 8, 4, False, 2, "off", 2, 1), ("small", 256, 8, 2, True, 2, "off", 2, 1),
+    ("tiny", 128, 8, 2, False, 2, "off", 4, 1), ("tiny", 128, 8, 2, True, 2, "off", 4, 1),
+    ("tiny", 128, 8, 2, False, 1, "on", 4, 2), ("small", 256, 8, 2, False, 1, "on", 4, 2),
+]
+
+
+def functional_collective_counter(group_sizes: dict[str, tuple[str, int]]):
+    """A TorchDispatchMode counting the functional collectives DTensor issues, bytes per rank by
+    the ring formula, keyed by (op, mesh dim). Returning NotImplemented for DTensor arguments lets
+    DTensor's own dispatch run first (its redistributions, loss_parallel's reductions), so the
+    collectives it issues on local tensors come back through this mode, as in CommDebugMode.
+    `group_sizes` maps a process group's name to (mesh dim, size)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes: dict[tuple[str, str], float] = {}
+            self.calls: dict[tuple[str, str], int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            packet = func._overloadpacket
+            if getattr(packet, "_qualified_op_name", "").startswith("_c10d_functional::"):
+                name = packet.__name__
+                if name.startswith(("all_gather_into_tensor", "reduce_scatter_tensor",
+                                    "all_reduce")):
+                    self._record(name, args)
+            return out
+
+        def _record(self, name: str, args: tuple):
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            group = args[-1]
+            dim, n = group_sizes.get(group, ("other", 0))
+            if name.startswith("all_gather"):  # the inputs are the shards
+                n = n or args[-2]
+                full = sum(t.numel() * t.element_size() for t in tensors) * n
+                kind, moved = "all_gather", (n - 1) / n * full
+            elif name.startswith("reduce_scatter"):  # the inputs are the whole tensors
+                n = n or args[-2]
+                kind = "reduce_scatter"
+                moved = (n - 1) / n * sum(t.numel() * t.element_size() for t in tensors)
+            else:
+                kind = "all_reduce"
+                moved = 2 * (n - 1) / n * sum(t.numel() * t.element_size() for t in tensors) \
+                    if n else 0.0
+            key = (kind, dim)
+            self.bytes[key] = self.bytes.get(key, 0.0) + moved
+            self.calls[key] = self.calls.get(key, 0) + 1
+
+        def reset(self):
+            self.bytes.clear()
+            self.calls.clear()
+
+    return Counter()
+
+
+def _tp_worker(rank: int, world: int, case: tuple, data: str, steps: int) -> dict:
+    import torch.distributed as dist
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.train.trainer import Trainer
+
+    preset, seq, G, mb, ckpt, tp, hsdp, _, nodes = case
+    cfg = load_config("jobs/configs/mini.yaml", [
+        f"model.preset={preset}", f"data.path={data}", f"train.global_batch_size={G}",
+        f"train.micro_batch_size={mb}", f"scaling.max_workers={world}",
+        f"scaling.min_workers={world}", "checkpoint.path=/tmp/unused-bench-planner",
+        "tracking.enabled=false", "train.threads_per_worker=1",
+        f"train.activation_checkpointing={str(ckpt).lower()}", f"parallel.tp={tp}",
+        f"parallel.hsdp={hsdp}"])
+    per_node = world // nodes
+    rank_nodes = [f"node-{r // per_node}" for r in range(world)]
+    fsdp = CollectiveCounter()
+    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None, rank_nodes=rank_nodes)
+    mesh = trainer.dims.mesh
+    groups = {mesh.get_group(d).group_name: (d, mesh.get_group(d).size())
+              for d in mesh.mesh_dim_names}
+    dp = trainer.dims.dp_degree
+    stream = open_step_stream(cfg.data.path, plan=BatchPlan(G, mb), rank=trainer.dp_rank,
+                              world_size=dp, start_step=0, seed=cfg.data.seed)
+    trainer.train_step(next(stream))  # warm-up: lazy init and first-step allocations
+    tpc = functional_collective_counter(groups)
+    fsdp.reset()
+    with tpc:
+        for _ in range(steps):
+            trainer.train_step(next(stream))
+    stream.close()
+    row = {"case": list(case), "grad_sync": cfg.train.grad_sync,
+           "reshard_after_forward": trainer.reshard_after_forward,
+           "dims": trainer.dims.describe(),
+           "fsdp_bytes": {k: v / steps for k, v in fsdp.bytes.items()},
+           "fsdp_by_group": {f"{k}/{n}": v / steps for (k, n), v in fsdp.by_group.items()},
+           "fsdp_calls": {k: v / steps for k, v in fsdp.calls.items()},
+           "funcol_bytes": {f"{k}/{d}": v / steps for (k, d), v in tpc.bytes.items()},
+           "funcol_calls": {f"{k}/{d}": v / steps for (k, d), v in tpc.calls.items()}}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    return rows
+
+
+def measure_tp(root: str, steps: int = 2) -> list[dict]:
+    from elastic_gpt.testing.gloo import run_gloo
+    out = []
+    for case in TP_CASES:
+        data = stdlib_data(root, case[1])
+        rows = run_gloo(_tp_worker, case[7], case, data, steps)[0]
+        out.append(rows)
+        print(f"  counted {case} on {rows[0]['dims']}", flush=True)
+    return out
+
+
+def predict_tp(row: dict) -> dict:
+    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.hardware import GPUS
+    from elastic_gpt.model.gpt import pad_vocab, preset_config
+    from elastic_gpt.planner import plan
+
+    preset, seq, G, mb, ckpt, tp, hsdp, world, nodes = row["case"]
+    cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))
+    shape = plan.model_shape(cfg)
+    net = plan.Network(gpus_per_node=world // nodes, intra_node_gbps=10, inter_node_gbps=10)
+    mesh = plan.make_mesh(world, tp, hsdp == "on", net.gpus_per_node)
+    k = BatchPlan(G, mb).slots(mesh.dp)
+    st = plan.step_time(shape, GPUS["H100"], net, world, mb, k, activation_checkpointing=ckpt,
+                        dtype="float32", grad_sync=row["grad_sync"],
+                        reshard_after_forward=row["reshard_after_forward"], tp=tp,
+                        hsdp=mesh.hsdp)
+    return {"tp": st.tp_bytes, "all_gather": st.all_gather_bytes,
+            "reduce_scatter": st.reduce_scatter_bytes, "all_reduce": st.all_reduce_bytes}
+
+
+def report_tp(results: list[list[dict]]) -> list[dict]:
+    print("\nbytes sent per rank per step (ring formula), fp32 on CPU: planner step_time(tp, hsdp)"
+          " vs counted (TP: DTensor's functional collectives on the tp mesh dim; FSDP: FSDP2's)")
+    print(f"{'case':<40}{'what':<24}{'pred MB':>10}{'counted MB':>12}{'ratio':>7}{'calls':>7}")
+    out = []
+    for rows in results:
+        r = rows[0]  # every rank sends the same bytes; rank 0 speaks for them
+        preset, seq, G, mb, ckpt, tp, hsdp, world, nodes = r["case"]
+        name = (f"{preset} mb={mb} ckpt={'on' if ckpt else 'off'} W={world} {r['dims']}")
+        pred = predict_tp(r)
+        fb, fg, fc = r["fsdp_bytes"], r["fsdp_by_group"], r["fsdp_calls"]
+        tpb = sum(v for key, v in r["funcol_bytes"].items() if key.endswith("/tp"))
+        tpc = sum(v for key, v in r["funcol_calls"].items() if key.endswith("/tp"))
+        replicas = world // (tp * (world // nodes // tp)) if hsdp == "on" else 0
+        counted = {"tp": tpb, "all_gather": fb["all_gather"],
+                   "reduce_scatter": fb["reduce_scatter"],
+                   "all_reduce": fg.get(f"all_reduce/{replicas}", 0.0) if replicas > 1 else 0.0}
+        calls = {"tp": tpc, "all_gather": fc["all_gather"], "reduce_scatter": fc["reduce_scatter"],
+                 "all_reduce": fc["all_reduce"]}
+        for what in ("tp", "all_gather", "reduce_scatter", "all_reduce"):
+            if not pred[what] and not counted[what]:
+                continue
+            ratio = pred[what] / counted[what] if counted[what] else float("nan")
+            print(f"{name:<40}{what:<24}{pred[what] / 1e6:>10.3f}{counted[what] / 1e6:>12.3f}"
+                  f"{ratio:>7.3f}{calls[what]:>7.0f}")
+            name = ""
+        out.append({**r, "predicted": pred, "counted": counted})
+    return out
+
+
 # ---- goodput of a chaos run ---------------------------------------------------------------------
 
 
@@ -286,7 +470,7 @@ def predict_goodput(m: dict, every_s: float = 60.0) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    ap.add_argument("--only", default="memory,comm,goodput")
+    ap.add_argument("--only", default="memory,comm,tp,goodput")
     ap.add_argument("--goodput-s", type=float, default=200.0)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--every-s", type=float, default=60.0, help="seconds between node kills")
@@ -297,6 +481,8 @@ def main() -> int:
     results: dict = {}
     if parts & {"memory", "comm"}:
         results["memory_comm"] = report_memory_comm(measure_memory_comm(root))
+    if "tp" in parts:
+        results["tp"] = report_tp(measure_tp(root))
     if "goodput" in parts:
         m = measure_goodput(root, args.goodput_s, args.trials, args.every_s)
         p = predict_goodput(m, args.every_s)

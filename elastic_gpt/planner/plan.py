@@ -54,7 +54,8 @@ class ModelShape:
     head_fwd_flops_per_token: float
 
     # What tensor parallelism leaves whole on every TP rank (the rest is split tp ways): in a
-    # block, ln_1 and ln_2 (SequenceParallel replicates them) and the biases of the two
+    # block, ln_1 and ln_2 (SequenceParallel replicates them), c_attn's bias (parallel/tensor.py
+    # keeps the fused q|k|v bias replicated and slices it locally) and the biases of the two
     # row-parallel c_proj layers, added after the partial sums; in the root, ln_f. wte (and the
     # lm_head tied to it) is split on the vocabulary, wpe on the positions.
     @property
@@ -64,8 +65,15 @@ class ModelShape:
         return 4 * self.cfg.n_embd
 
     @property
+    def block_fused_bias_params(self) -> int:
+        """c_attn's bias: replicated, its gradient holds only this rank's heads of q, k and v,
+        all-gathered when FSDP2 reduces the block."""
+        return 3 * self.cfg.n_embd
+
+    @property
     def block_replicated_params(self) -> int:
-        return self.block_norm_params + 2 * self.cfg.n_embd  # + attn.c_proj and mlp.c_proj biases
+        # + the attn.c_proj and mlp.c_proj biases
+        return self.block_norm_params + self.block_fused_bias_params + 2 * self.cfg.n_embd
 
     @property
     def root_replicated_params(self) -> int:
@@ -363,7 +371,7 @@ class TPTraffic:
     reduce_scatters: int
     all_reduces: int
     bytes_per_micro_batch: float
-    sync_all_reduces: int
+    sync_collectives: int
     bytes_per_sync: float
 
 
@@ -380,7 +388,8 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
     lm_head all-gathers its input, and the vocab-parallel loss all-reduces three fp32 values per
     token (max, sum of exponentials, the target's logit); backward mirrors the three activations
     and the loss needs none. Per gradient sync, the LayerNorm gradients (partial sums over the
-    sequence shards) are all-reduced, one collective per tensor."""
+    sequence shards) are all-reduced and c_attn's bias gradient (this rank's heads) all-gathered,
+    one collective per tensor."""
     if tp <= 1:
         return TPTraffic(0, 0, 0, 0.0, 0, 0.0)
     cfg, L = shape.cfg, shape.cfg.n_layer
@@ -395,7 +404,9 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
              + 2 * ring_bytes(act_bytes * pos, tp)
              + ar * 2 * ring_bytes(FP32 * micro_batch * cfg.seq_len, tp))
     norms = L * shape.block_norm_params + shape.root_replicated_params
-    return TPTraffic(ag, rs, ar, moved, 4 * L + 2, 2 * ring_bytes(grad_bytes * norms, tp))
+    sync = (2 * ring_bytes(grad_bytes * norms, tp)
+            + ring_bytes(grad_bytes * L * shape.block_fused_bias_params, tp))
+    return TPTraffic(ag, rs, ar, moved, 4 * L + 2 + L, sync)
 
 
 def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batch: int,
@@ -474,7 +485,7 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
                      act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
     tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
     n_tp = (k * (tpt.all_gathers + tpt.reduce_scatters + tpt.all_reduces)
-            + n_sync * tpt.sync_all_reduces)
+            + n_sync * tpt.sync_collectives)
     tp_s = tp_bytes / (net.intra_node_gbps * GB) + n_tp * net.latency_s if tp > 1 else 0.0
 
     # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
@@ -913,6 +924,9 @@ def tp_problem(tp: int, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> str 
         ok = [t for t in TP_DEGREES if cfg.n_head % t == 0]
         return (f"--tp={tp} does not divide n_head={cfg.n_head}: each tensor-parallel rank needs "
                 f"whole attention heads; use --tp {' or '.join(map(str, ok))}")
+    if cfg.seq_len % tp:
+        return (f"--tp={tp} does not divide seq_len={cfg.seq_len}: sequence parallelism gives each "
+                "tensor-parallel rank an equal part of the sequence")
     if tp > gpus_per_node or gpus_per_node % tp:
         return (f"--tp={tp} does not fit the {gpus_per_node} GPUs per node: a tensor-parallel "
                 f"group stays inside one node, so tp must divide the GPUs per node")
@@ -1232,7 +1246,10 @@ def format_report(plan: Plan) -> str:
         lines += ["", "layouts weighed (the fastest fitting settings of each)"]
         for mesh, best, floor in plan.layouts:
             mark = "*" if mesh == c.mesh else " "
-            if best is None:
+            if best is None and mesh.dp > plan.global_batch_size:
+                lines.append(f"  {mark} {mesh.short():<20s} cannot run: {mesh.dp} data-parallel "
+                             f"ranks, {plan.global_batch_size} sequences per step")
+            elif best is None:
                 lines.append(f"  {mark} {mesh.short():<20s} does not fit: needs "
                              f"{floor.total / GiB:.1f} GiB at micro-batch 1 with checkpointing")
             else:
