@@ -140,6 +140,18 @@ class ScalingSection:
 
 
 @dataclass
+class ParallelSection:
+    tp: AtLeastOne = 1
+    """Tensor-parallel degree: ranks each layer is split over (Megatron style, with sequence
+    parallelism), always inside one node; must divide model.n_head, the sequence length, the
+    workers of every node and scaling.min/max_workers. The data-parallel degree is W / tp."""
+    hsdp: Literal["auto", "on", "off"] = "auto"
+    """on: FSDP shards within a node and replicates across nodes (all-gathers stay on the
+    intra-node links, gradients are all-reduced across nodes); off: one FSDP group over every
+    data-parallel rank; auto: on when the group spans nodes with the same worker count each."""
+
+
+@dataclass
 class CheckpointSection:
     path: str = ""
     """Root URL (file://, s3://, gs://, or a local path) for step_<N> directories.
@@ -193,6 +205,8 @@ class Config:
     """Batch, optimizer, schedule, precision and sharding of the training loop."""
     scaling: ScalingSection = field(default_factory=ScalingSection)
     """How many workers, and what each one reserves."""
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    """How the workers split the model: tensor parallelism and HSDP (data parallel is the rest)."""
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     """Where and how often checkpoints are committed, and how many are kept."""
     tracking: TrackingSection = field(default_factory=TrackingSection)
@@ -318,6 +332,8 @@ def _as_type(dotted: str, value, tp):
         raise _Mismatch(accepted)
     if origin is Literal:
         choices = get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         # Compare the type too: YAML's `true` must not pass as 1, nor 1 as "1".
         if any(type(value) is type(c) and value == c for c in choices):
             return value
@@ -368,8 +384,15 @@ def validate(cfg: Config) -> None:
     if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
         raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps="
                          f"{t.max_steps}]")
+    tp = cfg.parallel.tp
+    if s.min_workers % tp or s.max_workers % tp:
+        low, high = max(tp, s.min_workers // tp * tp), max(tp, s.max_workers // tp * tp)
+        raise ValueError(
+            f"scaling.min_workers={s.min_workers} and scaling.max_workers={s.max_workers} must be "
+            f"multiples of parallel.tp={tp} (workers come in whole tensor-parallel groups); e.g. "
+            f"scaling.min_workers={low} scaling.max_workers={high}")
     plan = BatchPlan(t.global_batch_size, t.micro_batch_size)
-    plan.check_world_size(s.max_workers)
+    plan.check_world_size(s.max_workers, tp=tp)  # C1 over the data-parallel degree
     if not cfg.data.path:
         raise ValueError("data.path is empty; point it at a dataset made by `elastic-gpt "
                          "prepare-data --output URL` (e.g. data.path=data/stdlib)")

@@ -13,6 +13,9 @@ moved fails here, at import, naming the torch version.
   reused across saves.
 - `checkpoint_wrapper` / `CheckpointWrapper`: activation checkpointing of one module
   (torchtitan's way; no public equivalent wraps a module).
+- `StridedShard` (torch's `_StridedShard`): the DTensor placement that gives each tensor-parallel
+  rank the same slice of each of the parts of a fused matrix (GPT-2's [q | k | v] c_attn); DTensor's
+  matmul keeps it on the output, FSDP2 shards on top of it, DCP saves and reshards it.
 
 The names are torch's own, so a reader can look them up. Nothing here knows about elastic-gpt.
 """
@@ -29,9 +32,10 @@ try:
     )
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 except ImportError as e:
     raise ImportError(f"torch {torch.__version__}: a private API elastic-gpt uses moved ({e}); "
                       "install a torch in the range pyproject.toml states") from e
 
-__all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "_copy_state_dict",
+__all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "_copy_state_dict",
            "_create_cpu_state_dict", "checkpoint_wrapper", "set_element"]

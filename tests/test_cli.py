@@ -71,6 +71,27 @@ def test_bad_train_input_is_one_line_and_exit_2(args, message, tmp_path, capsys)
     assert message in lines[0]
 
 
+@pytest.mark.parametrize("args,message", [
+    # The tiny preset has 2 heads: 4 tensor-parallel ranks cannot each take whole heads.
+    (["parallel.tp=4", "scaling.min_workers=4", "scaling.max_workers=4"],
+     "parallel.tp=4 does not divide model.n_head=2 (each tensor-parallel rank takes an equal "
+     "share); use parallel.tp in [1, 2] or a model.n_head that tp divides"),
+    (["parallel.tp=2", "scaling.min_workers=3", "scaling.max_workers=4"],
+     "must be multiples of parallel.tp=2"),
+])
+def test_a_layout_the_model_cannot_take_is_one_line_and_exit_2(args, message, stdlib_dataset,
+                                                              tmp_path, capsys):
+    code = main(["train", "--config", "jobs/configs/mini.yaml", "model.preset=tiny",
+                 f"data.path={stdlib_dataset}", f"checkpoint.path={tmp_path}/c",
+                 f"tracking.uri=sqlite:///{tmp_path}/m.db", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-gpt: error: "), err
+    assert message in lines[0]
+    assert not os.path.exists(tmp_path / "c")
+
+
 def test_checkpoint_of_another_shape_is_refused_and_left_alone(  # a real process: exit code 2
 other_shape_checkpoint,
                                                                stdlib_dataset, tmp_path):

@@ -57,12 +57,36 @@ def test_file_then_overrides():
     (["model.n_layer=two"], "model.n_layer='two' must be an integer"),
     (["train.max_steps=10", "train.warmup_steps=11"],
      "train.warmup_steps=11 must be in [0, train.max_steps=10]"),
+    (["parallel.tp=0"], "parallel.tp=0 must be at least 1"),
+    (["parallel.hsdp=maybe"], "parallel.hsdp='maybe' must be auto, on or off"),
+    (["parallel.tp=2", "scaling.min_workers=1", "scaling.max_workers=3"],
+     "scaling.min_workers=1 and scaling.max_workers=3 must be multiples of parallel.tp=2 "
+     "(workers come in whole tensor-parallel groups); e.g. scaling.min_workers=2 "
+     "scaling.max_workers=2"),
+    # tp > workers is the same rule: a group of fewer workers than tp holds no whole TP group.
+    (["parallel.tp=4", "scaling.min_workers=2", "scaling.max_workers=2"],
+     "must be multiples of parallel.tp=4"),
+    # C1 over the data-parallel degree: 8 workers at tp=2 are 4 data-parallel ranks.
+    (["parallel.tp=2", "train.global_batch_size=12", "train.micro_batch_size=4",
+      "scaling.min_workers=2", "scaling.max_workers=8"],
+     "gives 3 micro-batches, fewer than the 4 data-parallel ranks of scaling.max_workers=8 / "
+     "parallel.tp=2"),
 ])
 def test_bad_values_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ValueError) as e:
         load_config(TINY, overrides)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_micro_batches_are_counted_per_data_parallel_rank():
+    # 4 micro-batches fill 4 data-parallel ranks: 8 workers at tp=2 (but not at tp=1).
+    over = ["train.global_batch_size=16", "train.micro_batch_size=4", "scaling.min_workers=2",
+            "scaling.max_workers=8"]
+    cfg = load_config(TINY, [*over, "parallel.tp=2", "parallel.hsdp=on"])
+    assert (cfg.parallel.tp, cfg.parallel.hsdp) == (2, "on")
+    with pytest.raises(ValueError, match="fewer than scaling.max_workers=8"):
+        load_config(TINY, over)
 
 
 def test_yaml_values_users_write_today_keep_their_meaning(tmp_path):
@@ -73,6 +97,8 @@ def test_yaml_values_users_write_today_keep_their_meaning(tmp_path):
     assert cfg.scaling.use_gpu == "auto" and cfg.train.dtype == "bfloat16"
     assert cfg.train.lr == 1e-3 and cfg.train.min_lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
     assert (cfg.train.reshard_after_forward, cfg.train.grad_sync) == ("never", "microbatch")
+    yml.write_text("data: {path: d}\nparallel: {hsdp: off}\n")  # YAML 1.1: a bare off is false
+    assert load_config(str(yml)).parallel.hsdp == "off"
     for text, expected in [("true", True), ("false", False), ("auto", "auto")]:
         assert load_config(str(yml), [f"scaling.use_gpu={text}"]).scaling.use_gpu == expected
     cfg = load_config(str(yml), ["model.n_layer=3", "model.n_layer=null", "run.name=123",
@@ -132,7 +158,9 @@ OLD_MAIN_DICT = {
 
 def test_a_config_dict_written_by_old_main_loads():
     cfg = config_from_dict(OLD_MAIN_DICT)
-    assert cfg.to_dict() == OLD_MAIN_DICT
+    # A section old main lacked gets its defaults, which are what old main did: no tensor
+    # parallelism (and HSDP's auto, which a group of one node leaves off).
+    assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto"}}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"
     # And today's dicts round-trip: what the launcher sends is what the worker rebuilds.

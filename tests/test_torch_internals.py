@@ -22,6 +22,7 @@ from elastic_gpt.torch_internals import (
     CheckpointWrapper,
     FsspecReader,
     FsspecWriter,
+    StridedShard,
     _copy_state_dict,
     _create_cpu_state_dict,
     checkpoint_wrapper,
@@ -106,6 +107,28 @@ def test_checkpoint_wrapper_recomputes_without_changing_grads_or_state_dict_keys
     wrapped(x).sum().backward()
     for a, b in zip(plain.parameters(), wrapped.parameters()):
         assert torch.allclose(a.grad, b.grad), changed("checkpoint_wrapper's gradients")
+
+
+def test_strided_shard_splits_parts_and_the_matmul_keeps_it():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from elastic_gpt.testing.gloo import gloo_group
+
+    placement = StridedShard(0, split_factor=3)
+    assert (placement.dim, placement.split_factor) == (0, 3), changed("_StridedShard's fields")
+    assert placement == StridedShard(0, split_factor=3) and not isinstance(placement, Shard), \
+        changed("_StridedShard's equality or its relation to Shard")
+    with gloo_group():  # a mesh of one: the placement's bookkeeping, not its communication
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.arange(24.0).reshape(6, 4)
+        weight = distribute_tensor(w, mesh, [placement])
+        assert torch.equal(weight.full_tensor(), w), changed("distribute_tensor(_StridedShard)")
+        x = DTensor.from_local(torch.ones(2, 3, 4), mesh, (Replicate(),))
+        y = torch.nn.functional.linear(x, weight)
+        # parallel/tensor.py's FusedColwiseParallel relies on this to compute q, k, v locally.
+        assert y.placements == (StridedShard(2, split_factor=3),), changed(
+            f"linear() of a _StridedShard weight gives {y.placements}")
 
 
 def _private_torch_imports(path: Path) -> list[str]:

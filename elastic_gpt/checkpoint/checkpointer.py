@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_gpt.checkpoint.sharded import save_sharded, training_state_dict
+from elastic_gpt.checkpoint.sharded import BoxSavePlanner, save_sharded, training_state_dict
 from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
 from elastic_gpt.torch_internals import FsspecWriter, _copy_state_dict, _create_cpu_state_dict
 
@@ -188,7 +188,8 @@ class AsyncCheckpointer(Checkpointer):
         t0 = time.perf_counter()
         # DCP gathers every rank's write result on rank 0 (over self.pg) before it writes the
         # `.metadata`: when this returns on rank 0, every rank's shard is durable (fsynced).
-        dcp.save(self._staging, storage_writer=self.writer_factory(url), process_group=self.pg)
+        dcp.save(self._staging, storage_writer=self.writer_factory(url), process_group=self.pg,
+                 planner=BoxSavePlanner())
         if self.rank == 0:
             self.store.commit(step, trainer_state)  # commit marker last (C4)
             self.store.retain(self.keep)

@@ -10,6 +10,7 @@ root, and when they count as committed, is the store's business (store.py), not 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -25,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from elastic_gpt.console import last_line
+from elastic_gpt.parallel.tensor import local_boxes
 from elastic_gpt.torch_internals import FsspecReader, FsspecWriter, set_element
 
 
@@ -39,7 +43,7 @@ def training_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 def save_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
     writer = FsspecWriter(url, sync_files=True, **(storage_options or {}))
-    dcp.save(training_state_dict(model, optimizer), storage_writer=writer)
+    dcp.save(training_state_dict(model, optimizer), storage_writer=writer, planner=BoxSavePlanner())
 
 
 def load_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
@@ -111,9 +115,57 @@ class SafeFsspecReader(FsspecReader):
         return metadata
 
 
+class BoxSavePlanner(DefaultSavePlanner):
+    """DCP's default planner, except that a tensor whose local data is several boxes of the
+    global tensor (a fused tensor-parallel weight, `parallel.tensor.local_boxes`) is written as
+    one item per box, at its place in the global (GPT-2) layout."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self._boxes: dict[tuple, torch.Tensor] = {}
+        items = []
+        for item in plan.items:
+            boxes = local_boxes(self.state_dict.get(item.index.fqn))
+            if boxes is None:
+                items.append(item)
+                continue
+            for offsets, sizes, view in boxes:
+                chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                items.append(dataclasses.replace(
+                    item, index=MetadataIndex(item.index.fqn, torch.Size(offsets)),
+                    tensor_data=dataclasses.replace(item.tensor_data, chunk=chunk)))
+                self._boxes[item.index.fqn, tuple(offsets)] = view
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        box = self._boxes.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+        return box.contiguous() if box is not None else super().resolve_data(write_item)
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner unpickles non-tensor items with weights_only=False; we save none,
-    and refuse anything but plain data if one turns up."""
+    and refuse anything but plain data if one turns up. Tensors held as several boxes
+    (`BoxSavePlanner`) are read box by box, from whatever layout the checkpoint was saved in."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        self._boxes: dict[tuple, torch.Tensor] = {}
+        boxed = {fqn: boxes for fqn, obj in self.state_dict.items()
+                 if (boxes := local_boxes(obj)) is not None}
+        if not boxed:
+            return plan
+        items = [item for item in plan.items if item.dest_index.fqn not in boxed]
+        for fqn, boxes in boxed.items():
+            chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in boxes]
+            items += create_read_items_for_chunk_list(
+                fqn, self.metadata.state_dict_metadata[fqn], chunks)
+            self._boxes.update({(fqn, tuple(o)): view for o, _, view in boxes})
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index):
+        box = self._boxes.get((index.fqn, tuple(index.offset or ())))
+        return box if box is not None else super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

@@ -4,9 +4,10 @@ C2: the position -> sample map depends only on (shard sizes, seed, epoch). Posit
 run is sample `order.sample_at(p)`; step t trains on positions [t*G, (t+1)*G). The resume cursor is
 the number of positions consumed (`samples_seen`); the epoch is `p // num_samples`.
 
-C1: a step's G samples form M = G / micro_batch_size micro-batches; rank r of W takes a contiguous
-block of them (block sizes differ by at most one). Every rank runs the same number of slots,
-ceil(M / W), so collectives line up; a rank with one micro-batch fewer fills its last slot with a
+C1: a step's G samples form M = G / micro_batch_size micro-batches; data-parallel rank r of D
+takes a contiguous block of them (block sizes differ by at most one; the tensor-parallel ranks of
+one group are one data-parallel rank). Every rank runs the same number of slots, ceil(M / D), so
+collectives line up; a rank with one micro-batch fewer fills its last slot with a
 zero-weight repeat. Wall time is unchanged by that: the step waits for the busiest rank anyway.
 """
 
@@ -88,13 +89,18 @@ class BatchPlan:
     def num_micro_batches(self) -> int:
         return self.global_batch_size // self.micro_batch_size
 
-    def check_world_size(self, max_workers: int) -> None:
-        if self.num_micro_batches < max_workers:
+    def check_world_size(self, max_workers: int, tp: int = 1) -> None:
+        """Every data-parallel rank (a group of `tp` workers) needs a micro-batch (C1)."""
+        dp = max_workers // tp
+        if self.num_micro_batches < dp:
+            ranks = (f"scaling.max_workers={max_workers}" if tp == 1 else
+                     f"the {dp} data-parallel ranks of scaling.max_workers={max_workers} / "
+                     f"parallel.tp={tp}")
             raise ValueError(
                 f"train.global_batch_size={self.global_batch_size} / train.micro_batch_size="
                 f"{self.micro_batch_size} gives {self.num_micro_batches} micro-batches, fewer than "
-                f"scaling.max_workers={max_workers}: every worker needs one; lower "
-                "train.micro_batch_size or scaling.max_workers"
+                f"{ranks}: every data-parallel rank needs one; lower train.micro_batch_size or "
+                "scaling.max_workers"
             )
 
     def slots(self, world_size: int) -> int:

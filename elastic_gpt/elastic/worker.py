@@ -27,13 +27,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
     metrics: MetricSink = (MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id
                            else NullMetricSink())
-    # Every rank says which node it is on; rank 0 watches those nodes for drains.
+    # Every rank says which node it is on: rank 0 watches those nodes for drains, and the
+    # Trainer keeps tensor-parallel groups inside them.
     nodes = [None] * world
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
     membership: Membership = (WorkerMembership(loop_config["run_key"], nodes, world) if rank == 0
                               else NullMembership())
+    # The layout groups ranks by these node ids, not by Ray Train's local/node ranks, which Ray
+    # derives from node IPs (all equal on a one-machine test cluster).
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,
-                      membership=membership)
+                      membership=membership, rank_nodes=nodes)
     try:
         summary = trainer.train()
     finally:

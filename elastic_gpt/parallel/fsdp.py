@@ -1,8 +1,10 @@
 """FSDP2, activation checkpointing and torch.compile for the GPT model (torchtitan's order).
 
-Order matters: activation checkpointing and compile wrap each block first, then `fully_shard`
-shards each (wrapped) block and finally the root, so one all-gather brings in one block's weights.
-Nothing here knows about Ray; the device mesh is built by the caller from the process group.
+Order matters: tensor parallelism first (parallel/tensor.py: it swaps each layer's weights for
+DTensors on the tensor-parallel mesh), then activation checkpointing and compile wrap each
+block, then `fully_shard` shards each (wrapped) block and finally the root over the
+data-parallel mesh, so one all-gather brings in one block's weights (its tensor-parallel shard).
+Nothing here knows about Ray; the meshes come from the caller (parallel/mesh.py).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from elastic_gpt.model.gpt import GPT
-from elastic_gpt.torch_internals import checkpoint_wrapper
+from elastic_gpt.parallel.tensor import apply_tensor_parallel
+from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -57,13 +60,25 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
     mp = mixed_precision_policy(compute_dtype)
     last = len(model.h) - 1
     for i, block in enumerate(model.h):
-        fully_shard(block, mesh=mesh, mp_policy=mp,
+        fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
                     reshard_after_forward=reshard_after_forward and i < last)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=None if
-                reshard_after_forward else False)
-    # FSDP averages gradients over ranks; the train loop scales each rank's loss by W to turn that
-    # back into a sum (a divide factor of 1 would need PREMUL_SUM, which gloo lacks).
+    fully_shard(model, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
+                reshard_after_forward=None if reshard_after_forward else False)
+    # FSDP averages gradients over the data-parallel ranks; the train loop scales each rank's loss
+    # by that degree to turn this back into a sum (a divide factor of 1 would need PREMUL_SUM,
+    # which gloo lacks).
     return model
+
+
+def shard_placement(param: torch.nn.Parameter) -> Shard | None:
+    """FSDP's shard dim for a parameter: dim 0 (None), except for a weight that tensor
+    parallelism splits into parts along dim 0 (c_attn's q, k, v: parallel/tensor.py). FSDP's
+    chunk of such a rank's rows would cut across the parts, a layout DTensor cannot describe
+    (so neither could checkpoints); its columns are untouched by tensor parallelism."""
+    if isinstance(param, DTensor) and param.ndim > 1 and any(
+            isinstance(p, StridedShard) and p.dim == 0 for p in param.placements):
+        return Shard(1)
+    return None
 
 
 # `reshard_after_forward: auto` keeps the gathered weights when they take at most this share of
@@ -115,7 +130,11 @@ def device_memory_bytes(device: torch.device) -> int:
 
 def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile: bool = False,
-                reshard_after_forward: bool = True) -> GPT:
+                reshard_after_forward: bool = True, tp_mesh: DeviceMesh | None = None) -> GPT:
+    """Tensor parallelism over `tp_mesh` (if given), then activation checkpointing and compile,
+    then FSDP over `mesh` (the data-parallel sub-mesh: 2-D for HSDP)."""
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:

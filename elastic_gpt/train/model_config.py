@@ -1,7 +1,8 @@
 """The model shape a run trains: the config's preset and model.* keys, completed from the dataset.
 
 The driver's preflight and the planner call this as the workers do, so all of them agree on the
-shape; it imports neither the Trainer nor torch.distributed.
+shape, and on whether parallel.tp can split it; it imports neither the Trainer nor
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -23,4 +24,19 @@ def model_config_for(cfg: Config, manifest) -> GPTConfig:
         raise ValueError(f"dataset samples have {manifest.seq_len} tokens but model.seq_len="
                          f"{fields['seq_len']}; unset model.seq_len or re-run prepare-data with "
                          f"--seq-len {fields['seq_len']}")
-    return GPTConfig(**fields, dropout=m.dropout)
+    gpt = GPTConfig(**fields, dropout=m.dropout)
+    check_tensor_parallel(gpt, cfg.parallel.tp)
+    return gpt
+
+
+def check_tensor_parallel(gpt: GPTConfig, tp: int) -> None:
+    """Tensor parallelism splits heads, the sequence (between blocks) and the vocabulary over tp
+    ranks, in equal parts."""
+    for key, value in (("model.n_head", gpt.n_head), ("model.seq_len", gpt.seq_len),
+                       ("model.vocab_size", gpt.vocab_size)):
+        if value % tp:
+            divisors = [d for d in (1, 2, 4, 8) if not (gpt.n_head % d or gpt.seq_len % d
+                                                        or gpt.vocab_size % d)]
+            raise ValueError(f"parallel.tp={tp} does not divide {key}={value} (each "
+                             f"tensor-parallel rank takes an equal share); use parallel.tp in "
+                             f"{divisors} or a {key} that tp divides")

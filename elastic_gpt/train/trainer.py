@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from elastic_gpt.checkpoint.checkpointer import make_checkpointer
 from elastic_gpt.checkpoint.sharded import load_sharded
@@ -39,6 +39,8 @@ from elastic_gpt.parallel.fsdp import (
     resolve_dtype,
     resolve_reshard_after_forward,
 )
+from elastic_gpt.parallel.mesh import ParallelDims
+from elastic_gpt.parallel.tensor import loss_context
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer
@@ -118,11 +120,21 @@ class StepResult:
 
 
 class Trainer:
-    """One worker's share of the run. All ranks construct it and call `train()` together."""
+    """One worker's share of the run. All ranks construct it and call `train()` together.
+
+    `rank_nodes` names each rank's node (any id; Ray's node id under Ray Train); None: one node.
+    It decides the layout (parallel/mesh.py): tensor-parallel groups inside nodes, HSDP across.
+    The batch split, the data stream, the loss scale and the metrics use the data-parallel rank
+    and degree; the tensor-parallel ranks of one group train on the same micro-batches."""
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
-                 metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership()):
+                 metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership(),
+                 rank_nodes: list[str] | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.dims = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
+                                           rank_nodes=rank_nodes)
+        self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
+        self.tp_rank = self.dims.tp_rank(rank)
         # The null defaults hold no state, so one instance can serve every Trainer.
         self.metrics, self.membership = metrics, membership
         self.mlflow_run_id = mlflow_run_id
@@ -135,7 +147,7 @@ class Trainer:
         self.manifest = load_manifest(cfg.data.path)
         self.gpt_cfg = model_config_for(cfg, self.manifest)
         self.compute_dtype = resolve_dtype(cfg.train.dtype, self.device)
-        self.mesh = init_device_mesh(self.device.type, (world_size,))
+        self.dims.build_mesh(self.device.type)
         self.model = self._build_model()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
@@ -157,11 +169,14 @@ class Trainer:
             model = GPT(self.gpt_cfg)
         t = self.cfg.train
         self.n_params = sum(p.numel() for p in model.parameters())
+        # What FSDP gathers on one rank is its tensor-parallel shard of the model.
         self.reshard_after_forward = agree_on_resharding(resolve_reshard_after_forward(
-            t.reshard_after_forward, self.n_params, self.compute_dtype, self.device), self.device)
-        parallelize(model, self.mesh, compute_dtype=self.compute_dtype,
+            t.reshard_after_forward, self.n_params // self.dims.tp, self.compute_dtype,
+            self.device), self.device)
+        parallelize(model, self.dims.fsdp_mesh, compute_dtype=self.compute_dtype,
                     activation_checkpointing=t.activation_checkpointing, compile=t.compile,
-                    reshard_after_forward=self.reshard_after_forward)
+                    reshard_after_forward=self.reshard_after_forward,
+                    tp_mesh=self.dims.tp_mesh if self.dims.tp_enabled else None)
         model.to_empty(device=self.device)
         init_sharded_weights(model, seed=t.seed)
         return model
@@ -172,10 +187,11 @@ class Trainer:
         policy = reshard_label(self.reshard_after_forward, t.reshard_after_forward)
         return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.threads} thread(s) each | "
+                f"{self.dims.describe()} | "
                 f"model {self.n_params / 1e6:,.1f}M params, "
                 f"{str(self.compute_dtype).removeprefix('torch.')} | global batch "
                 f"{self.plan.global_batch_size} = micro-batches of {self.plan.micro_batch_size}, "
-                f"{self.plan.slots(self.world_size)} per worker | "
+                f"{self.plan.slots(self.dp_degree)} per data-parallel rank | "
                 f"FSDP2 reshard_after_forward={policy}, grad_sync={t.grad_sync}")
 
     # ---- restore -----------------------------------------------------------------------------
@@ -198,7 +214,8 @@ class Trainer:
             "the global batch size changed inside a run (C1); the checkpoint's cursor disagrees"
         if self.rank == 0:
             say(f"[elastic-gpt] resumed from {latest.url} at step {self.step} "
-                f"(saved by {state['world_size']} workers, now {self.world_size})")
+                f"(saved by {state['world_size']} workers at tp {state.get('tp', 1)}, now "
+                f"{self.world_size} at tp {self.dims.tp})")
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -209,7 +226,7 @@ class Trainer:
         global_tokens = plan.global_batch_size * T
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        first_mb = plan.rank_micro_batches(self.rank, self.world_size).start
+        first_mb = plan.rank_micro_batches(self.dp_rank, self.dp_degree).start
         per_micro_batch_sync = cfg.train.grad_sync == "microbatch"
         for k, (tokens, weight) in enumerate(zip(batch.tokens, batch.weights)):
             tokens = tokens.to(self.device, non_blocking=True)
@@ -224,18 +241,42 @@ class Trainer:
                 # without backward, e.g. an evaluation, must call model.reshard() after it, or the
                 # next step would compute with weights gathered before the optimizer step.)
                 self.model.set_reshard_after_backward(last)
-            # Dropout RNG from (seed, step, micro-batch): identical masks at any world size.
-            torch.manual_seed(hash((cfg.train.seed, self.step, first_mb + k)) & 0x7FFF_FFFF)
+            torch.manual_seed(self._dropout_seed(first_mb + k))
             with torch.autocast(self.device.type, dtype=self.compute_dtype,
                                 enabled=self.compute_dtype != torch.float32):
                 logits = self.model(x)
-            summed = token_losses(logits, y)
-            # Each rank's loss is its share of the mean over exactly G*T tokens. FSDP averages
-            # gradients over the W ranks, so scaling by W makes the reduction a sum: the gradient
-            # is the mean over exactly G sequences at any W, even with uneven micro-batches (C1).
-            (summed * (weight * self.world_size / global_tokens)).backward()
+            # Under tensor parallelism the logits are sharded over the vocabulary; the loss
+            # and its backward run on the shards (loss_parallel), and come out replicated.
+            with loss_context(self.dims.loss_parallel):
+                summed = token_losses(logits, y)
+                # Each rank's loss is its share of the mean over exactly G*T tokens. FSDP averages
+                # gradients over the data-parallel ranks, so scaling by their number makes the
+                # reduction a sum: the gradient is the mean over exactly G sequences at any
+                # data-parallel degree, even with uneven micro-batches (C1).
+                (summed * (weight * self.dp_degree / global_tokens)).backward()
+            if isinstance(summed, DTensor):
+                summed = summed.to_local()
             loss_sum += summed.detach().double() * weight
         return loss_sum
+
+    def _dropout_seed(self, micro_batch: int) -> int:
+        """Dropout RNG from (seed, step, micro-batch): identical masks at any data-parallel
+        degree. Under tensor parallelism every dropout runs on this rank's share (its sequence
+        positions or its heads), so the rank is part of the seed: masks are independent across
+        the shares and the same at any dp for one tp, not across tp degrees."""
+        key = (self.cfg.train.seed, self.step, micro_batch)
+        if self.dims.tp_enabled:
+            key += (self.tp_rank,)
+        return hash(key) & 0x7FFF_FFFF
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Collective. Clip to train.grad_clip; returns the norm of the whole gradient. Every
+        gradient is a DTensor on the data- (and tensor-) parallel mesh, so the norm is reduced
+        over all of them, each element counted once, whatever the layout."""
+        clip = self.cfg.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else math.inf, foreach=True)
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
     def train_step(self, batch) -> StepResult:
         cfg = self.cfg
@@ -244,16 +285,16 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.forward_backward(batch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
-            foreach=True)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.clip_gradients()
         # One collective and one host sync per step for the metrics, not one per micro-batch.
         lo, hi = split_fingerprint(batch.fingerprint)
         # The membership flag rides on the same all-reduce: every rank learns at the same step
         # boundary that the group must checkpoint and restart.
         stop = 1.0 if self.membership.reason else 0.0
+        # The tp ranks of a group hold the same loss and read the same samples: one counts them.
+        if self.tp_rank:
+            lo = hi = 0
+            loss_sum = torch.zeros_like(loss_sum)
         stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
         stats[0] = loss_sum
         dist.all_reduce(stats)
@@ -291,6 +332,7 @@ class Trainer:
             "samples_seen": self.step * self.plan.global_batch_size,
             "epoch": self.step * self.plan.global_batch_size // self.manifest.num_samples,
             "world_size": self.world_size,
+            "tp": self.dims.tp,
             "mlflow_run_id": self.mlflow_run_id,
             "model_shape": self.gpt_cfg.shape(),
             "data": {"url": self.manifest.url, "seed": self.cfg.data.seed,
@@ -320,7 +362,7 @@ class Trainer:
                     f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
                     f"{self.step} ({event['lost_steps']} step(s) to redo)")
         stream = open_step_stream(
-            cfg.data.path, plan=self.plan, rank=self.rank, world_size=self.world_size,
+            cfg.data.path, plan=self.plan, rank=self.dp_rank, world_size=self.dp_degree,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
             prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
@@ -347,7 +389,7 @@ class Trainer:
                     "loss": result.loss, "lr": result.metrics["lr"], "grad_norm": result.grad_norm,
                     "tokens_per_s": tokens_per_s,
                     "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.world_size),
-                    "world_size": self.world_size, "grad_accum": self.plan.slots(self.world_size),
+                    "world_size": self.world_size, "grad_accum": self.plan.slots(self.dp_degree),
                     "samples_seen": self.step * self.plan.global_batch_size,
                     "step_time_s": step_time, "data_wait_s": t_data,
                     "data_fingerprint": result.fingerprint,

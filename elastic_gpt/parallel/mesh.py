@@ -1,0 +1,159 @@
+"""The named device mesh: how the W ranks of a group split into data and tensor parallelism.
+
+W = dp_replicate x dp_shard x tp. `ParallelDims` holds the three degrees, checks them, builds the
+DeviceMesh once (dims "dp_replicate", "dp_shard", "tp", tp innermost so a tensor-parallel group is
+tp consecutive ranks) and answers what the rest of the code asks instead of doing arithmetic on
+rank and world size: which data-parallel rank this is and how many there are (what C1 and C2 are
+stated over), which sub-mesh FSDP shards over, which one tensor parallelism uses, whether the loss
+is vocab-parallel (torchtitan's `ParallelDims` is the model).
+
+`ParallelDims.for_nodes` derives the degrees from where the ranks run: a tensor-parallel group
+must stay inside one node (its collectives run every layer, on the fast intra-node link), and
+HSDP shards within a node and replicates across nodes. Nodes are told apart by the id the caller
+passes for each rank (Ray's node id under Ray Train), never by a node's IP address: every node of
+a one-machine test cluster has the same IP.
+
+Nothing here knows about Ray, the model or the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from elastic_gpt.errors import FatalTrainingError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+class ParallelLayoutError(FatalTrainingError, ValueError):
+    """The group's shape cannot hold the configured layout (no restart at this size can cure it)."""
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    """Replicas of the FSDP-sharded model (HSDP across nodes); 1 without HSDP."""
+    dp_shard: int
+    """Ranks one FSDP shard group spans."""
+    tp: int
+    """Tensor-parallel degree: ranks one layer's weights are split over."""
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        for name in DIM_NAMES:
+            if getattr(self, name) < 1:
+                raise ParallelLayoutError(f"parallel degree {name}={getattr(self, name)} must be "
+                                          "at least 1")
+
+    @classmethod
+    def for_nodes(cls, world_size: int, *, tp: int, hsdp: str,
+                  rank_nodes: list[str] | None = None) -> ParallelDims:
+        """The layout for `world_size` ranks whose node (by any id) is `rank_nodes[rank]`; None:
+        all on one node. hsdp: on (replicate across nodes, shard within one), off, or auto (on
+        when the ranks span more than one node with the same number on each)."""
+        nodes = list(rank_nodes) if rank_nodes is not None else ["node"] * world_size
+        if len(nodes) != world_size:
+            raise ValueError(f"{len(nodes)} node ids for {world_size} ranks")
+        if tp < 1:
+            raise ParallelLayoutError(f"parallel.tp={tp} must be at least 1")
+        if tp > world_size:
+            raise ParallelLayoutError(
+                f"parallel.tp={tp} is more than the {world_size} worker(s) of this group; use "
+                f"parallel.tp <= scaling.min_workers")
+        per_node = node_sizes(nodes)
+        if any(n % tp for n in per_node):
+            raise ParallelLayoutError(
+                f"workers per node {per_node} are not all multiples of parallel.tp={tp} (a "
+                "tensor-parallel group must stay inside one node); give every node a multiple of "
+                "tp workers (scaling.cpus_per_worker / GPUs per node) or lower parallel.tp")
+        even = len(set(per_node)) == 1
+        if hsdp == "on" and not even:
+            raise ParallelLayoutError(
+                f"parallel.hsdp=on needs the same number of workers on every node, got "
+                f"{per_node}; use parallel.hsdp=auto or off")
+        if hsdp == "on" or (hsdp == "auto" and len(per_node) > 1 and even):
+            replicate = len(per_node)
+        else:
+            replicate = 1
+        return cls(dp_replicate=replicate, dp_shard=world_size // (replicate * tp), tp=tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_degree(self) -> int:
+        """Data-parallel ranks: the groups of tp ranks that each read their own micro-batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Logits stay sharded over the vocabulary into the loss (torch's loss_parallel)."""
+        return self.tp_enabled
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel rank global rank `rank` is: its tensor-parallel group's index."""
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def describe(self) -> str:
+        """For the setup line: "dp 2 (HSDP 2 x 1) x tp 2"."""
+        dp = f"dp {self.dp_degree}"
+        if self.hsdp:
+            dp += f" (HSDP {self.dp_replicate} x {self.dp_shard})"
+        return f"{dp} x tp {self.tp}"
+
+    # ---- the mesh (collective: every rank builds it once) ------------------------------------
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = init_device_mesh(
+                device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
+        return self._mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh() has not run on this rank")
+        return self._mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What fully_shard shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP, which
+        all-gathers and reduce-scatters inside a node and all-reduces gradients across nodes."""
+        return self.mesh["dp_replicate", "dp_shard"] if self.hsdp else self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+
+def node_sizes(rank_nodes: list[str]) -> list[int]:
+    """Ranks per node in rank order; a node's ranks must be consecutive (a tensor-parallel group
+    or an HSDP shard group is a run of consecutive ranks). Ray Train orders workers by node."""
+    sizes: list[int] = []
+    seen: set[str] = set()
+    previous = None
+    for node in rank_nodes:
+        if node != previous:
+            if node in seen:
+                raise ParallelLayoutError(
+                    f"the ranks of node {node} are not consecutive ({list(rank_nodes)}); a "
+                    "tensor-parallel group must be consecutive ranks of one node")
+            seen.add(node)
+            sizes.append(0)
+            previous = node
+        sizes[-1] += 1
+    return sizes

@@ -1,0 +1,168 @@
+"""Tensor and sequence parallelism for the GPT model, Megatron style, through DTensor.
+
+The residual stream between blocks is sharded over the sequence (`Shard(1)`): LayerNorm and
+dropout run on T/tp positions per rank. Each attention and MLP block gathers its input over the
+sequence, splits its first matmul by columns (heads, or the MLP's hidden units) and its second by
+rows, and reduce-scatters the output back onto the sequence: per block and direction two
+all-gathers and two reduce-scatters, no all-reduce. The embeddings are vocab- (wte) and
+position- (wpe) parallel, and the logits stay sharded over the vocabulary into the loss
+(`loss_context`, torch's loss_parallel), so no rank ever holds (B, T, vocab).
+
+GPT-2's c_attn is one (3C, C) matrix holding [q | k | v]. Plain column sharding would give the
+first rank all of q and some of k; `FusedColwiseParallel` gives each rank the same heads of all
+three (a `_StridedShard` over the three parts), so the global parameter, and every checkpoint,
+keeps GPT-2's layout and names. The tied output layer (`GPT.lm_head`) owns no weight: it reads
+wte's, which the wte plan shards over the vocabulary (`Shard(0)`), the layout a column-parallel
+output layer needs, so both uses share one DTensor parameter.
+
+Order (torchtitan's): tensor parallelism first, then activation checkpointing and compile, then
+FSDP over the data-parallel sub-mesh (parallel/fsdp.py). Nothing here knows about Ray or the
+trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from elastic_gpt.model.gpt import GPT
+from elastic_gpt.torch_internals import StridedShard
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """Column parallelism for a Linear whose output is `parts` equal tensors side by side: each
+    rank gets the same 1/tp slice of every part (for c_attn: the same heads of q, k and v), as
+    `_StridedShard(0, split_factor=parts)` of the weight. The bias (a few kB) stays replicated:
+    DTensor slices it locally, so it needs no layout of its own in checkpoints. Input:
+    replicated; output: the local slices, [q_r | k_r | v_r], as a plain tensor."""
+
+    def __init__(self, parts: int):
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"FusedColwiseParallel shards an nn.Linear, not {type(module).__name__}")
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input,
+                                 self._prepare_output)
+
+    def _partition(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = StridedShard(0, split_factor=self.parts) if pname == "weight" \
+                else Replicate()
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement]), param.requires_grad))
+
+    @staticmethod
+    def _prepare_input(module, inputs, device_mesh):
+        (x,) = inputs
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+        return x.redistribute(placements=(Replicate(),))
+
+    def _prepare_output(self, module, output, device_mesh):
+        # DTensor's matmul rule keeps the strided sharding on the output's last dim: the local
+        # result is exactly this rank's slice of each part, computed without communication.
+        expected = (StridedShard(output.ndim - 1, split_factor=self.parts),)
+        if output.placements != expected:
+            raise RuntimeError(f"fused column-parallel output has placements {output.placements}, "
+                               f"expected {expected}: this torch shards the matmul differently")
+        return output.to_local()
+
+
+def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
+    """Shard every block and the embeddings/output over `tp_mesh` (see the module docstring)."""
+    parallelize_module(model, tp_mesh, {
+        # Vocab-parallel lookup; the partial sums are reduce-scattered onto the sequence.
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        # Positions are (T,) -> (T, C): the sequence is dim 0 of this output.
+        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        # Reads wte's vocab-sharded weight; the logits stay a DTensor sharded over the vocab.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                   use_local_output=False),
+    })
+    for block in model.h:
+        parallelize_module(block, tp_mesh, {
+            "ln_1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                       desired_input_layouts=(Replicate(),)),
+            "attn.c_attn": FusedColwiseParallel(3),
+            "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "ln_2": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                      desired_input_layouts=(Replicate(),)),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def local_boxes(t) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] | None:
+    """This rank's data of a fused tensor-parallel DTensor (a `_StridedShard` over dim 0, e.g.
+    c_attn's weight or its Adam moments) as boxes of the global tensor: (offsets, sizes, view
+    of the local tensor), one per part. None for any other tensor, which is one box already.
+
+    DCP describes each rank's share of a tensor as one box by default, and the rows of one rank's
+    heads of q, k and v are three; the checkpoint planners (checkpoint/sharded.py) save and load
+    these boxes instead, so the checkpoint holds the GPT-2 layout whatever the (dp, tp) layout,
+    with no communication."""
+    if not isinstance(t, DTensor):
+        return None
+    strided = [(m, p) for m, p in enumerate(t.placements)
+               if isinstance(p, StridedShard) and p.split_factor != _shards_right_of(t, m, p.dim)]
+    if not strided:
+        return None  # FSDP's own strided shards (of a TP shard, on its left) are one box
+    coordinate = t.device_mesh.get_coordinate()
+    if len(strided) > 1 or strided[0][1].dim != 0 or coordinate is None:
+        raise NotImplementedError(f"no checkpoint layout for placements {t.placements}")
+    offsets, sizes = [0] * t.ndim, list(t.shape)
+    for m, p in enumerate(t.placements):
+        if isinstance(p, Shard):  # FSDP's dims: plain chunks of the other dims
+            n, c, length = t.device_mesh.size(m), coordinate[m], t.shape[p.dim]
+            if p.dim == 0 or offsets[p.dim] or sizes[p.dim] != length:
+                raise NotImplementedError(f"no checkpoint layout for placements {t.placements}")
+            step = -(-length // n)
+            offsets[p.dim] = min(c * step, length)
+            sizes[p.dim] = max(0, min(step, length - offsets[p.dim]))
+    m, p = strided[0]
+    n, c = t.device_mesh.size(m), coordinate[m]
+    part = t.shape[0] // p.split_factor
+    if t.shape[0] % p.split_factor or part % n:
+        raise NotImplementedError(f"{p} of {tuple(t.shape)} over {n} ranks is uneven")
+    local, rows = t.to_local(), part // n
+    boxes = []
+    if 0 in sizes:
+        return boxes
+    for j in range(p.split_factor):
+        box_offsets = (j * part + c * rows, *offsets[1:])
+        boxes.append((box_offsets, (rows, *sizes[1:]), local[j * rows:(j + 1) * rows]))
+    return boxes
+
+
+def _shards_right_of(t: DTensor, mesh_dim: int, tensor_dim: int) -> int:
+    """How many pieces the mesh dims right of `mesh_dim` cut `tensor_dim` into: the split factor
+    of a `_StridedShard` that only records sharding order (FSDP over a tensor-parallel shard)."""
+    n = 1
+    for m in range(mesh_dim + 1, t.device_mesh.ndim):
+        p = t.placements[m]
+        if isinstance(p, (Shard, StridedShard)) and p.dim == tensor_dim:
+            n *= t.device_mesh.size(m)
+    return n
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Around the loss and its backward: torch's loss_parallel when the logits are
+    vocab-sharded DTensors (cross-entropy without gathering them), else nothing."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
