@@ -10,7 +10,11 @@ from ray import cloudpickle
 from ray.train import FailureConfig, ScalingConfig
 
 from elastic_gpt.elastic.membership import RunRecords, live_capacity
-from elastic_gpt.elastic.policies import ElasticFailurePolicy, LiveCapacityScalingPolicy
+from elastic_gpt.elastic.policies import (
+    ElasticFailurePolicy,
+    LiveCapacityScalingPolicy,
+    group_size,
+)
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError
 from elastic_gpt.train.goodput import GoodputLedger
 
@@ -71,7 +75,8 @@ def test_policies_reach_the_controller_by_reference_with_their_state():
     """Ray Train pickles the policies into its controller actor: they must arrive as instances
     of this package's classes (importable there), with everything their constructors made."""
     records = RunRecords("test-pickle")
-    scaling = LiveCapacityScalingPolicy(ScalingConfig(num_workers=(1, 2)), records)
+    scaling = LiveCapacityScalingPolicy(ScalingConfig(num_workers=(2, 4)), records, tp=2,
+                                        hsdp="on")
     failure = ElasticFailurePolicy(FailureConfig(), records, 3)
     for policy in (scaling, failure):
         copy = cloudpickle.loads(cloudpickle.dumps(policy))
@@ -79,6 +84,23 @@ def test_policies_reach_the_controller_by_reference_with_their_state():
         assert set(vars(copy)) == set(vars(policy))
         assert copy.records.run_key == "test-pickle"
     assert scaling.more_room_since is None and scaling.last_group_nodes == {}
+    assert (copy.tp, copy.hsdp) == (2, "on")
+
+
+@pytest.mark.parametrize("per_node,max_workers,tp,hsdp,size", [
+    ({"a": 2, "b": 1}, 4, 1, "auto", 3),  # tp=1: every worker that fits, as before
+    ({"a": 2, "b": 1}, 2, 1, "auto", 2),
+    ({"a": 2, "b": 2}, 4, 2, "auto", 4),
+    ({"a": 2}, 4, 2, "auto", 2),  # a node lost: the data-parallel degree drops, tp stays
+    ({"a": 3, "b": 1}, 8, 2, "auto", 2),  # whole tensor-parallel groups per node only
+    ({"a": 1, "b": 1}, 4, 2, "auto", 0),  # no node holds a group: wait for capacity
+    ({"a": 8, "b": 8, "c": 8}, 16, 4, "auto", 16),
+    ({"a": 4, "b": 4, "c": 2}, 12, 2, "on", 8),  # whole replicas: 2 nodes x 4 beat 3 x 2
+    ({"a": 4, "b": 2, "c": 2}, 12, 2, "on", 6),  # 3 nodes x 2 beat 1 x 4
+    ({"a": 8, "b": 8, "c": 8}, 16, 4, "on", 16),  # capped at max_workers in whole replicas
+])
+def test_groups_are_sized_in_whole_tensor_parallel_groups(per_node, max_workers, tp, hsdp, size):
+    assert group_size(per_node, max_workers, tp, hsdp) == size
 
 
 def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):

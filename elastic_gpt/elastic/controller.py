@@ -38,15 +38,16 @@ class ElasticTorchTrainer(TorchTrainer):
     hour. `run_key` names the run's records in the GCS (`RunRecords`); the rest is TorchTrainer's."""
 
     def __init__(self, train_loop_per_worker, *, run_key: str, max_failures_per_hour: float,
-                 **trainer_kwargs):
+                 tp: int = 1, hsdp: str = "auto", **trainer_kwargs):
         self.run_key = run_key
         self.max_failures_per_hour = max_failures_per_hour
+        self.tp, self.hsdp = tp, hsdp  # groups are sized in whole tensor-parallel groups
         super().__init__(train_loop_per_worker, **trainer_kwargs)
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         records = RunRecords(self.run_key)
         controller_init_kwargs["scaling_policy"] = LiveCapacityScalingPolicy(
-            self.scaling_config, records)
+            self.scaling_config, records, tp=self.tp, hsdp=self.hsdp)
         controller_init_kwargs["failure_policy"] = ElasticFailurePolicy(
             self.run_config.failure_config, records, self.max_failures_per_hour)
         return super()._initialize_and_run_controller(**controller_init_kwargs)

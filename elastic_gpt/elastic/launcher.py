@@ -139,6 +139,7 @@ def build_trainer(cfg: Config, run_id: str | None):
     return ElasticTorchTrainer(
         train_loop_per_worker,
         run_key=run_key(cfg), max_failures_per_hour=cfg.elastic.max_failures_per_hour,
+        tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
         train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id,
                            "run_key": run_key(cfg)},
         scaling_config=scaling,

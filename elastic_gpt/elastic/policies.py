@@ -36,11 +36,13 @@ FAILURE_WINDOW_S = 3600.0  # the budget counts failures over the last hour
 
 class LiveCapacityScalingPolicy(ScalingPolicy):
     """Sizes the group from live GCS state instead of the autoscaling coordinator's reserved
-    view, which still counts dead nodes (the 60 s placement-group wait Ray's default hits)."""
+    view, which still counts dead nodes (the 60 s placement-group wait Ray's default hits), in
+    whole tensor-parallel groups per node (`group_size`): `tp` and `hsdp` are parallel.*."""
 
-    def __init__(self, scaling_config, records: RunRecords):
+    def __init__(self, scaling_config, records: RunRecords, tp: int = 1, hsdp: str = "auto"):
         super().__init__(scaling_config)
         self.records = records
+        self.tp, self.hsdp = tp, hsdp
         # The running group as last seen (workers per node, its placement group): see _fit.
         self.last_group_nodes: dict[str, int] = {}
         self.last_group_pg = None
@@ -58,7 +60,7 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         if self.last_group_pg is not None and not _pg_removed(self.last_group_pg):
             held = self.last_group_nodes
         per_node = live_capacity(resources_per_worker(self.scaling_config), held)
-        return min(sum(per_node.values()), self.scaling_config.max_workers)
+        return group_size(per_node, self.scaling_config.max_workers, self.tp, self.hsdp)
 
     def make_decision_for_non_running_worker_group(self):
         self._maybe_send_resource_request()
@@ -97,6 +99,22 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         else:
             self.more_room_since = None
         return NoopDecision()
+
+
+def group_size(per_node: dict[str, int], max_workers: int, tp: int = 1, hsdp: str = "auto") -> int:
+    """Workers a group gets from the workers that fit on each node now: whole tensor-parallel
+    groups per node (a group never spans nodes), at most max_workers (a multiple of tp). Under
+    hsdp=on, whole replicas too: the same number of workers on every node used, the most
+    workers any such choice gives. (Which node a worker lands on is Ray's placement: a node
+    left with a part of a group makes the Trainer stop with one line, parallel/mesh.py.)"""
+    usable = sorted((n // tp * tp for n in per_node.values()), reverse=True)
+    if hsdp != "on":
+        return min(sum(usable), max_workers // tp * tp)
+    best = 0
+    for nodes, per in enumerate(usable, 1):  # the `nodes` fullest nodes, `per` workers each
+        if per:
+            best = max(best, min(nodes, max_workers // per) * per)
+    return best
 
 
 class ElasticFailurePolicy(FailurePolicy):
