@@ -84,7 +84,8 @@ def test_policies_reach_the_controller_by_reference_with_their_state():
         assert set(vars(copy)) == set(vars(policy))
         assert copy.records.run_key == "test-pickle"
     assert scaling.more_room_since is None and scaling.last_group_nodes == {}
-    assert (copy.tp, copy.hsdp) == (2, "on")
+    scaling_copy = cloudpickle.loads(cloudpickle.dumps(scaling))
+    assert (scaling_copy.tp, scaling_copy.hsdp) == (2, "on")
 
 
 @pytest.mark.parametrize("per_node,max_workers,tp,hsdp,size", [
