@@ -34,17 +34,20 @@ def _step_worker(rank: int, world: int, overrides: list[str], nodes: list[str] |
     if trainer.tp_rank:  # the ranks of a tensor-parallel group hold the same loss
         loss_sum.zero_()
     dist.all_reduce(loss_sum)
-    grads = {n: p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    # (Names as in the state dict: activation checkpointing's wrapper adds a level.)
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().clone()
+             for n, p in trainer.model.named_parameters()}
     norm = trainer.clip_gradients()
     return {"loss": loss_sum / (12 * trainer.gpt_cfg.seq_len), "grads": grads, "norm": norm,
             "setup": trainer.setup_line()}
 
 
-def step(world: int, data: str, tmp_path, tp: int = 1, nodes: str | None = None) -> dict:
+def step(world: int, data: str, tmp_path, tp: int = 1, nodes: str | None = None,
+         extra: tuple[str, ...] = ()) -> dict:
     overrides = ["model.preset=tiny", f"data.path={data}", "train.global_batch_size=12",
                  "train.micro_batch_size=2", f"scaling.max_workers={world}",
                  f"scaling.min_workers={tp}", f"parallel.tp={tp}",
-                 "checkpoint.path=" + str(tmp_path / "unused")]
+                 "checkpoint.path=" + str(tmp_path / "unused"), *extra]
     return run_gloo(_step_worker, world, overrides, nodes.split(",") if nodes else None)[0]
 
 
@@ -53,15 +56,21 @@ def single(stdlib_dataset, tmp_path_factory):
     return step(1, stdlib_dataset, tmp_path_factory.mktemp("w1"))
 
 
-@pytest.mark.parametrize("world,tp,nodes,layout", [
-    (2, 2, None, "dp 1 x tp 2"),
-    pytest.param(4, 2, None, "dp 2 x tp 2", marks=pytest.mark.slow),
-    pytest.param(4, 1, "a,a,b,b", "dp 4 (HSDP 2 x 2) x tp 1", marks=pytest.mark.slow),
-    pytest.param(4, 2, "a,a,b,b", "dp 2 (HSDP 2 x 1) x tp 2", marks=pytest.mark.slow),
+# The last case recomputes each block (activation checkpointing: the recompute runs the
+# tensor-parallel collectives again), re-gathers in backward and reduce-scatters per micro-batch.
+@pytest.mark.parametrize("world,tp,nodes,layout,extra", [
+    (2, 2, None, "dp 1 x tp 2", ()),
+    pytest.param(4, 2, None, "dp 2 x tp 2", (), marks=pytest.mark.slow),
+    pytest.param(4, 1, "a,a,b,b", "dp 4 (HSDP 2 x 2) x tp 1", (), marks=pytest.mark.slow),
+    pytest.param(4, 2, "a,a,b,b", "dp 2 (HSDP 2 x 1) x tp 2", (), marks=pytest.mark.slow),
+    pytest.param(2, 2, None, "dp 1 x tp 2", ("train.activation_checkpointing=true",
+                                            "train.reshard_after_forward=always",
+                                            "train.grad_sync=microbatch"),
+                 marks=pytest.mark.slow),
 ])
-def test_parallel_step_equals_single_process(single, world, tp, nodes, layout, stdlib_dataset,
-                                             tmp_path):
-    got = step(world, stdlib_dataset, tmp_path, tp, nodes)
+def test_parallel_step_equals_single_process(single, world, tp, nodes, layout, extra,
+                                             stdlib_dataset, tmp_path):
+    got = step(world, stdlib_dataset, tmp_path, tp, nodes, extra)
     assert f"{world} worker(s)" in got["setup"] and layout in got["setup"]
     torch.testing.assert_close(got["loss"], single["loss"], rtol=1e-6, atol=1e-6)
     assert got["grads"].keys() == single["grads"].keys()
