@@ -79,6 +79,31 @@ def test_parallel_step_equals_single_process(single, world, tp, nodes, layout, e
     torch.testing.assert_close(got["norm"], single["norm"], rtol=1e-5, atol=1e-7)
 
 
+def _block_comms_worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from elastic_gpt.model.gpt import GPT, GPTConfig
+    from elastic_gpt.parallel.tensor import apply_tensor_parallel
+
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, seq_len=16, vocab_size=128))
+    apply_tensor_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    x = torch.randn(2, 16 // world, 32, requires_grad=True)  # this rank's sequence positions
+    with CommDebugMode() as forward:
+        y = model.h[0](x)
+    with CommDebugMode() as backward:
+        y.sum().backward()
+    return {name: {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+            for name, mode in (("forward", forward), ("backward", backward))}
+
+
+def test_a_block_communicates_as_megatron_sequence_parallelism():
+    """Per block and direction: the attention's and the MLP's input all-gathered over the
+    sequence and their outputs reduce-scattered back, and nothing else (no all-reduce)."""
+    want = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert run_gloo(_block_comms_worker, 2)[0] == {"forward": want, "backward": want}
+
+
 # ---- resharding across (dp, tp) through checkpoints --------------------------------------------
 
 STEPS = 6

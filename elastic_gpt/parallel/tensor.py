@@ -70,7 +70,10 @@ class FusedColwiseParallel(ParallelStyle):
         (x,) = inputs
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
-        return x.redistribute(placements=(Replicate(),))
+        # Redistribute only if needed: even a no-op redistribute turns the input's partial
+        # gradient into a replicated one in backward (an all-reduce where the reduce-scatter of
+        # the sequence-parallel region's entry suffices, as ColwiseParallel does).
+        return x if x.placements == (Replicate(),) else x.redistribute(placements=(Replicate(),))
 
     def _prepare_output(self, module, output, device_mesh):
         # DTensor's matmul rule keeps the strided sharding on the output's last dim: the local
