@@ -13,6 +13,9 @@ moved fails here, at import, naming the torch version.
   reused across saves.
 - `checkpoint_wrapper` / `CheckpointWrapper`: activation checkpointing of one module
   (torchtitan's way; no public equivalent wraps a module).
+- `flatten_mesh` (`DeviceMesh._flatten`): one process group over several mesh dims, which
+  DTensor then uses for a reduction over all of them at once (the gradient norm under tensor
+  parallelism: one all-reduce instead of one per dim, which torch warns about).
 - `StridedShard` (torch's `_StridedShard`): the DTensor placement that gives each tensor-parallel
   rank the same slice of each of the parts of a fused matrix (GPT-2's [q | k | v] c_attn); DTensor's
   matmul keeps it on the output, FSDP2 shards on top of it, DCP saves and reshards it.
@@ -38,4 +41,10 @@ except ImportError as e:
                       "install a torch in the range pyproject.toml states") from e
 
 __all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "_copy_state_dict",
-           "_create_cpu_state_dict", "checkpoint_wrapper", "set_element"]
+           "_create_cpu_state_dict", "checkpoint_wrapper", "flatten_mesh", "set_element"]
+
+
+def flatten_mesh(mesh, name: str):
+    """Collective. `mesh` (a slice of several dims of a named mesh) as one flattened dim `name`,
+    registered with its root mesh."""
+    return mesh._flatten(name)

@@ -26,6 +26,7 @@ from elastic_gpt.torch_internals import (
     _copy_state_dict,
     _create_cpu_state_dict,
     checkpoint_wrapper,
+    flatten_mesh,
     set_element,
 )
 
@@ -129,6 +130,19 @@ def test_strided_shard_splits_parts_and_the_matmul_keeps_it():
         # parallel/tensor.py's FusedColwiseParallel relies on this to compute q, k, v locally.
         assert y.placements == (StridedShard(2, split_factor=3),), changed(
             f"linear() of a _StridedShard weight gives {y.placements}")
+
+
+def test_a_flattened_mesh_dim_is_registered_with_its_root():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_gpt.testing.gloo import gloo_group
+
+    with gloo_group():
+        root = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+        flat = flatten_mesh(root["b", "c"], "b_c")
+        assert flat.mesh_dim_names == ("b_c",) and flat.size() == 1, changed("_flatten()")
+        assert root["b_c"].mesh_dim_names == ("b_c",), changed(
+            "a flattened dim is found by name on its root mesh")
 
 
 def _private_torch_imports(path: Path) -> list[str]:

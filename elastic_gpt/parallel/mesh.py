@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic_gpt.errors import FatalTrainingError
+from elastic_gpt.torch_internals import flatten_mesh
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 
@@ -121,6 +122,10 @@ class ParallelDims:
         if self._mesh is None:
             self._mesh = init_device_mesh(
                 device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
+            if self.tp_enabled:
+                # A sum over every shard of a parameter (the gradient norm) spans dp_shard and
+                # tp; with this flattened dim DTensor does it in one all-reduce, not two.
+                flatten_mesh(self._mesh["dp_shard", "tp"], "dp_shard_tp")
         return self._mesh
 
     @property
