@@ -168,8 +168,8 @@ def _scaling_worker(rank: int, world: int, data: str, steps: int, warmup: int, m
         "scaling.cpus_per_worker=1", "scaling.min_workers=1", f"scaling.max_workers={world}",
         "checkpoint.path=/nonexistent-unused", *overrides])
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
-    stream = open_step_stream(data, plan=trainer.plan, rank=rank, world_size=world,
-                              start_step=0, seed=cfg.data.seed)
+    stream = open_step_stream(data, plan=trainer.plan, rank=trainer.dp_rank,
+                              world_size=trainer.dp_degree, start_step=0, seed=cfg.data.seed)
     wall, cpu = [], []
     for _ in range(steps):
         w0, c0 = time.perf_counter(), time.process_time()
