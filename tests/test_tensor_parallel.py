@@ -34,9 +34,9 @@ def _step_worker(rank: int, world: int, overrides: list[str], nodes: list[str] |
     if trainer.tp_rank:  # the ranks of a tensor-parallel group hold the same loss
         loss_sum.zero_()
     dist.all_reduce(loss_sum)
-    # (Names as in the state dict: activation checkpointing's wrapper adds a level.)
-    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().clone()
-             for n, p in trainer.model.named_parameters()}
+    # (Names as in the state dict: activation checkpointing's and compile's wrappers add a level.)
+    grads = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""):
+             p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
     norm = trainer.clip_gradients()
     return {"loss": loss_sum / (12 * trainer.gpt_cfg.seq_len), "grads": grads, "norm": norm,
             "setup": trainer.setup_line()}
@@ -56,8 +56,9 @@ def single(stdlib_dataset, tmp_path_factory):
     return step(1, stdlib_dataset, tmp_path_factory.mktemp("w1"))
 
 
-# The last case recomputes each block (activation checkpointing: the recompute runs the
-# tensor-parallel collectives again), re-gathers in backward and reduce-scatters per micro-batch.
+# The last cases recompute each block (activation checkpointing: the recompute runs the
+# tensor-parallel collectives again), re-gather in backward and reduce-scatter per micro-batch,
+# and compile each tensor-parallel block (fullgraph, DTensor traced).
 @pytest.mark.parametrize("world,tp,nodes,layout,extra", [
     (2, 2, None, "dp 1 x tp 2", ()),
     pytest.param(4, 2, None, "dp 2 x tp 2", (), marks=pytest.mark.slow),
@@ -67,6 +68,7 @@ def single(stdlib_dataset, tmp_path_factory):
                                             "train.reshard_after_forward=always",
                                             "train.grad_sync=microbatch"),
                  marks=pytest.mark.slow),
+    pytest.param(2, 2, None, "dp 1 x tp 2", ("train.compile=true",), marks=pytest.mark.slow),
 ])
 def test_parallel_step_equals_single_process(single, world, tp, nodes, layout, extra,
                                              stdlib_dataset, tmp_path):
