@@ -246,7 +246,8 @@ def functional_collective_counter(group_sizes: dict[str, tuple[str, int]]):
     collectives it issues on local tensors come back through this mode, as in CommDebugMode.
     `group_sizes` maps a process group's name to (mesh dim, size)."""
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from elastic_gpt.torch_internals import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
         def __init__(self):

@@ -36,12 +36,14 @@ try:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+    from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError as e:
     raise ImportError(f"torch {torch.__version__}: a private API elastic-gpt uses moved ({e}); "
                       "install a torch in the range pyproject.toml states") from e
 
-__all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "_copy_state_dict",
-           "_create_cpu_state_dict", "checkpoint_wrapper", "flatten_mesh", "set_element"]
+__all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
+           "_copy_state_dict", "_create_cpu_state_dict", "checkpoint_wrapper", "flatten_mesh",
+           "set_element"]
 
 
 def flatten_mesh(mesh, name: str):

@@ -159,6 +159,23 @@ def _private_torch_imports(path: Path) -> list[str]:
     return found
 
 
+def test_a_dispatch_mode_sees_every_op_with_its_args():
+    """bench/bench_planner.py counts DTensor's collectives with a TorchDispatchMode subclass."""
+    from elastic_gpt.torch_internals import TorchDispatchMode
+
+    seen = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func.overloadpacket.__name__, [a.shape for a in args
+                                                        if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        torch.ones(2, 3).sum()
+    assert ("sum", [torch.Size([2, 3])]) in seen, changed(f"TorchDispatchMode saw {seen}")
+
+
 def test_no_other_module_imports_private_torch():
     door = REPO / "elastic_gpt/torch_internals.py"
     assert _private_torch_imports(door), "the door itself imports them"

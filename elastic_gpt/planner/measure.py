@@ -194,6 +194,7 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
 
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.parallel.mesh import ParallelDims
     from elastic_gpt.train.trainer import Trainer, _device
 
     c = copy.deepcopy(cfg)
@@ -203,9 +204,13 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     warmup = 2 if cand.compile else 1
     device = _device()
     # Batches are read before the baseline: the measured peak is the trainer's, not the reader's.
+    # The ranks of one tensor-parallel group read the same micro-batches (C2 is over the
+    # data-parallel rank); the layout's rank arithmetic is ParallelDims'.
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // c.parallel.tp, tp=c.parallel.tp)
     stream = open_step_stream(c.data.path, plan=BatchPlan(c.train.global_batch_size,
                                                           cand.micro_batch),
-                              rank=rank, world_size=world, start_step=0, seed=c.data.seed,
+                              rank=dims.dp_rank(rank), world_size=dims.dp_degree, start_step=0,
+                              seed=c.data.seed,
                               shuffle_window=c.data.shuffle_window, prefetch_steps=1)
     try:
         batches = [next(stream) for _ in range(warmup + steps)]
