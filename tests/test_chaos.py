@@ -19,7 +19,14 @@ from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
 from elastic_gpt.elastic import preemption
 from elastic_gpt.elastic.launcher import run_key, run_training
-from elastic_gpt.testing.cluster import LocalCluster, committed, progress, training_workers, wait_for
+from elastic_gpt.testing.cluster import (
+    LocalCluster,
+    committed,
+    progress,
+    train_in_background,
+    training_workers,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -52,22 +59,8 @@ def train(env, name: str, fault=None, min_workers: int = 1):
     cfg = load_config("jobs/configs/mini.yaml", overrides(env, name, min_workers))
     if fault is None:
         return run_training(cfg), cfg, None
-    outcome: dict = {}
-
-    def train_in_thread():
-        try:
-            outcome["summary"] = run_training(cfg)
-        except BaseException as e:  # re-raised below, in the test's thread
-            outcome["error"] = e
-
-    thread = threading.Thread(target=train_in_thread, daemon=True)
-    thread.start()
-    injected = fault(cfg)
-    thread.join(600)
-    assert not thread.is_alive(), "training did not finish within 10 minutes"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["summary"], cfg, injected
+    summary, injected = train_in_background(cfg, lambda: fault(cfg))
+    return summary, cfg, injected
 
 
 def metrics(env, summary) -> dict:

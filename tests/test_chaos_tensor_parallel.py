@@ -6,16 +6,14 @@ step count, and trains on the same samples at every step as an uninterrupted run
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from conftest import metric_by_step
 
 from elastic_gpt.config import load_config, resolve_paths
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.data.stream import open_step_stream
-from elastic_gpt.elastic.launcher import run_key, run_training
-from elastic_gpt.testing.cluster import LocalCluster, progress, wait_for
+from elastic_gpt.elastic.launcher import run_key
+from elastic_gpt.testing.cluster import LocalCluster, progress, train_in_background, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,29 +32,18 @@ def test_node_killed_under_tensor_parallelism_continues_at_dp_1(stdlib_dataset, 
             "run.name=tp-node-kill", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
             f"run.storage_path={tmp_path}/ray", f"checkpoint.path={tmp_path}/ckpt"])
         resolve_paths(cfg)  # as run_training does: the run's key is its resolved checkpoint URL
-        outcome: dict = {}
-
-        def train_in_thread():
-            try:
-                outcome["summary"] = run_training(cfg)
-            except BaseException as e:  # re-raised below, in the test's thread
-                outcome["error"] = e
-
-        thread = threading.Thread(target=train_in_thread, daemon=True)
-        thread.start()
         key = run_key(cfg)
-        # Past the first checkpoint, at the 2-node layout: the kill lands mid-run.
-        wait_for(lambda: (lambda p: p.get("world_size") == 4 and p.get("step", 0) > 4)(
-            progress(key) or {}), timeout_s=300)
-        cluster.kill_node(cluster.node_hosting_a_worker())
-        thread.join(600)
-        assert not thread.is_alive(), "training did not finish within 10 minutes"
-        if "error" in outcome:
-            raise outcome["error"]
+
+        def kill_a_node_mid_run():
+            # Past the first checkpoint, at the 2-node layout: the kill lands mid-run.
+            wait_for(lambda: (lambda p: p.get("world_size") == 4 and p.get("step", 0) > 4)(
+                progress(key) or {}), timeout_s=300)
+            cluster.kill_node(cluster.node_hosting_a_worker())
+
+        summary, _ = train_in_background(cfg, kill_a_node_mid_run)
     finally:
         cluster.shutdown()
 
-    summary = outcome["summary"]
     assert summary["step"] == STEPS
     run = summary["run_id"]
     fingerprints = metric_by_step(cfg.tracking.uri, run, "data_fingerprint")

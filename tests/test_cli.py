@@ -55,6 +55,15 @@ def other_shape_checkpoint(tmp_path_factory, stdlib_dataset):
     return root
 
 
+def assert_one_error_line(code: int, capsys, message: str) -> None:
+    """Exit 2 and one `elastic-gpt: error:` line on stderr that names the problem (C6)."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-gpt: error: "), err
+    assert message in lines[0]
+
+
 @pytest.mark.parametrize("args,message", [
     (["train.lrr=1"], "unknown config key 'train.lrr'"),
     (["train.global_batch_size=10", "train.micro_batch_size=4"],
@@ -64,11 +73,7 @@ def other_shape_checkpoint(tmp_path_factory, stdlib_dataset):
 def test_bad_train_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     code = main(["train", "--config", "jobs/configs/mini.yaml", f"checkpoint.path={tmp_path}/c",
                  f"tracking.uri=sqlite:///{tmp_path}/m.db", *args])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("elastic-gpt: error: "), err
-    assert message in lines[0]
+    assert_one_error_line(code, capsys, message)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -84,11 +89,7 @@ def test_a_layout_the_model_cannot_take_is_one_line_and_exit_2(args, message, st
     code = main(["train", "--config", "jobs/configs/mini.yaml", "model.preset=tiny",
                  f"data.path={stdlib_dataset}", f"checkpoint.path={tmp_path}/c",
                  f"tracking.uri=sqlite:///{tmp_path}/m.db", *args])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("elastic-gpt: error: "), err
-    assert message in lines[0]
+    assert_one_error_line(code, capsys, message)
     assert not os.path.exists(tmp_path / "c")
 
 

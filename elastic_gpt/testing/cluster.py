@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -88,6 +89,30 @@ def sigkill_a_worker() -> int:
     pid = training_workers()[0].pid
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+def train_in_background(cfg, fault, timeout_s: float = 600.0):
+    """Run `elastic_gpt.elastic.launcher.run_training(cfg)` in a thread while `fault()` runs in
+    this one (Ray starts and kills nodes only from the main thread). Returns (summary, what
+    `fault` returned); a training error is raised here, in the caller's thread."""
+    from elastic_gpt.elastic.launcher import run_training
+
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["summary"] = run_training(cfg)
+        except BaseException as e:  # re-raised below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    injected = fault()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"training did not finish within {timeout_s:.0f} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["summary"], injected
 
 
 def wait_for(predicate, timeout_s: float = 120.0, interval_s: float = 0.05):
