@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import types
 from dataclasses import dataclass, field, fields
@@ -77,6 +78,22 @@ class DataSection:
     """Samples shuffled together inside a window after the per-epoch shard shuffle."""
     prefetch_steps: int = 4
     """Steps of batches each worker reads ahead in a background thread."""
+    sources: list[dict] | None = None
+    """A weighted mixture instead of one data.path: a list of {path: URL, weight: number > 0},
+    each a dataset from `prepare-data`. Step t's samples are a seeded, world-size independent
+    interleave of the sources in proportion to their weights (C2). Leave data.path empty."""
+
+
+@dataclass
+class EvalSection:
+    path: str = ""
+    """Validation dataset (a `prepare-data` output). Empty: the held-out split prepare-data wrote
+    next to the training data (<data.path>/val), when there is one; none: no evaluation."""
+    every_steps: Annotated[int, Range(0)] = 0
+    """Evaluate every N steps (0: only the final evaluation at the end of the run)."""
+    samples: Annotated[int, Range(0)] = 64
+    """Validation sequences per evaluation: the first N of the validation set, the same set at
+    any world size (0 disables evaluation)."""
 
 
 @dataclass
@@ -201,6 +218,8 @@ class Config:
     """Model shape: a preset and per-field overrides."""
     data: DataSection = field(default_factory=DataSection)
     """Which prepared dataset, and the seed and window of its sample order."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Held-out evaluation: which validation set, how often, how many sequences."""
     train: TrainSection = field(default_factory=TrainSection)
     """Batch, optimizer, schedule, precision and sharding of the training loop."""
     scaling: ScalingSection = field(default_factory=ScalingSection)
@@ -338,6 +357,15 @@ def _as_type(dotted: str, value, tp):
         if any(type(value) is type(c) and value == c for c in choices):
             return value
         raise _Mismatch([str(c) for c in choices])
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch(["a list"])
+        (item,) = get_args(tp)
+        return [_as_type(f"{dotted}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise _Mismatch(["a mapping"])
+        return dict(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -354,6 +382,8 @@ def _as_type(dotted: str, value, tp):
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Mismatch(["a number"])
+        if not math.isfinite(value):  # NaN passes every `<=` check below, so refuse it here
+            raise _Mismatch(["a finite number"])
         return float(value)
     if tp is str:
         if not isinstance(value, (str, int, float)):
@@ -381,9 +411,13 @@ def validate(cfg: Config) -> None:
                          f"{s.min_workers}; set max_workers >= min_workers")
     if t.lr <= 0 or (t.min_lr is not None and not 0 <= t.min_lr <= t.lr):
         raise ValueError(f"train.lr={t.lr} must be > 0 and train.min_lr={t.min_lr} in [0, lr]")
-    if t.warmup_steps < 0 or t.warmup_steps > t.max_steps:
-        raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, train.max_steps="
-                         f"{t.max_steps}]")
+    if t.warmup_steps < 0:
+        raise ValueError(f"train.warmup_steps={t.warmup_steps} must be at least 0")
+    if t.warmup_steps > t.max_steps:
+        # A short trial run of any shipped config (train.max_steps=5) should just work.
+        log.warning("train.warmup_steps=%d is longer than train.max_steps=%d: warming up over all "
+                    "%d steps instead", t.warmup_steps, t.max_steps, t.max_steps)
+        t.warmup_steps = t.max_steps
     tp = cfg.parallel.tp
     if s.min_workers % tp or s.max_workers % tp:
         low, high = max(tp, s.min_workers // tp * tp), max(tp, s.max_workers // tp * tp)
@@ -393,9 +427,30 @@ def validate(cfg: Config) -> None:
             f"scaling.min_workers={low} scaling.max_workers={high}")
     plan = BatchPlan(t.global_batch_size, t.micro_batch_size)
     plan.check_world_size(s.max_workers, tp=tp)  # C1 over the data-parallel degree
-    if not cfg.data.path:
+    if cfg.data.sources is not None:
+        _check_sources(cfg.data)
+    elif not cfg.data.path:
         raise ValueError("data.path is empty; point it at a dataset made by `elastic-gpt "
                          "prepare-data --output URL` (e.g. data.path=data/stdlib)")
+
+
+def _check_sources(data: DataSection) -> None:
+    if data.path:
+        raise ValueError("data.path and data.sources are both set; keep one (data.sources lists "
+                         "every dataset of a mixture with its weight)")
+    if not data.sources:
+        raise ValueError("data.sources is an empty list; give at least one {path: URL, weight: W}")
+    for i, src in enumerate(data.sources):
+        if not isinstance(src, dict) or set(src) - {"path", "weight"} or "path" not in src:
+            raise ValueError(f"data.sources[{i}]={src!r} must be a mapping with keys path and "
+                             "weight, e.g. {path: data/stdlib, weight: 1.0}")
+        if not isinstance(src["path"], str) or not src["path"]:
+            raise ValueError(f"data.sources[{i}].path must be a dataset URL or path")
+        weight = src.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
+                not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"data.sources[{i}].weight={weight!r} must be a finite number > 0")
+        src["weight"] = float(weight)
 
 
 def resolve_paths(cfg: Config, cwd: str | None = None) -> Config:
@@ -409,7 +464,12 @@ def resolve_paths(cfg: Config, cwd: str | None = None) -> Config:
             log.warning("%s=%s is relative to the job's unpacked working dir, which is new at "
                         "every submission; use an absolute path or a URL (docs/operations.md)",
                         key, getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]))
-    cfg.data.path = absolute_url(cfg.data.path, cwd)
+    if cfg.data.path:
+        cfg.data.path = absolute_url(cfg.data.path, cwd)
+    for src in cfg.data.sources or ():
+        src["path"] = absolute_url(src["path"], cwd)
+    if cfg.eval.path:
+        cfg.eval.path = absolute_url(cfg.eval.path, cwd)
     cfg.checkpoint.path = absolute_url(
         cfg.checkpoint.path or os.path.join("runs", cfg.run.name, "checkpoints"), cwd)
     cfg.run.storage_path = absolute_url(cfg.run.storage_path or "runs", cwd).removeprefix("file://")

@@ -55,8 +55,15 @@ def test_file_then_overrides():
     (["checkpoint.keep=0"], "checkpoint.keep=0 must be at least 1"),
     (["model.dropout=1.0"], "model.dropout=1.0 must be in [0, 1)"),
     (["model.n_layer=two"], "model.n_layer='two' must be an integer"),
-    (["train.max_steps=10", "train.warmup_steps=11"],
-     "train.warmup_steps=11 must be in [0, train.max_steps=10]"),
+    (["train.warmup_steps=-1"], "train.warmup_steps=-1 must be at least 0"),
+    (["train.lr=.nan"], "train.lr=nan must be a finite number"),
+    (["train.grad_clip=.inf"], "train.grad_clip=inf must be a finite number"),
+    (["data.path=", "data.sources=[]"], "data.sources is an empty list"),
+    (["data.path=", "data.sources=[{path: a, weight: 0}]"],
+     "data.sources[0].weight=0 must be a finite number > 0"),
+    (["data.path=", "data.sources=[{path: a, wieght: 1}]"], "must be a mapping with keys path and weight"),
+    (["data.sources=[{path: a}]"], "data.path and data.sources are both set"),
+    (["eval.samples=-1"], "eval.samples=-1 must be at least 0"),
     (["parallel.tp=0"], "parallel.tp=0 must be at least 1"),
     (["parallel.hsdp=maybe"], "parallel.hsdp='maybe' must be auto, on or off"),
     (["parallel.tp=2", "scaling.min_workers=1", "scaling.max_workers=3"],
@@ -159,8 +166,11 @@ OLD_MAIN_DICT = {
 def test_a_config_dict_written_by_old_main_loads():
     cfg = config_from_dict(OLD_MAIN_DICT)
     # A section old main lacked gets its defaults, which are what old main did: no tensor
-    # parallelism (and HSDP's auto, which a group of one node leaves off).
-    assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto"}}
+    # parallelism (and HSDP's auto, which a group of one node leaves off), one dataset rather than
+    # a mixture, and evaluation only where a validation split exists (old datasets have none).
+    assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto"},
+                             "data": {**OLD_MAIN_DICT["data"], "sources": None},
+                             "eval": {"path": "", "every_steps": 0, "samples": 64}}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"
     # And today's dicts round-trip: what the launcher sends is what the worker rebuilds.
@@ -200,3 +210,17 @@ def test_lr_schedule_warms_up_then_decays_to_min():
     assert lr_at(110, **kw) == pytest.approx(0.1)
     values = [lr_at(s, **kw) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_warmup_longer_than_max_steps_is_clamped_with_a_note(caplog):
+    cfg = load_config(None, ["data.path=x", "train.max_steps=5", "train.warmup_steps=11"])
+    assert cfg.train.warmup_steps == 5
+    assert "warming up over all 5 steps" in caplog.text
+
+
+def test_a_mixture_of_sources_resolves_every_path():
+    from elastic_gpt.config import resolve_paths
+    cfg = load_config(None, ["data.sources=[{path: a, weight: 3}, {path: 's3://b/c'}]"])
+    resolve_paths(cfg, cwd="/w")
+    assert cfg.data.sources == [{"path": "file:///w/a", "weight": 3.0},
+                                {"path": "s3://b/c", "weight": 1.0}]
