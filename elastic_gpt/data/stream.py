@@ -26,13 +26,15 @@ import torch
 from elastic_gpt.data.fingerprint import FINGERPRINT_MASK, sample_hash, sample_hashes
 from elastic_gpt.data.manifest import Manifest, describe_storage_error, load_manifest
 from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW, BatchPlan, SampleOrder
+from elastic_gpt.errors import FatalTrainingError
 
 __all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
            "ShardReader", "DEFAULT_SHUFFLE_WINDOW"]
 
 
-class CorruptShardError(ValueError):
-    """A shard (or its index) does not match the manifest: re-run prepare-data."""
+class CorruptShardError(FatalTrainingError, ValueError):
+    """A shard (or its index) does not match the manifest: re-run prepare-data. No retry reads
+    different bytes, so the run stops at once."""
 
 
 @dataclass
