@@ -1,18 +1,32 @@
-"""The `elastic-gpt` command. User errors print one line and exit 2; nothing is half-written."""
+"""The `elastic-gpt` command, and the one error boundary of every subcommand (C6).
+
+An error the user can fix (config, paths, permissions, credentials, unreachable services, corrupt
+data, bad arguments: `errors.user_error_line` decides) prints one line
+`elastic-gpt <cmd>: error: <what>; <how to fix>` and exits 2, with the traceback only under
+-v/--verbose. Any other exception is a bug in elastic-gpt: its traceback is shown, exit 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+import traceback
 
+from elastic_gpt.arguments import non_negative_float, positive_int
 from elastic_gpt.console import say, setup_logging
+from elastic_gpt.errors import user_error_line
 
 
 def _train(args) -> int:
     from elastic_gpt.config import load_config
     from elastic_gpt.elastic.launcher import run_training
+
+    # `ray job stop` and schedulers stop a driver with SIGTERM: let it close its MLflow run as
+    # KILLED on the way out, as Ctrl-C does, instead of leaving it RUNNING.
+    signal.signal(signal.SIGTERM, _interrupt)
 
     cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, config_path=args.config)
@@ -31,6 +45,10 @@ def _train(args) -> int:
     return 0
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _generate(args) -> int:
     from elastic_gpt.inference.generate import sample_text
 
@@ -42,14 +60,21 @@ def _generate(args) -> int:
 def _export_hf(args) -> int:
     from elastic_gpt.inference.hf_export import export_hf
 
-    out = export_hf(args.checkpoint, args.out)
+    out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
     say(f"[elastic-gpt] wrote {out}/config.json and {out}/model.safetensors "
         "(load with transformers.GPT2LMHeadModel.from_pretrained)")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line like every other user error (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elastic-gpt", description="Elastic GPT pretraining on Ray.")
+    p = _Parser(prog="elastic-gpt", description="Elastic GPT pretraining on Ray.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -74,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "committed step; or one step_<N> directory).")
     gen.add_argument("--checkpoint", required=True, help="checkpoint root or step directory URL")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=100)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=100)
+    gen.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
 
@@ -83,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Write config.json + model.safetensors loadable by "
                                     "transformers.GPT2LMHeadModel.from_pretrained(DIR).")
     ex.add_argument("--checkpoint", required=True, help="checkpoint root or step directory URL")
-    ex.add_argument("--out", required=True, help="output directory")
+    ex.add_argument("--out", required=True, help="output directory (new or empty)")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace the files of an earlier export in a non-empty --out")
     ex.set_defaults(func=_export_hf)
 
     for name, module, text in [("plan", "elastic_gpt.planner.plan", "capacity plan: memory, speed, cost"),
@@ -102,15 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    prog = f"elastic-gpt {args.command}"
     try:
         return args.func(args) or 0
-    except ValueError as e:  # user errors: one readable line, no traceback
-        print(f"elastic-gpt: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print("elastic-gpt: interrupted; resume by running the same command again",
-              file=sys.stderr)
+        print(f"{prog}: interrupted; resume by running the same command again", file=sys.stderr)
         return 130
+    except Exception as e:
+        line = user_error_line(e)
+        if line is None:  # not an error any check of ours names: a bug, so show where it is
+            traceback.print_exc()
+            print(f"{prog}: internal error ({type(e).__name__}); this is a bug in elastic-gpt, "
+                  "please report it with the traceback above", file=sys.stderr)
+            return 1
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -248,13 +248,23 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     raw: dict = {}
     if path:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {path} is a folder; pass --config with a YAML file "
+                             "such as jobs/configs/mini.yaml")
         if not p.is_file():
             raise ValueError(f"config file {path} does not exist; pass --config with a YAML file "
                              "such as jobs/configs/mini.yaml")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"config file {path} is not valid YAML: {first_line(e)}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(e, "problem", None) or first_line(e)
+            raise ValueError(f"config file {path} is not valid YAML{where}: {what}; fix that "
+                             "line") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {path} cannot be read ({first_line(e)}); pass a "
+                             "readable YAML text file") from None
         if not isinstance(raw, dict):
             raise ValueError(f"config file {path} must be a mapping of sections (model:, train:, ...)")
     cfg = Config()

@@ -56,11 +56,11 @@ def other_shape_checkpoint(tmp_path_factory, stdlib_dataset):
 
 
 def assert_one_error_line(code: int, capsys, message: str) -> None:
-    """Exit 2 and one `elastic-gpt: error:` line on stderr that names the problem (C6)."""
+    """Exit 2 and one `elastic-gpt train: error:` line on stderr that names the problem (C6)."""
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("elastic-gpt: error: "), err
+    assert len(lines) == 1 and lines[0].startswith("elastic-gpt train: error: "), err
     assert message in lines[0]
 
 

@@ -172,13 +172,13 @@ def test_attention_calls_sdpa_causally_with_no_mask_in_bf16(world1, monkeypatch)
 
 
 def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
-    from elastic_gpt.elastic.launcher import build_trainer
+    from elastic_gpt.elastic.launcher import build_trainer_factory
     cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused", "scaling.use_gpu=true"])
-    trainer = build_trainer(cfg, None)
+    trainer = build_trainer_factory(cfg)(None)
     assert trainer.backend_config.backend == "nccl"
     assert trainer.scaling_config.use_gpu and trainer.scaling_config.resources_per_worker["GPU"] == 1
     cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused", "scaling.use_gpu=false"])
-    assert build_trainer(cfg, None).backend_config.backend == "gloo"
+    assert build_trainer_factory(cfg)(None).backend_config.backend == "gloo"
 
 
 def test_fused_adamw_runs_and_matches_the_unfused_step():

@@ -288,5 +288,5 @@ def test_submit_stop_resubmit_resumes_the_same_run(nodes, stdlib_dataset, tmp_pa
     # The job with a missing config failed with one readable line, not a traceback.
     assert wait_for_status(nodes, "job-missing-config", {"FAILED", "SUCCEEDED"}, 30) == "FAILED"
     bad_logs = nodes.ray("logs", "job-missing-config").stdout
-    assert "elastic-gpt: error: config file jobs/configs/missing.yaml does not exist" in bad_logs
+    assert "elastic-gpt train: error: config file jobs/configs/missing.yaml does not exist" in bad_logs
     assert "Traceback" not in bad_logs

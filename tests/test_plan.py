@@ -9,6 +9,7 @@ import math
 import pytest
 import yaml
 
+from elastic_gpt.cli import main
 from elastic_gpt.config import load_config
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
@@ -291,13 +292,13 @@ def test_price_file_overrides_and_adds_gpus(tmp_path):
 def test_unknown_gpu_is_one_clear_line_and_exit_2(capsys):
     with pytest.raises(ValueError, match="unknown GPU 'B300'; known GPUs: A100-40GB"):
         plan_training(PlanInputs(gpu="B300"))
-    assert run_from_args(cli("--gpu", "B300")) == 2
+    assert main(["plan", "--gpu", "B300"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "H100" in err
+    assert len(err.splitlines()) == 1 and "H100" in err and err.startswith("elastic-gpt plan: error:")
 
 
 def test_model_that_cannot_fit_says_what_would(capsys):
-    assert run_from_args(cli("--model", "gpt3-13b", "--gpu", "A10G", "--gpus", "8")) == 2
+    assert main(["plan", "--model", "gpt3-13b", "--gpu", "A10G", "--gpus", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "does not fit on 8 x A10G" in err and "at least" in err and "x A100-40GB" in err
@@ -668,9 +669,10 @@ def test_forced_tp_and_hsdp_are_planned_and_written(tmp_path, capsys):
     (("--model", "gpt3-1.3b", "--hsdp", "on", "--gpus", "12"), "--hsdp on replicates whole"),
 ])
 def test_bad_tp_or_hsdp_is_one_clear_line_and_exit_2(argv, message, capsys):
-    assert run_from_args(cli(*argv)) == 2
+    assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+    assert err.startswith("elastic-gpt plan: error: "), err
 
 
 def test_tp_problem_names_what_would_work():

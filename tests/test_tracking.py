@@ -249,7 +249,7 @@ def test_missing_config_is_one_line_and_exit_2(tmp_path):
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2
         assert out.stderr.strip().splitlines() == [
-            "elastic-gpt: error: config file jobs/configs/nope.yaml does not exist; pass --config "
+            "elastic-gpt train: error: config file jobs/configs/nope.yaml does not exist; pass --config "
             "with a YAML file such as jobs/configs/mini.yaml"]
 
 
@@ -263,7 +263,7 @@ def test_unreachable_ray_address_is_one_line_and_exit_2(stdlib_dataset, tmp_path
                     env_extra={"RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=180)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"elastic-gpt: error: cannot reach the Ray cluster at RAY_ADDRESS="
+    assert last.startswith(f"elastic-gpt train: error: cannot reach the Ray cluster at RAY_ADDRESS="
                            f"127.0.0.1:{port}") and "ray start --head" in last
     assert "Traceback" not in out.stderr and time.time() - t0 < 120
     assert CheckpointStore(f"file://{tmp_path}/ckpt").latest() is None

@@ -18,6 +18,7 @@ does not decide when to save (checkpointer.py does).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -124,6 +125,30 @@ class CheckpointStore:
     def write_run_info(self, info: dict) -> None:
         self.fs.makedirs(self.root, exist_ok=True)
         self._atomic_write(self.path(RUN_INFO), json.dumps(info, indent=1).encode())
+
+    def check_writable(self) -> None:
+        """Write and delete one tiny object under the root, so a path or credentials that cannot
+        take a checkpoint fail before training instead of at the first save. Folders this made
+        for the probe on a local disk are removed again: a refused run leaves nothing behind."""
+        probe = self.path(f".write-probe-{os.getpid()}-{time.time_ns()}")
+        made = []
+        if self.protocol in ("file", "local"):
+            d = self.root
+            while d and not os.path.exists(d):
+                made.append(d)
+                d = os.path.dirname(d)
+            if d and not os.path.isdir(d):
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder", d)
+            self.fs.makedirs(self.root, exist_ok=True)
+        try:
+            self.fs.pipe_file(probe, b"probe")
+            self.fs.rm_file(probe)
+        finally:
+            for d in made:  # innermost first
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
 
     # ---- commit and retention (rank 0 only) ------------------------------------------------
 

@@ -21,22 +21,28 @@ log = logging.getLogger(__name__)
 
 
 def preflight(cfg: Config):
-    """Resolve paths, open the dataset, derive the model shape, check any existing checkpoint."""
+    """Everything that can be wrong with the input, seen before a cluster, an MLflow run or a
+    checkpoint is touched: paths, the tracking store, the dataset (its manifest and every shard's
+    size: one listing, no reads), the model shape, any existing checkpoint and whether the
+    checkpoint root takes a write with the current credentials."""
     from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.tracking.client import check_local_store
     from elastic_gpt.train.model_config import model_config_for
 
     resolve_paths(cfg)
+    if cfg.tracking.enabled:
+        check_local_store(cfg.tracking.uri)
     manifest = load_manifest(cfg.data.path)
+    check_shard_sizes(manifest)
     gpt_cfg = model_config_for(cfg, manifest)
     store = CheckpointStore(cfg.checkpoint.path)
     try:
         latest = store.latest()
-    except PermissionError as e:
-        raise ValueError(f"checkpoint.path {cfg.checkpoint.path} is not readable with the current "
-                         f"credentials ({e}); fix the credentials or the path") from None
-    except OSError as e:
-        raise ValueError(f"checkpoint.path {cfg.checkpoint.path} is unreachable ({e}); check the "
-                         "URL and that the storage endpoint is up") from None
+        store.check_writable()
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"checkpoint.path {cfg.checkpoint.path} {_storage_problem(e)}") from None
     if latest is not None:
         check_checkpoint_shape(latest.state, gpt_cfg, latest.url)
         if latest.state.get("global_batch_size", cfg.train.global_batch_size) != \
@@ -49,6 +55,44 @@ def preflight(cfg: Config):
     return manifest, gpt_cfg, store, latest
 
 
+def _storage_problem(e: Exception) -> str:
+    """'cannot be used (...); fix' for a checkpoint root that refused a read or a write."""
+    from elastic_gpt.errors import user_error_line
+    line = first_line(e)
+    if isinstance(e, (NotADirectoryError, FileExistsError)) or "Not a directory" in line:
+        return f"is under a file, not a folder ({line}); choose a folder path"
+    why = user_error_line(e)
+    if why and ("permission" in why or "credentials" in why):
+        return (f"refused access ({line}); fix the folder's permissions or the storage "
+                "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the instance role, "
+                "GOOGLE_APPLICATION_CREDENTIALS)")
+    if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)) and \
+            "://" not in line:
+        return f"cannot be written ({line}); choose a writable folder"
+    return f"is unreachable ({line}); check the URL and that the storage endpoint is up"
+
+
+def check_shard_sizes(manifest) -> None:
+    """Every shard and index the manifest lists exists with the size it says: one listing of
+    the dataset folder (a truncated shard is refused now, not retried by every worker later)."""
+    import fsspec
+    fs, root = fsspec.core.url_to_fs(manifest.url)
+    try:
+        sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"]
+                 for e in fs.ls(root, detail=True)}
+    except Exception as e:
+        raise ValueError(f"dataset {manifest.url} cannot be listed ({first_line(e)}); check the "
+                         "path and the storage credentials") from None
+    for shard in manifest.shards:
+        for name, want in ((shard.path, shard.num_bytes), (shard.index_path, 8 * shard.num_samples)):
+            got = sizes.get(name)
+            if got != want:
+                state = "is missing" if got is None else f"has {got} bytes, the manifest says {want}"
+                raise ValueError(f"dataset {manifest.url}: {name} {state} (truncated, replaced or "
+                                 "deleted since prepare-data); re-run prepare-data into a fresh "
+                                 "--output")
+
+
 def connect_ray(cfg: Config) -> bool:
     """Join RAY_ADDRESS if set (a real cluster, `ray job submit`), else start a local one.
     Returns True if this process started the cluster (and should shut it down)."""
@@ -59,7 +103,7 @@ def connect_ray(cfg: Config) -> bool:
         try:
             _probe_ray_address(os.environ["RAY_ADDRESS"])
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        except (ConnectionError, RuntimeError) as e:
+        except (ConnectionError, RuntimeError, ValueError) as e:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS="
                              f"{os.environ['RAY_ADDRESS']} ({first_line(e)}); start it with "
                              "`ray start --head` or unset RAY_ADDRESS for a local cluster") from None
@@ -88,7 +132,7 @@ def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
         return  # "auto" and other forms: ray.init resolves them
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise ConnectionError(f"nothing answers at {host}:{port}: {e}") from None
 
 
@@ -108,7 +152,9 @@ def use_gpu(cfg: Config) -> bool:
     return cfg.scaling.use_gpu
 
 
-def build_trainer(cfg: Config, run_id: str | None):
+def build_trainer_factory(cfg: Config):
+    """Check what the trainer needs of Ray before an MLflow run exists, and return
+    `make(run_id) -> ElasticTorchTrainer` for once it does."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -136,16 +182,18 @@ def build_trainer(cfg: Config, run_id: str | None):
     # Imported only now: it loads the Ray Train private classes the check has just verified.
     from elastic_gpt.elastic.controller import ElasticTorchTrainer
 
-    return ElasticTorchTrainer(
-        train_loop_per_worker,
-        run_key=run_key(cfg), max_failures_per_hour=cfg.elastic.max_failures_per_hour,
-        tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
-        train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id,
-                           "run_key": run_key(cfg)},
-        scaling_config=scaling,
-        run_config=run_config,
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=600),
-    )
+    def make(run_id: str | None) -> ElasticTorchTrainer:
+        return ElasticTorchTrainer(
+            train_loop_per_worker,
+            run_key=run_key(cfg), max_failures_per_hour=cfg.elastic.max_failures_per_hour,
+            tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
+            train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id,
+                               "run_key": run_key(cfg)},
+            scaling_config=scaling,
+            run_config=run_config,
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=600),
+        )
+    return make
 
 
 def run_key(cfg: Config) -> str:
@@ -181,22 +229,30 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
 
     install_redaction(cfg.to_dict())  # no credential in printed lines or logs
     manifest, gpt_cfg, store, latest = preflight(cfg)
-    run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
+    # Ray before MLflow: a cluster that cannot be reached must not reopen or create a run.
     started_cluster = connect_ray(cfg)
+    run_id = None
     try:
+        trainer_ready = build_trainer_factory(cfg)
+        run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
         say(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
             f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
             f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
             f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""))
         log_cluster_shape(cfg.tracking.uri, run_id)
-        trainer = build_trainer(cfg, run_id)
         try:
-            result = trainer.fit()
+            result = trainer_ready(run_id).fit()
         except Exception as e:
             cause = fatal_cause(e)
             if cause is not None:  # bad input found by a worker: one line, exit 2 (C6)
                 raise ValueError(str(cause).strip().splitlines()[-1]) from None
             raise
+    except KeyboardInterrupt:
+        _close_stopped_run(cfg, run_id, "interrupted (Ctrl-C or SIGINT)", "KILLED")
+        raise
+    except BaseException as e:
+        _close_stopped_run(cfg, run_id, first_line(e), "FAILED")
+        raise
     finally:
         if started_cluster:
             import ray
@@ -217,6 +273,12 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
                    config=cfg.to_dict(), ledger=final.state.get("ledger") if final else None,
                    step=summary["step"], log_model=final_model)
     return summary
+
+
+def _close_stopped_run(cfg: Config, run_id: str | None, reason: str, status: str) -> None:
+    if run_id:
+        from elastic_gpt.tracking.publish import close_failed_run
+        close_failed_run(cfg.tracking.uri, run_id, reason, status)
 
 
 def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:

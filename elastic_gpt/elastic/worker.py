@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from elastic_gpt.config import config_from_dict
 from elastic_gpt.elastic.membership import WorkerMembership
+from elastic_gpt.errors import permanent_failure
 from elastic_gpt.tracking.metric_logger import MetricLogger
 from elastic_gpt.train.trainer import Membership, MetricSink, NullMembership, NullMetricSink, Trainer
 
@@ -39,7 +40,24 @@ def train_loop_per_worker(loop_config: dict) -> None:
                       membership=membership, rank_nodes=nodes)
     try:
         summary = trainer.train()
+    except Exception as e:
+        # Classified here, where the error's chain of causes is whole (Ray pickles only the
+        # exception itself to the controller): a permanent one stops the run after this attempt.
+        fatal = permanent_failure(e, checkpoint_hint=_newest_checkpoint_hint(cfg))
+        if fatal is not None and fatal is not e:
+            raise fatal from e
+        raise
     finally:
         membership.close()
         metrics.close()
     ray.train.report({"step": summary["step"]})  # the ledger travels in the checkpoints
+
+
+def _newest_checkpoint_hint(cfg) -> str:
+    """', and step N at URL is intact': what a user needs to hear when a save failed."""
+    from elastic_gpt.checkpoint.store import CheckpointStore
+    try:
+        latest = CheckpointStore(cfg.checkpoint.path).latest()
+    except Exception:
+        return ""
+    return f", and the checkpoint of step {latest.step} at {latest.url} is intact" if latest else ""

@@ -7,11 +7,25 @@ import torch.nn.functional as F
 
 from elastic_gpt.checkpoint.sharded import load_model_weights
 from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore
+from elastic_gpt.errors import user_error_line
 from elastic_gpt.model.gpt import GPT, GPTConfig
 
 
 def resolve_checkpoint(url: str) -> tuple[str, dict]:
-    """A run's checkpoint root (newest committed step) or one step's directory -> (url, state)."""
+    """A run's checkpoint root (newest committed step) or one step's directory -> (url, state).
+    Storage that refuses access or cannot be reached is a ValueError naming the URL."""
+    try:
+        return _resolve_checkpoint(url)
+    except ValueError:
+        raise
+    except Exception as e:
+        line = user_error_line(e)
+        if line is None:
+            raise
+        raise ValueError(f"checkpoint {url} cannot be read: {line}") from e
+
+
+def _resolve_checkpoint(url: str) -> tuple[str, dict]:
     store = CheckpointStore(url)
     if store.fs.exists(store.path(COMMIT_MARKER)):
         parent, _, name = store.root_url.rpartition("/")
@@ -40,6 +54,9 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
              top_k: int | None = 50, seed: int | None = None,
              eos_id: int | None = None) -> torch.Tensor:
     """idx (1, T) -> (1, T + n). temperature 0 is greedy (argmax), hence deterministic."""
+    if temperature < 0 or max_new_tokens < 1:  # a negative temperature samples the least likely
+        raise ValueError(f"temperature={temperature} must be >= 0 and max_new_tokens="
+                         f"{max_new_tokens} at least 1")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for _ in range(max_new_tokens):
         logits = model(idx[:, -model.cfg.seq_len:])[:, -1, :].float()  # (1, vocab)

@@ -41,17 +41,43 @@ def hf_config(model, eos_id: int | None = None) -> dict:
     }
 
 
-def export_hf(checkpoint: str, out_dir: str) -> str:
+_OUTPUTS = ("config.json", "model.safetensors")
+
+
+def check_output_dir(out_dir: str, overwrite: bool) -> None:
+    """--out must be a folder we may fill: new, empty, or (with --overwrite) an earlier export."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"--out {out_dir} is a file, not a folder; name a new folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise ValueError(f"--out {out_dir} is not empty ({', '.join(sorted(os.listdir(out_dir))[:3])}"
+                         f"{', ...' if len(os.listdir(out_dir)) > 3 else ''}); name a new folder, "
+                         "or pass --overwrite to replace an earlier export there")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, ".elastic-gpt-write-probe")
+        open(probe, "w").close()
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"--out {out_dir} cannot be written ({e.strerror or e}); choose a "
+                         "writable folder") from None
+
+
+def export_hf(checkpoint: str, out_dir: str, overwrite: bool = False) -> str:
+    """Export the newest (or the named) checkpoint into `out_dir`; each file is written to a
+    temporary name and renamed, so a failed export leaves no half-written model."""
+    check_output_dir(out_dir, overwrite)
     model, state = load_model(checkpoint)
-    os.makedirs(out_dir, exist_ok=True)
     eos = None
     try:
         from elastic_gpt.data.manifest import load_manifest
         eos = load_manifest(state["data"]["url"]).eos_id
     except (ValueError, OSError, KeyError):
         pass  # the dataset may be gone; the weights are still exportable
-    save_file(hf_state_dict(model), os.path.join(out_dir, "model.safetensors"),
+    config, weights = (os.path.join(out_dir, name) for name in _OUTPUTS)
+    save_file(hf_state_dict(model), weights + ".tmp",
               metadata={"format": "pt", "elastic_gpt_step": str(state["step"])})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with open(config + ".tmp", "w") as f:
         json.dump(hf_config(model, eos), f, indent=1)
+    os.replace(weights + ".tmp", weights)
+    os.replace(config + ".tmp", config)
     return out_dir

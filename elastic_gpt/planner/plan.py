@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from elastic_gpt.arguments import (
+    fraction,
+    margin,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    write_output_file,
+)
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.hardware import GPU, GPUS, PRICES_AS_OF, GiB, get_gpu, load_overrides
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, count_params, flops_per_token, preset_config
@@ -1312,11 +1320,12 @@ def parse_count(text: str) -> float:
     t = str(text).strip().replace(",", "").replace("_", "")
     mult = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
     try:
-        if t and t[-1].upper() in mult:
-            return float(t[:-1]) * mult[t[-1].upper()]
-        return float(t)
+        value = float(t[:-1]) * mult[t[-1].upper()] if t and t[-1].upper() in mult else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 300B, 1.5T, 3e11)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count (e.g. 300B, 1.5T, 3e11)")
+    return value
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1326,24 +1335,24 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument("--model", default="gpt2-124m",
                    help=f"preset: {', '.join(PRESETS)} (default gpt2-124m)")
-    m.add_argument("--n-layer", type=int)
-    m.add_argument("--n-head", type=int)
-    m.add_argument("--n-embd", type=int)
-    m.add_argument("--seq-len", type=int)
-    m.add_argument("--vocab-size", type=int)
+    m.add_argument("--n-layer", type=positive_int)
+    m.add_argument("--n-head", type=positive_int)
+    m.add_argument("--n-embd", type=positive_int)
+    m.add_argument("--seq-len", type=positive_int)
+    m.add_argument("--vocab-size", type=positive_int)
     t = parser.add_argument_group("training")
-    t.add_argument("--global-batch-size", type=int,
+    t.add_argument("--global-batch-size", type=positive_int,
                    help="sequences per step (default: GPT-3's batch for the size, 0.5M-3.2M "
                    "tokens)")
     t.add_argument("--tokens", type=parse_count,
                    help="token budget, e.g. 300B (default 20 x params)")
-    t.add_argument("--micro-batch-size", type=int, help="force one (default: fastest that fits)")
+    t.add_argument("--micro-batch-size", type=positive_int, help="force one (default: fastest that fits)")
     t.add_argument("--activation-checkpointing", choices=["auto", "on", "off"], default="auto")
     t.add_argument("--grad-sync", choices=["auto", "microbatch", "step"], default="auto")
     t.add_argument("--reshard-after-forward", choices=["auto", "always", "never"],
                    default="auto", help="always: ZeRO-3; never: keep every block gathered for "
                    "the step (one all-gather per block per step); auto: the faster that fits")
-    t.add_argument("--tp", type=int, help="tensor-parallel degree, 1, 2, 4 or 8 (default: the "
+    t.add_argument("--tp", type=positive_int, help="tensor-parallel degree, 1, 2, 4 or 8 (default: the "
                    "fastest that fits)")
     t.add_argument("--hsdp", choices=["auto", "on", "off"], default="auto",
                    help="on: FSDP shards within a node and replicates across nodes (default: "
@@ -1351,31 +1360,31 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     h = parser.add_argument_group("hardware")
     h.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
-    h.add_argument("--gpus", type=int, default=8, help="total GPUs = workers (default 8)")
-    h.add_argument("--gpus-per-node", type=int)
-    h.add_argument("--intra-node-bw", type=float, help="GB/s, NCCL bus bandwidth in a node")
-    h.add_argument("--inter-node-bw", type=float, help="GB/s per node between nodes")
-    h.add_argument("--efficiency", type=float, default=0.6,
+    h.add_argument("--gpus", type=positive_int, default=8, help="total GPUs = workers (default 8)")
+    h.add_argument("--gpus-per-node", type=positive_int)
+    h.add_argument("--intra-node-bw", type=positive_float, help="GB/s, NCCL bus bandwidth in a node")
+    h.add_argument("--inter-node-bw", type=positive_float, help="GB/s per node between nodes")
+    h.add_argument("--efficiency", type=fraction, default=0.6,
                    help="achieved fraction of peak FLOP/s for matmuls (default 0.6)")
-    h.add_argument("--achieved-tflops", type=float,
+    h.add_argument("--achieved-tflops", type=positive_float,
                    help="measured end-to-end TFLOP/s per GPU; replaces the step-time model")
-    h.add_argument("--memory-margin", type=float, default=0.10)
+    h.add_argument("--memory-margin", type=margin, default=0.10)
     h.add_argument("--hardware-file", help="YAML/JSON overriding GPU fields or prices")
-    h.add_argument("--on-demand-price", type=float, help="$ per GPU-hour")
-    h.add_argument("--spot-price", type=float, help="$ per GPU-hour")
+    h.add_argument("--on-demand-price", type=non_negative_float, help="$ per GPU-hour")
+    h.add_argument("--spot-price", type=non_negative_float, help="$ per GPU-hour")
     r = parser.add_argument_group("reliability")
-    r.add_argument("--node-mtbf-hours", type=float, default=6000.0)
-    r.add_argument("--spot-node-mtbf-hours", type=float, default=200.0)
-    r.add_argument("--ckpt-write-s", type=float, help="blocking checkpoint time (default: "
+    r.add_argument("--node-mtbf-hours", type=positive_float, default=6000.0)
+    r.add_argument("--spot-node-mtbf-hours", type=positive_float, default=200.0)
+    r.add_argument("--ckpt-write-s", type=non_negative_float, help="blocking checkpoint time (default: "
                    "checkpoint size / (nodes x --ckpt-bandwidth))")
-    r.add_argument("--ckpt-bandwidth", type=float, default=2.0, help="GB/s per node to storage")
-    r.add_argument("--restart-s", type=float, default=90.0)
-    r.add_argument("--ckpt-every-steps", type=int, help="evaluate this interval instead of "
+    r.add_argument("--ckpt-bandwidth", type=positive_float, default=2.0, help="GB/s per node to storage")
+    r.add_argument("--restart-s", type=non_negative_float, default=90.0)
+    r.add_argument("--ckpt-every-steps", type=positive_int, help="evaluate this interval instead of "
                    "the Young/Daly one")
     r.add_argument("--market", choices=["spot", "on-demand"], default="spot",
                    help="capacity the written config's checkpoint interval is tuned for")
     o = parser.add_argument_group("output")
-    o.add_argument("--min-workers", type=int, help="elastic floor for --write-config")
+    o.add_argument("--min-workers", type=positive_int, help="elastic floor for --write-config")
     o.add_argument("--write-config", metavar="FILE", help="write a ready training config YAML")
     o.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -1404,20 +1413,18 @@ def inputs_from_args(args) -> PlanInputs:
 
 
 def run_from_args(args) -> int:
-    try:
-        plan = plan_training(inputs_from_args(args))
-    except ValueError as e:  # PlanError and config errors: one readable line, exit 2
-        print(f"elastic-gpt plan: {e}", file=sys.stderr)
-        return 2
+    # PlanError and config errors are ValueErrors: the CLI prints them as one line, exit 2.
+    plan = plan_training(inputs_from_args(args))
+    if args.write_config:  # before the report: a path that cannot be written fails alone
+        write_output_file(args.write_config, (
+            f"# written by `elastic-gpt plan` for {plan.n_gpus} x {plan.gpu.name} "
+            f"({plan.market}); add data.path (and checkpoint.path) before training\n"
+            + yaml.safe_dump(training_config(plan), sort_keys=False)), "--write-config")
     if args.json:
         print(json.dumps(plan_summary(plan), indent=2))
     else:
         print(format_report(plan))
     if args.write_config:
-        with open(args.write_config, "w") as f:
-            f.write(f"# written by `elastic-gpt plan` for {plan.n_gpus} x {plan.gpu.name} "
-                    f"({plan.market}); add data.path (and checkpoint.path) before training\n")
-            yaml.safe_dump(training_config(plan), f, sort_keys=False)
         print(f"\nwrote {args.write_config}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

@@ -18,6 +18,22 @@ def is_remote(uri: str) -> bool:
     return uri.split(":", 1)[0].lower() in ("http", "https", "databricks")
 
 
+def check_local_store(uri: str) -> None:
+    """A sqlite store's folder must exist: MLflow would create any missing folders, so a typo in
+    tracking.uri would quietly start a second store somewhere else."""
+    if not uri.lower().startswith("sqlite:///"):
+        return
+    db = uri[len("sqlite:///"):]
+    folder = os.path.dirname(db) or "."
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise ValueError(f"tracking.uri={redact(uri)}: the folder {folder} {what}; create it, fix "
+                         "the path, or set tracking.enabled=false")
+    if os.path.isdir(db):
+        raise ValueError(f"tracking.uri={redact(uri)} names a folder; name a database file in it, "
+                         f"e.g. sqlite:///{os.path.join(db, 'mlflow.db')}")
+
+
 def server_reachable(uri: str, attempts: int = 3, timeout_s: float = 3.0) -> str | None:
     """None if an http(s) tracking server answers (any HTTP status counts), else why not.
     Bounded: `attempts` x `timeout_s` plus 1 s between attempts."""

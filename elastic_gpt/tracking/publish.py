@@ -18,7 +18,7 @@ from elastic_gpt.console import first_line
 from elastic_gpt.tracking.client import bounded_http, mlflow_client, server_reachable
 from elastic_gpt.tracking.events import log_events_with
 from elastic_gpt.tracking.redaction import redact, redact_obj
-from elastic_gpt.tracking.runs import job_info
+from elastic_gpt.tracking.runs import FAILURE_TAG, job_info
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,24 @@ def finish_run(uri: str, run_id: str, config_path: str | None = None, finished: 
             client.set_terminated(run_id, status="FINISHED" if finished else "KILLED")
         except Exception as e:
             log.warning("MLflow: could not close run %s (%s)", run_id, redact(first_line(e)))
+
+
+def close_failed_run(uri: str, run_id: str, reason: str, status: str = "FAILED") -> None:
+    """Close a run that stopped on an error (FAILED) or an interrupt (KILLED), with the one-line
+    reason as a tag, so no run stays RUNNING after its driver is gone. The next submission that
+    passes preflight reopens it (C5). Never raises: tracking never hides the real error."""
+    if server_reachable(uri, attempts=1):
+        return
+    try:
+        with bounded_http():
+            client = mlflow_client(uri)
+            client.set_tag(run_id, FAILURE_TAG, redact(reason)[:5000])
+            log_events_with(client, run_id, [{"kind": "submission_end", "at": time.time(),
+                                              "status": status, "reason": redact(reason)[:300],
+                                              **job_info()}])
+            client.set_terminated(run_id, status=status)
+    except Exception as e:
+        log.warning("MLflow: could not mark run %s %s (%s)", run_id, status, redact(first_line(e)))
 
 
 def _log_config(client, run_id: str, config_path: str | None, config: dict | None) -> None:

@@ -24,6 +24,8 @@ from elastic_gpt.tracking.redaction import redact, redacted_params
 
 log = logging.getLogger(__name__)
 
+FAILURE_TAG = "elastic_gpt.failure"  # why the last submission stopped; cleared when it reopens
+
 
 def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str | None,
                 params: dict, tags: dict | None = None,
@@ -101,6 +103,8 @@ def _reuse_run(client, uri: str, run_id: str | None) -> str | None:
         return None
     if run.info.status != "RUNNING":
         client.update_run(run_id, status="RUNNING")
+    if FAILURE_TAG in run.data.tags:
+        client.delete_tag(run_id, FAILURE_TAG)
     return run_id
 
 
