@@ -1,6 +1,7 @@
 """`elastic-gpt tune` on a real local Ray cluster: one Ray Train job measures every candidate on
-2 FSDP2 workers, picks the fastest that fits, writes a config that loads; an impossible memory
-budget or an unknown GPU is refused with one line saying what would fit, exit code 2."""
+2 FSDP2 workers (tensor-parallel ones on the trainer's TP + FSDP model over gloo), picks the
+fastest that fits, writes a config that loads; an impossible memory budget, an unknown GPU or a tp
+the model cannot split by is refused with one line, exit code 2."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import pytest
 from elastic_gpt.cli import build_parser
 from elastic_gpt.config import load_config
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.planner.measure import TrainSettings, candidate_list, pick_winner, predicted_bytes
+from elastic_gpt.planner.measure import (
+    TrainSettings,
+    candidate_list,
+    layout_for_nodes,
+    pick_winner,
+    predicted_bytes,
+    tp_choices,
+    tuned_config_dict,
+)
 from elastic_gpt.planner.plan import model_shape
 from elastic_gpt.train.model_config import model_config_for
 
@@ -37,12 +46,61 @@ def test_candidates_divide_the_global_batch_and_leave_every_worker_one():
         candidate_list(8, 2, [1, 3], cuda=False)
 
 
+def test_tp_candidates_divide_the_workers_the_heads_and_the_sequence():
+    assert tp_choices(4, 2, 64, None) == [1, 2]  # 4 would split 2 heads
+    assert tp_choices(4, 4, 64, None) == [1, 2, 4]
+    assert tp_choices(6, 6, 64, None) == [1, 2]  # 3 and 6 divide the heads, not 64 positions
+    with pytest.raises(ValueError, match="--tp 3 does not divide model.n_head=2"):
+        tp_choices(4, 2, 64, [1, 3])
+    with pytest.raises(ValueError, match="--tp 4 does not divide the 2 worker"):
+        tp_choices(2, 4, 64, [4])
+    # A tensor-parallel group reads one data-parallel rank's micro-batches: at tp=2 on 2
+    # workers one rank takes the whole global batch.
+    got = candidate_list(8, 2, None, cuda=False, tps=[1, 2])
+    assert sorted({c.micro_batch for c in got if c.tp == 1}) == [1, 2, 4]
+    assert sorted({c.micro_batch for c in got if c.tp == 2}) == [1, 2, 4, 8]
+    only = candidate_list(8, 2, [8], cuda=False, tps=[1, 2])
+    assert {(c.tp, c.micro_batch) for c in only} == {(2, 8)}
+
+
+def test_the_node_layout_adds_hsdp_and_refuses_tp_groups_across_nodes():
+    cands = [TrainSettings(1, False, False, tp) for tp in (1, 2)]
+    two_by_two = layout_for_nodes(cands, ["a", "a", "b", "b"], "auto")
+    assert [(c.tp, c.hsdp) for c, _, _ in two_by_two] == [(1, False), (1, True), (2, False),
+                                                          (2, True)]
+    shapes = {(c.tp, c.hsdp): (d.dp_replicate, d.dp_shard) for c, d, _ in two_by_two}
+    assert shapes == {(1, False): (1, 4), (1, True): (2, 2), (2, False): (1, 2),
+                      (2, True): (2, 1)}
+    assert [c.hsdp for c, _, _ in layout_for_nodes(cands, ["a", "a", "b", "b"], "off")] == \
+        [False, False]
+    uneven = layout_for_nodes(cands, ["a", "a", "a", "b"], "auto")
+    assert [(c.tp, c.hsdp, d is None) for c, d, _ in uneven] == [(1, False, False),
+                                                                 (2, False, True)]
+    assert uneven[1][2] == "tp=2 does not divide the workers per node [3, 1]"
+    one_node = layout_for_nodes(cands, ["a"] * 4, "on")  # HSDP on one node is plain FSDP
+    assert [c.hsdp for c, _, _ in one_node] == [False, False]
+
+
+def test_the_written_config_keeps_whole_tp_groups(tmp_path):
+    src = tmp_path / "in.yaml"
+    src.write_text("scaling:\n  min_workers: 3\n  max_workers: 5\n")
+    winner = {"micro_batch": 2, "activation_checkpointing": True, "compile": False, "tp": 2,
+              "hsdp": True}
+    raw, notes = tuned_config_dict(str(src), [], winner, spans_nodes=True)
+    assert raw["parallel"] == {"tp": 2, "hsdp": "on"}
+    assert (raw["scaling"]["min_workers"], raw["scaling"]["max_workers"]) == (4, 4)
+    assert notes == ["scaling.min_workers=3 -> 4 (a multiple of parallel.tp=2)",
+                     "scaling.max_workers=5 -> 4 (a multiple of parallel.tp=2)"]
+    raw, _ = tuned_config_dict(str(src), [], winner, spans_nodes=False)
+    assert raw["parallel"]["hsdp"] == "auto"  # one node measured nothing about HSDP
+
+
 @pytest.mark.slow
 def test_tune_measures_every_candidate_and_writes_the_fastest_that_fits(
         stdlib_dataset, ray_cluster, tmp_path, capsys):
     out, table = tmp_path / "tuned.yaml", tmp_path / "table.json"
     rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "2", "--micro-batch-sizes", "2,4",
-                 "--write-config", str(out), "--json", str(table))
+                 "--tp", "1", "--write-config", str(out), "--json", str(table))
     printed = capsys.readouterr().out
     assert rc == 0, printed
     res = json.loads(table.read_text())
@@ -96,7 +154,54 @@ def test_the_winner_is_the_fastest_fitting_row():
             {"micro_batch": 4, "fits": True, "step_s": 0.2}]
     assert pick_winner(rows)["micro_batch"] == 4
     assert pick_winner([dict(r, fits=False) for r in rows]) is None
-    assert TrainSettings(2, True, False).label == "mb=2 ckpt=on compile=off"
+    assert TrainSettings(2, True, False).label == "tp=1 mb=2 ckpt=on compile=off"
+    assert TrainSettings(2, True, False, 2, True).label == "tp=2 hsdp mb=2 ckpt=on compile=off"
+    tied = [dict(r, fits=True, step_s=0.1, micro_batch=2, tp=tp) for r, tp in zip(rows, (2, 1, 4))]
+    assert pick_winner(tied)["tp"] == 1  # a tie goes to the simpler layout
+
+
+def test_a_tp_that_does_not_split_the_heads_is_refused_in_one_line(stdlib_dataset, tmp_path,
+                                                                    capsys):
+    rc, _ = tune(tmp_path, stdlib_dataset, "--tp", "1,3")  # tiny has 2 heads
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "--tp 3 does not divide model.n_head=2" in err[0] and "usable: 1,2" in err[0]
+
+
+@pytest.mark.slow
+def test_tune_measures_tp_next_to_fsdp_and_writes_the_winners_layout(
+        stdlib_dataset, ray_cluster, tmp_path, capsys):
+    """W=2: tp=1 (FSDP over 2) and tp=2 (one TP group, FSDP over 1) on the trainer's own mesh and
+    model over gloo; each row is timed, its memory measured and predicted for its own layout."""
+    out, table = tmp_path / "tuned.yaml", tmp_path / "table.json"
+    rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "1", "--micro-batch-sizes", "4",
+                 "--write-config", str(out), "--json", str(table))
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    res = json.loads(table.read_text())
+    rows = res["rows"]
+    assert res["tp_choices"] == [1, 2]
+    assert {(r["tp"], r["hsdp"], r["activation_checkpointing"]) for r in rows} == {
+        (tp, False, ck) for tp in (1, 2) for ck in (False, True)}
+    for r in rows:
+        assert r["fits"] and r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0, r
+        assert (r["dp_replicate"], r["dp_shard"]) == (1, 2 // r["tp"]), r
+    assert any(line.split()[:2] == ["2", "off"] for line in printed.splitlines())
+    cfg = load_config("jobs/configs/mini.yaml", overrides(tmp_path, stdlib_dataset))
+    shape = model_shape(model_config_for(cfg, load_manifest(stdlib_dataset)))
+    for row, pred in zip(rows, res["predicted_bytes"]):
+        cand = TrainSettings(4, row["activation_checkpointing"], False, row["tp"])
+        assert pred == pytest.approx(predicted_bytes(
+            shape, 2, 8, cand, "float32", False, grad_sync=cfg.train.grad_sync,
+            reshard_after_forward=row["reshard_after_forward"], dp_shard=row["dp_shard"]))
+    by_tp = {(r["tp"], r["activation_checkpointing"]): p
+             for r, p in zip(rows, res["predicted_bytes"])}
+    assert by_tp[(2, False)] != by_tp[(1, False)]  # the prediction is tp=2's, not tp=1's
+    winner = res["winner"]
+    assert winner == pick_winner(rows)
+    written = load_config(str(out))
+    assert written.parallel.tp == winner["tp"] and written.parallel.hsdp == "auto"
+    assert written.train.micro_batch_size == 4
 
 
 @pytest.mark.slow
@@ -111,7 +216,7 @@ def test_the_planner_column_predicts_what_the_trainer_ran(stdlib_dataset, ray_cl
     extra = ("model.n_layer=4", f"train.reshard_after_forward={policy}",
              f"train.grad_sync={grad_sync}")
     table = tmp_path / "table.json"
-    rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "1", "--micro-batch-sizes", "2",
+    rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "1", "--micro-batch-sizes", "2", "--tp", "1",
                  "--json", str(table), extra=extra)
     printed = capsys.readouterr().out
     assert rc == 0, printed
