@@ -7,12 +7,20 @@ Layout of a dataset directory (any fsspec URL):
     shard-00000.idx        one little-endian uint64 per record: sample_hash(record), the checksum
                            (elastic_gpt/data/fingerprint.py)
     shard-00000.done.json  per-shard commit marker, lets an interrupted job redo only missing shards
+    token_bytes.bin        (version 2) one little-endian uint16 per token id: the UTF-8 bytes of
+                           text that token stands for (0 for end-of-text), so the bytes behind any
+                           run of tokens, and hence bits per byte, are a table lookup
+    val/                   (optional) the held-out validation split: a dataset of its own
 
 Record i of a shard starts at byte i * (seq_len + 1) * itemsize, so any sample is one ranged read.
+
+Version 1 manifests (no byte table) still load: `token_bytes_path` is then None and bits per byte
+is unavailable for that dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -20,8 +28,11 @@ import fsspec
 import numpy as np
 
 FORMAT = "elastic-gpt-tokens"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
+TOKEN_BYTES_NAME = "token_bytes.bin"
+VALIDATION_DIR = "val"
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,7 @@ class ShardInfo:
     index_sha256: str
     num_docs: int = 0
     pad_tokens: int = 0    # end-of-text tokens appended to fill the shard's last record
+    text_bytes: int | None = None  # UTF-8 bytes behind the records' target tokens (version 2)
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,14 @@ class Manifest:
     num_tokens: int
     source: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    version: int = VERSION
+    token_bytes_path: str | None = None    # relative to the dataset directory; None: unknown
+    token_bytes_sha256: str | None = None
+
+    @property
+    def has_byte_counts(self) -> bool:
+        """Whether the bytes behind the tokens are known (bits per byte can be computed)."""
+        return self.token_bytes_path is not None
 
     @property
     def record_tokens(self) -> int:
@@ -85,6 +105,27 @@ class Manifest:
                 f"{block_size}; set model.seq_len >= {self.seq_len} or re-run prepare-data "
                 f"with --seq-len {block_size}")
 
+    def load_token_bytes(self, storage_options: dict | None = None) -> np.ndarray | None:
+        """The byte length of every token id (int64 array of vocab_size), checked against the
+        manifest's sha256; None for a dataset written without it (version 1)."""
+        if self.token_bytes_path is None:
+            return None
+        url = join_url(self.url, self.token_bytes_path)
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            with fs.open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise ValueError(f"{url} is missing; the dataset is incomplete, re-run "
+                             "prepare-data") from None
+        except Exception as e:
+            raise ValueError(describe_storage_error(url, e)) from None
+        if hashlib.sha256(raw).hexdigest() != self.token_bytes_sha256 or \
+                len(raw) != 2 * self.vocab_size:
+            raise ValueError(f"{url} does not match its manifest (size or sha256); the dataset "
+                             "is corrupt, re-run prepare-data")
+        return np.frombuffer(raw, dtype="<u2").astype(np.int64)
+
     def to_json(self) -> str:
         d = {
             "format": FORMAT, "version": VERSION,
@@ -94,6 +135,9 @@ class Manifest:
             "num_samples": self.num_samples, "num_tokens": self.num_tokens,
             "shards": [s.__dict__ for s in self.shards],
             "source": self.source, "stats": self.stats,
+            "token_bytes": None if self.token_bytes_path is None else {
+                "path": self.token_bytes_path, "sha256": self.token_bytes_sha256,
+                "dtype": "uint16"},
         }
         return json.dumps(d, indent=1, sort_keys=False) + "\n"
 
@@ -148,18 +192,22 @@ def load_manifest(url: str, storage_options: dict | None = None) -> Manifest:
         raise ValueError(f"{murl} is not an elastic-gpt dataset manifest (format="
                          f"{d.get('format') if isinstance(d, dict) else None!r}, expected "
                          f"{FORMAT!r}); re-run prepare-data")
-    if d.get("version") != VERSION:
+    if d.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{murl} has manifest version {d.get('version')}, this reader "
-                         f"understands {VERSION}; re-run prepare-data with this version")
+                         f"understands {', '.join(map(str, READABLE_VERSIONS))}; re-run "
+                         "prepare-data with this version")
     try:
         shards = tuple(ShardInfo(**s) for s in d["shards"])
+        token_bytes = d.get("token_bytes") or {}
         m = Manifest(
             url=url, seq_len=int(d["seq_len"]), vocab_size=int(d["vocab_size"]),
             eos_id=int(d["eos_id"]), tokenizer=str(d["tokenizer"]), dtype=str(d["dtype"]),
             shards=shards, num_samples=int(d["num_samples"]), num_tokens=int(d["num_tokens"]),
-            source=d.get("source", {}), stats=d.get("stats", {}),
+            source=d.get("source", {}), stats=d.get("stats", {}), version=int(d["version"]),
+            token_bytes_path=token_bytes.get("path"),
+            token_bytes_sha256=token_bytes.get("sha256"),
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{murl} lacks or mangles field {e}; re-run prepare-data") from None
     if m.dtype not in ("uint16", "uint32"):
         raise ValueError(f"{murl} has dtype={m.dtype!r}; expected uint16 or uint32")
@@ -169,3 +217,45 @@ def load_manifest(url: str, storage_options: dict | None = None) -> Manifest:
     if m.num_samples == 0:
         raise ValueError(f"dataset {url} has no samples; re-run prepare-data on a non-empty corpus")
     return m
+
+
+def check_compatible(reference: Manifest, other: Manifest, what: str) -> None:
+    """ValueError unless `other` holds the same kind of tokens as `reference` (tokenizer,
+    vocabulary, end-of-text id, sequence length): a mixture's sources, or a validation set next
+    to its training data (C6). `what` names `other` in the message (e.g. "data.sources[1]")."""
+    for key in ("tokenizer", "vocab_size", "eos_id", "seq_len"):
+        want, got = getattr(reference, key), getattr(other, key)
+        if want != got:
+            raise ValueError(
+                f"{what} ({other.url}) has {key}={got!r} but the training data "
+                f"({reference.url}) has {key}={want!r}; re-run prepare-data on it with "
+                f"--tokenizer {reference.tokenizer} --seq-len {reference.seq_len}")
+
+
+def _exists(url: str, storage_options: dict | None) -> bool:
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        return fs.exists(path)
+    except Exception as e:
+        raise ValueError(describe_storage_error(url, e)) from None
+
+
+def open_validation_manifest(eval_path: str, data_path: str, training: Manifest,
+                             storage_options: dict | None = None) -> Manifest | None:
+    """The validation set a run evaluates on: `eval_path` when set (it must be a prepared dataset
+    of the training data's tokenizer and seq_len), else the held-out split prepare-data wrote at
+    `<data_path>/val` when there is one, else None (no evaluation). Raises ValueError (C6) for an
+    eval.path that is missing or does not match; the driver's preflight can call it as is."""
+    if eval_path:
+        manifest = load_manifest(eval_path, storage_options)
+        what = "eval.path"
+    else:
+        if not data_path:
+            return None
+        url = join_url(data_path.rstrip("/"), VALIDATION_DIR)
+        if not _exists(join_url(url, MANIFEST_NAME), storage_options):
+            return None
+        manifest = load_manifest(url, storage_options)
+        what = "the validation split"
+    check_compatible(training, manifest, what)
+    return manifest

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import functools
 import hashlib
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -33,12 +35,17 @@ import numpy as np
 from elastic_gpt.data.fingerprint import sample_hashes
 from elastic_gpt.data.manifest import (
     MANIFEST_NAME,
+    TOKEN_BYTES_NAME,
+    VALIDATION_DIR,
     Manifest,
     ShardInfo,
     describe_storage_error,
     join_url,
 )
+from elastic_gpt.data.token_bytes import token_byte_lengths
 from elastic_gpt.data.tokenizers import get_tokenizer, token_dtype
+
+log = logging.getLogger(__name__)
 
 TEXT_CHUNK_BYTES = 4 << 20        # raw bytes read at a time from a plain-text file
 MAX_PIECE_CHARS = 1 << 20         # longest string handed to the tokenizer at once
@@ -46,6 +53,8 @@ BAD_UTF8_POLICIES = ("replace", "skip", "error")
 JSONL_EXTS = (".jsonl", ".ndjson")
 COMPRESSION_EXTS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _GLOB_CHARS = "*?["
+BINARY_SNIFF_BYTES = 8 << 10      # how much of a file's start the binary heuristic looks at
+BINARY_BAD_UTF8_RATIO = 0.25      # latin-1 prose has a few percent; images and archives ~40%
 
 
 # ----------------------------------------------------------------------------- input listing
@@ -141,7 +150,9 @@ class DocStats:
     """Counters reported in the summary (every skip is counted, C6)."""
 
     FIELDS = ("docs", "tokens", "pad_tokens", "input_bytes", "bad_utf8_docs",
-              "bad_utf8_bytes", "skipped_docs", "bad_records", "empty_docs", "split_docs")
+              "bad_utf8_bytes", "skipped_docs", "bad_records", "empty_docs", "split_docs",
+              "longest_doc_tokens")
+    MAX_FIELDS = ("longest_doc_tokens",)  # merged over parts by max, the others by sum
 
     def __init__(self):
         for k in self.FIELDS:
@@ -149,6 +160,15 @@ class DocStats:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS}
+
+    @classmethod
+    def merge(cls, totals: dict, part: dict) -> None:
+        """Add one part's counters into `totals` (a marker from an older job may lack some)."""
+        for k, v in part.items():
+            if k in cls.MAX_FIELDS:
+                totals[k] = max(totals.get(k, 0), v)
+            else:
+                totals[k] = totals.get(k, 0) + v
 
 
 class _Utf8Decoder:
@@ -185,19 +205,49 @@ def _open_raw(url: str, storage_options: dict | None, compression: str | None):
     return fs.open(fs._strip_protocol(url), "rb", compression=compression)
 
 
+def looks_binary(head: bytes) -> str | None:
+    """Why the first bytes of a file look like binary data rather than text (None: text).
+    NUL bytes never occur in UTF-8 text; a high share of bytes that are not UTF-8 means an
+    image, an archive or another encoding, not text with a few stray bytes."""
+    if not head:
+        return None
+    if b"\x00" in head:
+        return "it contains NUL bytes"
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(head, final=False)
+    bad = text.count("\ufffd") - head.count("\ufffd".encode())
+    if bad / len(head) > BINARY_BAD_UTF8_RATIO:
+        return f"{bad / len(head):.0%} of its first {len(head):,} bytes are not UTF-8"
+    return None
+
+
+def _refuse_binary(f: InputFile, head: bytes) -> None:
+    reason = looks_binary(head)
+    if reason:
+        raise ValueError(f"input {f.url} looks binary ({reason}); remove it from --input (e.g. "
+                         "with a narrower glob), or pass --allow-binary to tokenize it as text")
+
+
 def iter_documents(f: InputFile, storage_options: dict | None, text_field: str,
-                   bad_utf8: str, stats: DocStats, content_hash):
+                   bad_utf8: str, stats: DocStats, content_hash, allow_binary: bool = True):
     """Yield each document of one file as a list of string pieces (long ones cut in pieces).
     `.jsonl`: one document per line's `text_field`; `.parquet`: one per row of that column;
-    anything else (.txt, .py, ...): the whole file is one document."""
+    anything else (.txt, .py, ...): the whole file is one document. Unless `allow_binary`, a
+    text or JSONL file whose first bytes look binary (`looks_binary`) is refused (C6)."""
     ext, compression = _split_ext(f.url)
     if ext == ".parquet":
         yield from _parquet_docs(f, storage_options, compression, text_field, bad_utf8,
                                  stats, content_hash)
         return
+    sniffed = allow_binary
     with _open_raw(f.url, storage_options, compression) as fh:
         if ext in JSONL_EXTS:
+            head = b""
             for lineno, line in enumerate(fh, 1):
+                if not sniffed:
+                    head += line[:BINARY_SNIFF_BYTES - len(head)]
+                    if len(head) >= BINARY_SNIFF_BYTES:
+                        _refuse_binary(f, head)
+                        sniffed = True
                 content_hash.update(line)
                 stats.input_bytes += len(line)
                 dec = _Utf8Decoder(bad_utf8, f"{f.url} line {lineno}", stats)
@@ -213,11 +263,16 @@ def iter_documents(f: InputFile, storage_options: dict | None, text_field: str,
                     stats.bad_records += 1
                     continue
                 yield from _emit(doc, dec.bad, stats, bad_utf8)
+            if not sniffed:  # a file shorter than the sniffed length
+                _refuse_binary(f, head)
         else:
             dec = _Utf8Decoder(bad_utf8, f.url, stats)
             pieces = []
             while True:
                 chunk = fh.read(TEXT_CHUNK_BYTES)
+                if not sniffed:
+                    _refuse_binary(f, chunk[:BINARY_SNIFF_BYTES])
+                    sniffed = True
                 content_hash.update(chunk)
                 stats.input_bytes += len(chunk)
                 pieces.append(dec(chunk, final=not chunk))
@@ -291,16 +346,21 @@ def _emit_pieces(pieces: list[str], bad: int, stats: DocStats, bad_utf8: str):
 
 class ShardWriter:
     """Packs a token stream into overlapping records of L + 1 tokens (stride L) and writes them,
-    plus the per-record hash index, as it goes (memory stays O(one flush))."""
+    plus the per-record hash index, as it goes (memory stays O(one flush)). With a token byte
+    table it also sums the UTF-8 bytes behind the records' target tokens (positions 1..L of each
+    record: what the loss is taken over, each stream token counted once)."""
 
-    def __init__(self, fh, seq_len: int, dtype: str, eos_id: int):
+    def __init__(self, fh, seq_len: int, dtype: str, eos_id: int,
+                 token_bytes: np.ndarray | None = None):
         self.fh, self.L, self.dtype, self.eos_id = fh, seq_len, np.dtype(dtype), eos_id
+        self.token_bytes = token_bytes
         self.buf: list[np.ndarray] = []
         self.buf_len = 0
         self.hashes: list[np.ndarray] = []
         self.sha = hashlib.sha256()
         self.num_samples = 0
         self.pad_tokens = 0
+        self.text_bytes = 0
 
     def add(self, ids) -> None:
         self.buf.append(np.asarray(ids, dtype=np.int64))
@@ -324,6 +384,8 @@ class ShardWriter:
             self.sha.update(data)
             self.hashes.append(sample_hashes(records))
             self.num_samples += r
+            if self.token_bytes is not None:
+                self.text_bytes += int(self.token_bytes[records[:, 1:]].sum())
         rest = b[r * L:]
         self.buf, self.buf_len = [rest], len(rest)
 
@@ -332,9 +394,15 @@ class ShardWriter:
         return np.concatenate(self.hashes) if self.hashes else np.zeros(0, "<u8")
 
 
+# Options that change how a job runs but not what a committed shard holds: kept out of the part
+# keys, so passing them does not redo (or refuse to reuse) shards already written.
+RUN_ONLY_OPTIONS = ("allow_binary",)
+
+
 def part_key(files: list[InputFile], options: dict) -> str:
+    kept = {k: v for k, v in options.items() if k not in RUN_ONLY_OPTIONS}
     payload = json.dumps({"files": [(f.url, f.size, f.version) for f in files],
-                          "options": options}, sort_keys=True)
+                          "options": kept}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -342,53 +410,126 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
+def validation_url(output: str) -> str:
+    """Where the held-out split of the dataset at `output` lives (a dataset of its own)."""
+    return join_url(output, VALIDATION_DIR)
+
+
+def in_validation_split(doc_hash: bytes, fraction: float) -> bool:
+    """A document is held out when its seeded content hash, read as a number in [0, 1), is
+    below the fraction: a pure function of the text and the seed, whatever the part, the
+    engine or the number of workers; identical documents land on the same side."""
+    return int.from_bytes(doc_hash[:8], "little") < fraction * 2.0 ** 64
+
+
+@functools.lru_cache(maxsize=4)
+def _token_bytes_for(tokenizer: str) -> np.ndarray:
+    return token_byte_lengths(get_tokenizer(tokenizer))
+
+
+class _SplitWriter:
+    """One output dataset's shard of a part: its file, its packer and its counters."""
+
+    def __init__(self, output: str, name: str, options: dict, tok, token_bytes, so: dict):
+        self.output, self.name, self.so = output, name, so
+        self.bin_url = join_url(output, name + ".bin")
+        self.stats = DocStats()
+        self.fh = fsspec.open(self.bin_url, "wb", **so).open()
+        self.w = ShardWriter(self.fh, options["seq_len"], options["dtype"], tok.eos_id,
+                             token_bytes)
+
+    def finish(self, options: dict, bytes_exact: bool) -> dict:
+        hashes = self.w.finish()
+        self.fh.close()
+        self.stats.pad_tokens = self.w.pad_tokens
+        idx_bytes = hashes.astype("<u8").tobytes()
+        with fsspec.open(join_url(self.output, self.name + ".idx"), "wb", **self.so) as out:
+            out.write(idx_bytes)
+        shard = ShardInfo(
+            path=self.name + ".bin", num_samples=self.w.num_samples,
+            num_bytes=self.w.num_samples * (options["seq_len"] + 1)
+            * np.dtype(options["dtype"]).itemsize,
+            sha256=self.w.sha.hexdigest(), index_path=self.name + ".idx",
+            index_sha256=hashlib.sha256(idx_bytes).hexdigest(), num_docs=self.stats.docs,
+            pad_tokens=self.w.pad_tokens, text_bytes=self.w.text_bytes if bytes_exact else None)
+        return {"shard": shard.__dict__, "stats": self.stats.as_dict()}
+
+    def abort(self) -> None:
+        self.fh.close()
+
+
 def build_part(index: int, files: list[InputFile], output: str, options: dict,
                storage_options: dict | None) -> dict:
-    """Tokenize one part into its shard (+ index, + commit marker). Returns the marker."""
+    """Tokenize one part into its shard (+ index, + commit marker), and into its validation
+    shard under `output/val` when a split is asked for. Returns the marker."""
     tok = get_tokenizer(options["tokenizer"])
     encode = getattr(tok, "encode_array", tok.encode)
-    stats = DocStats()
+    token_bytes = _token_bytes_for(options["tokenizer"])
+    val_fraction = options.get("val_fraction", 0.0)
+    seed = str(options.get("val_seed", 0)).encode()
     content_hash = hashlib.sha256()
     name = shard_name(index)
-    bin_url, idx_url = join_url(output, name + ".bin"), join_url(output, name + ".idx")
     so = storage_options or {}
-    with fsspec.open(bin_url, "wb", **so) as out:
-        w = ShardWriter(out, options["seq_len"], options["dtype"], tok.eos_id)
+    train = _SplitWriter(output, name, options, tok, token_bytes, so)
+    val = _SplitWriter(validation_url(output), name, options, tok, token_bytes, so) \
+        if val_fraction > 0 else None
+    bytes_exact = True  # the byte table held for every document (see token_bytes.py)
+    try:
         for f in files:
             for pieces in iter_documents(f, storage_options, options["text_field"],
-                                         options["bad_utf8"], stats, content_hash):
+                                         options["bad_utf8"], train.stats, content_hash,
+                                         options.get("allow_binary", True)):
+                encoded = [p.encode("utf-8") for p in pieces]
+                ids = [encode(p) for p in pieces]
+                if bytes_exact:
+                    bytes_exact = all(int(token_bytes[np.asarray(i, np.int64)].sum()) == len(e)
+                                      for i, e in zip(ids, encoded))
+                dest = train
+                if val is not None:
+                    h = hashlib.blake2b(seed, digest_size=8, person=b"elastic-gpt-val")
+                    for e in encoded:
+                        h.update(e)
+                    if in_validation_split(h.digest(), val_fraction):
+                        dest = val
                 n = 0
-                for p in pieces:
-                    ids = encode(p)
-                    w.add(ids)
-                    n += len(ids)
-                w.add([tok.eos_id])
-                stats.docs += 1
-                stats.tokens += n + 1
-        hashes = w.finish()
-    stats.pad_tokens = w.pad_tokens
-    idx_bytes = hashes.astype("<u8").tobytes()
-    with fsspec.open(idx_url, "wb", **so) as out:
-        out.write(idx_bytes)
-    marker = {
-        "key": part_key(files, options),
-        "content_sha256": content_hash.hexdigest(),
-        "shard": ShardInfo(
-            path=name + ".bin", num_samples=w.num_samples,
-            num_bytes=w.num_samples * (options["seq_len"] + 1) * np.dtype(options["dtype"]).itemsize,
-            sha256=w.sha.hexdigest(), index_path=name + ".idx",
-            index_sha256=hashlib.sha256(idx_bytes).hexdigest(), num_docs=stats.docs,
-            pad_tokens=w.pad_tokens).__dict__,
-        "stats": stats.as_dict(),
-        "files": len(files),
-    }
+                for i in ids:
+                    dest.w.add(i)
+                    n += len(i)
+                dest.w.add([tok.eos_id])
+                dest.stats.docs += 1
+                dest.stats.tokens += n + 1
+                dest.stats.longest_doc_tokens = max(dest.stats.longest_doc_tokens, n)
+    except BaseException:
+        train.abort()
+        if val is not None:
+            val.abort()
+        raise
+    marker = {"key": part_key(files, options), "content_sha256": content_hash.hexdigest(),
+              **train.finish(options, bytes_exact), "files": len(files)}
+    if val is not None:
+        marker["val"] = val.finish(options, bytes_exact)
+        # Input counters (bytes read, skips) stay with the part's training side; the documents
+        # and tokens are counted where they went.
+        for k in ("input_bytes", "bad_utf8_docs", "bad_utf8_bytes", "skipped_docs",
+                  "bad_records", "empty_docs", "split_docs"):
+            marker["val"]["stats"][k] = 0
     with fsspec.open(join_url(output, name + ".done.json"), "w", **so) as out:
         out.write(json.dumps(marker, sort_keys=True))  # written last: the shard's commit
     return marker
 
 
+def _shard_complete(fs, directory: str, shard: dict) -> bool:
+    if not shard["num_samples"]:
+        return True
+    try:
+        return (fs.size(directory + "/" + shard["path"]) == shard["num_bytes"]
+                and fs.size(directory + "/" + shard["index_path"]) == 8 * shard["num_samples"])
+    except Exception:
+        return False
+
+
 def read_marker(output: str, index: int, key: str, storage_options: dict | None) -> dict | None:
-    """The part's commit marker if it is valid for this key and its shard is complete."""
+    """The part's commit marker if it is valid for this key and its shards are complete."""
     name = shard_name(index)
     try:
         fs, path = fsspec.core.url_to_fs(join_url(output, name + ".done.json"),
@@ -397,12 +538,11 @@ def read_marker(output: str, index: int, key: str, storage_options: dict | None)
             marker = json.loads(fh.read())
         if marker.get("key") != key:
             return None
-        shard = marker["shard"]
-        if shard["num_samples"]:
-            if fs.size(fs._parent(path) + "/" + shard["path"]) != shard["num_bytes"]:
-                return None
-            if fs.size(fs._parent(path) + "/" + shard["index_path"]) != 8 * shard["num_samples"]:
-                return None
+        if not _shard_complete(fs, fs._parent(path), marker["shard"]):
+            return None
+        if "val" in marker and not _shard_complete(
+                fs, fs._parent(path) + "/" + VALIDATION_DIR, marker["val"]["shard"]):
+            return None
         return marker
     except Exception:
         return None
@@ -541,9 +681,16 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
                  progress: bool = True, text_field: str = "text", bad_utf8: str = "replace",
                  max_files: int | None = None, max_bytes: int | None = None,
                  part_bytes: int | None = None, engine: str = "auto",
-                 num_workers: int | None = None, overwrite: bool = False) -> dict:
+                 num_workers: int | None = None, overwrite: bool = False,
+                 val_fraction: float = 0.0, val_seed: int = 0,
+                 val_input: str | list[str] | None = None, allow_binary: bool = False) -> dict:
     """Tokenize `input` (URL, glob, directory, or a list of them) into a dataset at `output`.
-    Returns the summary dict (also stored in the manifest's `stats`)."""
+
+    A validation set goes to `output/val` (a dataset of its own, same tokenizer and seq_len):
+    `val_fraction` holds out that share of the documents, whole, chosen by a seeded hash of
+    their text (`in_validation_split`), and the training shards do not contain them; or
+    `val_input` names separate validation files. Returns the summary dict (also stored in the
+    manifest's `stats`); ValueError names what is wrong and how to fix it (C6)."""
     t0 = time.perf_counter()
     if seq_len < 1:
         raise ValueError(f"--seq-len must be positive, got {seq_len}")
@@ -551,17 +698,26 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
         raise ValueError(f"--bad-utf8 must be one of {BAD_UTF8_POLICIES}, got {bad_utf8!r}")
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}; e.g. "
+                         "--val-fraction 0.05 holds out 5% of the documents")
+    if val_fraction and val_input:
+        raise ValueError("--val-fraction and --val-input both name a validation set; keep one")
     tok = get_tokenizer(tokenizer)
     output = output.rstrip("/")
     if "://" not in output:  # Ray workers may run in another directory
         output = os.path.abspath(output)
     options = {"tokenizer": tokenizer, "seq_len": seq_len, "dtype": token_dtype(tok.vocab_size),
                "text_field": text_field, "bad_utf8": bad_utf8, "format_version": 1}
+    if val_fraction:  # only then: the keys (and so the reuse) of datasets without a split stay
+        options.update(val_fraction=float(val_fraction), val_seed=int(val_seed))
     files = list_inputs(input, storage_options, max_files, max_bytes)
     parts = plan_parts(files, part_bytes)
     keys = [part_key(p, options) for p in parts]
     job_key = hashlib.sha256("".join(keys).encode()).hexdigest()
+    _check_output_writable(output, storage_options)
     _check_output(output, job_key, storage_options, overwrite)
+    options["allow_binary"] = allow_binary
 
     markers: dict[int, dict] = {}
     for i, key in enumerate(keys):
@@ -593,13 +749,88 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ValueError(errors[0] + more)
 
-    summary = _write_manifest(output, tokenizer, tok, options, parts, markers, files, input,
-                              job_key, storage_options)
+    source = {"input": input if isinstance(input, str) else list(input), "files": len(files),
+              "bytes": sum(f.size for f in files), "job_key": job_key,
+              "text_field": text_field, "bad_utf8": bad_utf8}
+    if val_fraction:
+        val_markers = {i: m["val"] for i, m in markers.items()}
+        val_summary = _write_manifest(
+            validation_url(output), tokenizer, tok, options, len(parts), val_markers,
+            {**source, "split": "validation", "of": output, "val_fraction": val_fraction,
+             "val_seed": val_seed}, storage_options,
+            empty_hint=f"--val-fraction {val_fraction} held out none of the {len(files)} "
+                       "files' documents (documents are held out whole); raise --val-fraction "
+                       "or pass --val-input")
+    summary = _write_manifest(
+        output, tokenizer, tok, options, len(parts), markers,
+        {**source, "split": "train"} if val_fraction else source, storage_options,
+        empty_hint=_empty_corpus_hint(input, files, markers, options, val_fraction))
     summary.update(parts_reused=len(parts) - len(todo), parts_built=len(todo),
-                   seconds=round(time.perf_counter() - t0, 3),
                    tokenize_seconds=round(bar.seconds if todo else 0.0, 3),
                    tokenized_bytes=bar.bytes, engine=engine, output=output)
+    if val_fraction:
+        summary["val"] = val_summary
+    if val_input:
+        summary["val"] = prepare_data(
+            val_input, validation_url(output), tokenizer, seq_len,
+            storage_options=storage_options, progress=progress, text_field=text_field,
+            bad_utf8=bad_utf8, part_bytes=part_bytes, engine=engine, num_workers=num_workers,
+            overwrite=overwrite, allow_binary=allow_binary)
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    _warn_if_seq_len_exceeds_documents(seq_len, summary)
     return summary
+
+
+def _warn_if_seq_len_exceeds_documents(seq_len: int, summary: dict) -> None:
+    longest = summary.get("longest_doc_tokens", 0)
+    if longest and seq_len > longest:
+        log.warning("--seq-len %d is longer than the longest document (%d tokens): every sample "
+                    "spans several documents%s; a --seq-len near the documents' length trains "
+                    "on whole documents", seq_len, longest,
+                    " and most of it is end-of-text padding"
+                    if summary["tokens"] < seq_len else "")
+
+
+def _empty_corpus_hint(input, files, markers, options, val_fraction) -> str:
+    totals = DocStats().as_dict()
+    for m in markers.values():
+        DocStats.merge(totals, m["stats"])
+    if totals["docs"] == 0 and val_fraction and any(m["val"]["stats"]["docs"]
+                                                    for m in markers.values()):
+        return (f"every document of {input} fell in the validation split; lower "
+                "--val-fraction")
+    hint = ""
+    if totals["bad_records"]:
+        hint = (f"; {totals['bad_records']} records had no string field "
+                f"{options['text_field']!r} (pass --text-field NAME)")
+    elif totals["skipped_docs"]:
+        hint = f"; {totals['skipped_docs']} documents were skipped as non-UTF-8"
+    return (f"the corpus {input} has no text ({len(files)} files, "
+            f"{sum(f.size for f in files)} bytes){hint}")
+
+
+def _check_output_writable(output: str, storage_options: dict | None) -> None:
+    """The output is a directory we can create (C6): name the *output* when it is the problem,
+    before any input is read (a write failing later would be blamed on the part's input)."""
+    try:
+        fs, path = fsspec.core.url_to_fs(output, **(storage_options or {}))
+        is_file = fs.isfile(path)
+    except Exception as e:
+        raise ValueError(f"--output {output}: {describe_storage_error(output, e)}") from None
+    if is_file:
+        raise ValueError(f"--output {output} is an existing file, not a directory; choose a "
+                         "directory to write the dataset into")
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    if not local:  # object stores have no directories (and makedirs could create a bucket)
+        return
+    try:
+        fs.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"no write permission on {path}")
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}".splitlines()[0]
+        raise ValueError(f"cannot create or write the output directory {output} ({why}); "
+                         "choose a writable --output") from None
 
 
 def _check_output(output, job_key, storage_options, overwrite):
@@ -612,46 +843,59 @@ def _check_output(output, job_key, storage_options, overwrite):
             old = json.loads(fh.read())
     except Exception as e:
         raise ValueError(describe_storage_error(output, e)) from None
-    if old.get("source", {}).get("job_key") != job_key and not overwrite:
-        raise ValueError(f"{output} already holds a dataset prepared from other input or "
-                         "options; choose another --output, or pass --overwrite")
+    if old.get("source", {}).get("job_key") != job_key:
+        if not overwrite:
+            raise ValueError(f"{output} already holds a dataset prepared from other input or "
+                             "options; choose another --output, or pass --overwrite")
+        # The old dataset's validation split must not outlive it: a run would evaluate on it.
+        old_val = join_url(validation_url(output), MANIFEST_NAME)
+        vfs, vpath = fsspec.core.url_to_fs(old_val, **(storage_options or {}))
+        if vfs.exists(vpath):
+            vfs.rm(vpath)
 
 
-def _write_manifest(output, tokenizer, tok, options, parts, markers, files, input, job_key,
-                    storage_options) -> dict:
+def _write_token_bytes(output: str, tokenizer: str, storage_options) -> tuple[str, str]:
+    data = _token_bytes_for(tokenizer).astype("<u2").tobytes()
+    with fsspec.open(join_url(output, TOKEN_BYTES_NAME), "wb", **(storage_options or {})) as fh:
+        fh.write(data)
+    return TOKEN_BYTES_NAME, hashlib.sha256(data).hexdigest()
+
+
+def _write_manifest(output, tokenizer, tok, options, num_parts, markers, source,
+                    storage_options, empty_hint: str) -> dict:
+    """The dataset's manifest from its parts' markers (written last: the dataset's commit)."""
     totals = DocStats().as_dict()
     content = hashlib.sha256()
     shards = []
-    for i in range(len(parts)):
+    for i in range(num_parts):
         m = markers[i]
-        for k, v in m["stats"].items():
-            totals[k] += v
-        content.update(m["content_sha256"].encode())
+        DocStats.merge(totals, m["stats"])
+        content.update(m.get("content_sha256", "").encode())
         if m["shard"]["num_samples"]:
             shards.append(ShardInfo(**m["shard"]))
     if totals["docs"] == 0:
-        hint = ""
-        if totals["bad_records"]:
-            hint = (f"; {totals['bad_records']} records had no string field "
-                    f"{options['text_field']!r} (pass --text-field NAME)")
-        elif totals["skipped_docs"]:
-            hint = f"; {totals['skipped_docs']} documents were skipped as non-UTF-8"
-        raise ValueError(f"the corpus {input} has no text ({len(files)} files, "
-                         f"{sum(f.size for f in files)} bytes){hint}")
+        raise ValueError(empty_hint)
     num_samples = sum(s.num_samples for s in shards)
-    source = {"input": input if isinstance(input, str) else list(input), "files": len(files),
-              "bytes": sum(f.size for f in files), "fingerprint": content.hexdigest(),
-              "job_key": job_key, "text_field": options["text_field"],
-              "bad_utf8": options["bad_utf8"]}
+    # Bits per byte needs the byte table; it is exact only if it held for every document.
+    byte_counts = all(s.text_bytes is not None for s in shards)
+    token_bytes_path = token_bytes_sha = None
+    if byte_counts:
+        token_bytes_path, token_bytes_sha = _write_token_bytes(output, tokenizer, storage_options)
+    else:
+        log.warning("tokenizer %s does not map each token to fixed bytes; %s has no byte counts "
+                    "(val/bits_per_byte will be unavailable)", tokenizer, output)
+    text_bytes = sum(s.text_bytes for s in shards) if byte_counts else None
     manifest = Manifest(
         url=output, seq_len=options["seq_len"], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
         tokenizer=tokenizer, dtype=options["dtype"], shards=tuple(shards),
         num_samples=num_samples, num_tokens=num_samples * (options["seq_len"] + 1),
-        source=source, stats=totals)
+        source={**source, "fingerprint": content.hexdigest()},
+        stats={**totals, "text_bytes": text_bytes},
+        token_bytes_path=token_bytes_path, token_bytes_sha256=token_bytes_sha)
     with fsspec.open(join_url(output, MANIFEST_NAME), "w", **(storage_options or {})) as fh:
         fh.write(manifest.to_json())
-    return {"files": len(files), "shards": len(shards), "samples": num_samples,
-            "stored_tokens": manifest.num_tokens, **totals,
+    return {"files": source["files"], "shards": len(shards), "samples": num_samples,
+            "stored_tokens": manifest.num_tokens, **totals, "text_bytes": text_bytes,
             "source_fingerprint": content.hexdigest()}
 
 
@@ -670,6 +914,13 @@ def format_summary(s: dict) -> str:
                                "empty_docs", "split_docs") if s.get(k)}
     if skips:
         lines.append("  counted: " + ", ".join(f"{k}={v:,}" for k, v in skips.items()))
+    if s.get("text_bytes"):
+        lines.append(f"  {s['text_bytes'] / max(1, s['tokens']):.2f} bytes of text per token")
+    val = s.get("val")
+    if val:
+        lines.append(f"  validation split {s['output']}/{VALIDATION_DIR}: {val['docs']:,} "
+                     f"documents, {val['tokens']:,} tokens, {val['samples']:,} samples in "
+                     f"{val['shards']} shards")
     return "\n".join(lines)
 
 
@@ -707,6 +958,18 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help='fsspec options as JSON, e.g. \'{"client_kwargs": '
                              '{"endpoint_url": "http://127.0.0.1:9000"}}\'')
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--val-fraction", type=float, default=0.0,
+                        help="hold out this share of the documents (whole, chosen by a seeded "
+                             "hash of their text) as a validation set at OUTPUT/val; the "
+                             "training shards do not contain them (default 0: none)")
+    parser.add_argument("--val-seed", type=int, default=0,
+                        help="seed of the validation hold-out's hash (default 0)")
+    parser.add_argument("--val-input", nargs="+", default=None,
+                        help="separate validation files (URLs, globs, directories), tokenized "
+                             "the same way into OUTPUT/val")
+    parser.add_argument("--allow-binary", action="store_true",
+                        help="tokenize files that look binary (NUL bytes, mostly invalid "
+                             "UTF-8) instead of refusing them")
 
 
 def _parse_size(s: str) -> int:
@@ -721,17 +984,20 @@ def _parse_size(s: str) -> int:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    """Run the job from parsed arguments. A user error raises ValueError("<what>; <how to fix
+    it>"): the CLI prints it as its one error line and exits 2."""
     inputs = args.input[0] if len(args.input) == 1 else args.input
-    try:
-        summary = prepare_data(
-            inputs, args.output, args.tokenizer, args.seq_len,
-            storage_options=args.storage_options, progress=not args.no_progress,
-            text_field=args.text_field, bad_utf8=args.bad_utf8, max_files=args.max_files,
-            max_bytes=args.max_bytes, part_bytes=args.part_bytes, engine=args.engine,
-            num_workers=args.num_workers, overwrite=args.overwrite)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    val_input = getattr(args, "val_input", None)
+    if val_input is not None and len(val_input) == 1:
+        val_input = val_input[0]
+    summary = prepare_data(
+        inputs, args.output, args.tokenizer, args.seq_len,
+        storage_options=args.storage_options, progress=not args.no_progress,
+        text_field=args.text_field, bad_utf8=args.bad_utf8, max_files=args.max_files,
+        max_bytes=args.max_bytes, part_bytes=args.part_bytes, engine=args.engine,
+        num_workers=args.num_workers, overwrite=args.overwrite,
+        val_fraction=getattr(args, "val_fraction", 0.0), val_seed=getattr(args, "val_seed", 0),
+        val_input=val_input, allow_binary=getattr(args, "allow_binary", False))
     print(format_summary(summary))
     return 0
 
