@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from elastic_gpt.cli import build_parser
+from elastic_gpt.cli import build_parser, main
 from elastic_gpt.config import load_config
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.planner.measure import (
@@ -32,9 +32,10 @@ def overrides(tmp_path, data: str, *extra: str) -> list[str]:
 
 
 def tune(tmp_path, data: str, *flags: str, extra: tuple[str, ...] = ()) -> tuple[int, dict]:
-    args = build_parser().parse_args(["tune", "--config", "jobs/configs/mini.yaml",
-                                      *overrides(tmp_path, data, *extra), *flags])
-    return args.func(args), args
+    """Through the CLI's error boundary, as a user runs it: (exit code, the parsed arguments)."""
+    argv = ["tune", "--config", "jobs/configs/mini.yaml", *overrides(tmp_path, data, *extra),
+            *flags]
+    return main(argv), build_parser().parse_args(argv)
 
 
 def test_candidates_divide_the_global_batch_and_leave_every_worker_one():

@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -802,8 +801,5 @@ def _int_list(flag: str, text: str | None) -> list[int] | None:
 
 
 def run_from_args(args) -> int:
-    try:
-        return run_tune(args)
-    except ValueError as e:  # bad input or nothing fits: one readable line, exit 2
-        print(f"elastic-gpt tune: {e}", file=sys.stderr)
-        return 2
+    # Bad input or nothing fits raise ValueError: the CLI prints it as one line, exit 2.
+    return run_tune(args)
