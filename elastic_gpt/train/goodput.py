@@ -4,8 +4,9 @@
     lost_s         steps trained and then re-done after a failure (work since the last checkpoint)
     checkpoint_s   time the training loop was blocked writing checkpoints
     recovery_s     from a failure/preemption/resize (or process start) to the first step after it
+    eval_s         held-out evaluations (useful, but not training)
 
-goodput = productive_s / (productive_s + lost_s + checkpoint_s + recovery_s). The ledger travels
+goodput = productive_s / (productive_s + lost_s + checkpoint_s + recovery_s + eval_s). The ledger travels
 with the run: rank 0 publishes it with its progress (GCS KV, every poll) and in every checkpoint's
 trainer state, so it survives worker, node and driver failures.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-TOTALS = ("productive_s", "lost_s", "checkpoint_s", "recovery_s")
+TOTALS = ("productive_s", "lost_s", "checkpoint_s", "recovery_s", "eval_s")
 
 
 @dataclass
@@ -24,6 +25,7 @@ class GoodputLedger:
     lost_s: float = 0.0
     checkpoint_s: float = 0.0
     recovery_s: float = 0.0
+    eval_s: float = 0.0
     lost_steps: int = 0
     events: list[dict] = field(default_factory=list)
     _open_event: dict | None = None
@@ -45,6 +47,9 @@ class GoodputLedger:
 
     def on_checkpoint(self, seconds: float) -> None:
         self.checkpoint_s += seconds
+
+    def on_eval(self, seconds: float) -> None:
+        self.eval_s += seconds
 
     def on_resume(self, *, restored_step: int, world_size: int, previous: dict | None,
                   cause: dict | None, attempt_started: float) -> dict | None:

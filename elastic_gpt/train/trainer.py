@@ -26,7 +26,8 @@ from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
 from elastic_gpt.data.fingerprint import join_fingerprint, split_fingerprint
-from elastic_gpt.data.manifest import load_manifest
+from elastic_gpt.data.manifest import open_validation_manifest
+from elastic_gpt.data.mixture import open_training_data
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
@@ -41,6 +42,7 @@ from elastic_gpt.parallel.fsdp import (
 )
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.tensor import loss_context
+from elastic_gpt.train.evaluate import EvalResult, Evaluator
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer
@@ -144,7 +146,11 @@ class Trainer:
         torch.set_num_threads(threads)
         self.threads = threads
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-        self.manifest = load_manifest(cfg.data.path)
+        # One dataset (data.path) or a weighted mixture (data.sources); the reference manifest
+        # fixes the tokenizer, vocabulary and seq_len.
+        self.data = open_training_data(cfg.data)
+        self.manifest = self.data.manifest
+        self.data_order = self.data.make_order(cfg.data.seed, cfg.data.shuffle_window)
         self.gpt_cfg = model_config_for(cfg, self.manifest)
         self.compute_dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.dims.build_mesh(self.device.type)
@@ -158,6 +164,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = peak_flops(self.device, threads) * 1  # per worker
         self._nonfinite_streak = 0
+        self.evaluator = self._build_evaluator()
+        self.last_eval: EvalResult | None = None
         self.checkpointer = make_checkpointer(
             cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
             trainer_state=self.trainer_state, before_save=self._flush_metrics,
@@ -180,6 +188,46 @@ class Trainer:
         model.to_empty(device=self.device)
         init_sharded_weights(model, seed=t.seed)
         return model
+
+    def _build_evaluator(self) -> Evaluator | None:
+        """The held-out set (eval.path, else <data.path>/val when prepare-data wrote one), or
+        None: eval.samples=0, or no validation set."""
+        ev = self.cfg.eval
+        if not ev.samples:
+            return None
+        val = open_validation_manifest(ev.path, self.cfg.data.path, self.manifest)
+        if val is None:
+            if self.rank == 0:
+                where = f"{self.cfg.data.path}/val" if self.cfg.data.path else "a mixture"
+                say(f"[elastic-gpt] no evaluation: no validation set at {where}; prepare one "
+                    "with prepare-data --val-fraction, or set eval.path")
+            return None
+        evaluator = Evaluator(
+            val, samples=ev.samples, micro_batch_size=self.plan.micro_batch_size,
+            seq_len=self.gpt_cfg.seq_len, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
+            count_rank=self.tp_rank == 0, device=self.device)
+        if self.rank == 0 and not evaluator.has_byte_counts:
+            say(f"[elastic-gpt] val/bits_per_byte unavailable: {val.url} has no byte counts "
+                f"(manifest version {val.version}, or a tokenizer without fixed token bytes); "
+                "re-run prepare-data to get them")
+        return evaluator
+
+    def _eval_due(self, steps_done: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return self.evaluator is not None and (
+            steps_done == self.cfg.train.max_steps or bool(every and steps_done % every == 0))
+
+    def evaluate(self, step: int) -> EvalResult:
+        """Collective: the held-out metrics after `step` (0-based, as the step metrics), logged
+        through the metric sink; its wall time is the ledger's eval_s, not productive time."""
+        result = self.evaluator.evaluate(self.model, compute_dtype=self.compute_dtype,
+                                         loss_parallel=self.dims.loss_parallel)
+        self.ledger.on_eval(result.seconds)
+        self.metrics.log(result.metrics(), step)
+        if self.rank == 0:
+            say(result.line(step))
+        self.last_eval = result
+        return result
 
     def setup_line(self) -> str:
         """What this group runs, so a log shows the choices `auto` settings made."""
@@ -330,12 +378,12 @@ class Trainer:
         return {
             "step": self.step,
             "samples_seen": self.step * self.plan.global_batch_size,
-            "epoch": self.step * self.plan.global_batch_size // self.manifest.num_samples,
+            "epoch": self.step * self.plan.global_batch_size // self.data.epoch_samples,
             "world_size": self.world_size,
             "tp": self.dims.tp,
             "mlflow_run_id": self.mlflow_run_id,
             "model_shape": self.gpt_cfg.shape(),
-            "data": {"url": self.manifest.url, "seed": self.cfg.data.seed,
+            "data": {**self.data.describe(), "seed": self.cfg.data.seed,
                      "shuffle_window": self.cfg.data.shuffle_window},
             "train_seed": self.cfg.train.seed,
             "global_batch_size": self.plan.global_batch_size,
@@ -362,7 +410,7 @@ class Trainer:
                     f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
                     f"{self.step} ({event['lost_steps']} step(s) to redo)")
         stream = open_step_stream(
-            cfg.data.path, plan=self.plan, rank=self.dp_rank, world_size=self.dp_degree,
+            self.data, plan=self.plan, rank=self.dp_rank, world_size=self.dp_degree,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
             prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
@@ -394,10 +442,16 @@ class Trainer:
                     "step_time_s": step_time, "data_wait_s": t_data,
                     "data_fingerprint": result.fingerprint,
                 }
+                if self.data.is_mixture and self.rank == 0:
+                    counts = self.data_order.source_counts(metrics["samples_seen"])
+                    for source, count in zip(self.data.sources, counts):
+                        metrics[f"data/samples_seen/{source.name}"] = count
                 self.metrics.log(metrics, result.step)
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
                     say(_progress_line(result.step, cfg.train.max_steps, metrics))
+                if self._eval_due(self.step):  # before the save: a resume never skips one
+                    self.evaluate(result.step)
                 self.checkpointer.poll()  # a failed background write raises here
                 # The last step, and the step a planned restart resumes from, are always saved.
                 self.checkpointer.save(self.step, force=self.step == end or bool(self.stop_reason))
@@ -410,7 +464,8 @@ class Trainer:
             self.checkpointer.finish()  # the last step is committed before we return
         finally:
             stream.close()
-        return {"step": self.step, "last": last, "ledger": self.ledger}
+        return {"step": self.step, "last": last, "ledger": self.ledger,
+                "eval": self.last_eval}
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:

@@ -1,0 +1,154 @@
+"""Held-out evaluation: `val/loss`, `val/perplexity` and `val/bits_per_byte` on a fixed set of
+validation sequences, the same set at any world size.
+
+The set is the first `eval.samples` records of the validation dataset, in stored order. The
+data-parallel ranks split it in contiguous blocks (differing by at most one sequence, as C1
+splits a step), and the tensor-parallel ranks of a group read the same block. Every rank runs
+the same number of forwards, a rank with fewer sequences padding with zero-weight ones, so
+FSDP's all-gathers pair up. The sums of token losses, target tokens and the bytes behind them
+are all-reduced once, so the result is the same at any W up to float reduction order.
+
+bits per byte = summed loss in nats / (ln 2 * UTF-8 bytes of the target tokens): the loss a
+tokenizer-independent measure, comparable with a compressor's output size (end-of-text stands
+for no text and counts 0 bytes). It needs the dataset's byte table (manifest version 2).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from elastic_gpt.data.manifest import Manifest
+from elastic_gpt.data.stream import ShardReader
+from elastic_gpt.model.gpt import token_losses
+from elastic_gpt.parallel.tensor import loss_context
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float                   # mean nats per target token
+    bits_per_byte: float | None   # None: the dataset has no byte counts (manifest version 1)
+    tokens: int
+    text_bytes: int | None
+    samples: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(min(self.loss, 700.0))  # exp overflows a float past ~709
+
+    def metrics(self) -> dict[str, float]:
+        out = {"val/loss": self.loss, "val/perplexity": self.perplexity}
+        if self.bits_per_byte is not None:
+            out["val/bits_per_byte"] = self.bits_per_byte
+        return out
+
+    def line(self, step: int) -> str:
+        bpb = f"{self.bits_per_byte:.4f}" if self.bits_per_byte is not None else "n/a"
+        return (f"[elastic-gpt] eval after step {step + 1} | val loss {self.loss:.4f} | "
+                f"perplexity {self.perplexity:,.2f} | bits/byte {bpb} | {self.samples} "
+                f"sequences, {self.tokens:,} tokens | {self.seconds:.2f}s")
+
+
+def eval_block(num_samples: int, dp_rank: int, dp_degree: int) -> range:
+    """The validation sequences (indices into the evaluated set) data-parallel rank r reads."""
+    return range(dp_rank * num_samples // dp_degree, (dp_rank + 1) * num_samples // dp_degree)
+
+
+def first_records(manifest: Manifest, n: int) -> list[tuple[int, int]]:
+    """(shard, record) of the first n records of a dataset, in stored order."""
+    out: list[tuple[int, int]] = []
+    for k, shard in enumerate(manifest.shards):
+        take = min(shard.num_samples, n - len(out))
+        out.extend((k, i) for i in range(take))
+        if len(out) == n:
+            break
+    return out
+
+
+class Evaluator:
+    """One rank's share of the evaluation set, read once and kept (it is small), and the
+    collective that evaluates a model on it."""
+
+    def __init__(self, manifest: Manifest, *, samples: int, micro_batch_size: int, seq_len: int,
+                 dp_rank: int, dp_degree: int, count_rank: bool, device: torch.device,
+                 storage_options: dict | None = None):
+        self.manifest = manifest
+        self.num_samples = min(samples, manifest.num_samples)
+        self.seq_len, self.device, self.count_rank = seq_len, device, count_rank
+        mine = eval_block(self.num_samples, dp_rank, dp_degree)
+        records = first_records(manifest, self.num_samples)[mine.start:mine.stop]
+        tokens, _ = ShardReader(manifest, storage_options).read(records)
+        tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        table = manifest.load_token_bytes(storage_options)
+        self.has_byte_counts = table is not None
+        # Every rank runs as many forwards as the rank with the largest block needs.
+        largest = -(-self.num_samples // dp_degree)
+        self.slots = max(1, -(-largest // micro_batch_size))
+        self.batches: list[tuple[torch.Tensor, float, int]] = []
+        for j in range(self.slots):
+            chunk = tokens[j * micro_batch_size:(j + 1) * micro_batch_size]
+            if len(chunk):
+                targets = chunk[:, 1:seq_len + 1]
+                nbytes = int(table[targets.numpy()].sum()) if table is not None else 0
+                self.batches.append((chunk, 1.0, nbytes))
+            else:  # a zero-weight forward keeps this rank's collectives paired with the others'
+                self.batches.append((torch.zeros(1, seq_len + 1, dtype=torch.int64), 0.0, 0))
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, *, compute_dtype: torch.dtype,
+                 loss_parallel: bool) -> EvalResult:
+        """Collective over every rank of the group: all call it at the same step."""
+        t0 = time.perf_counter()
+        T = self.seq_len
+        was_training = model.training
+        model.eval()  # no dropout
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = text_bytes = 0
+        try:
+            for chunk, weight, nbytes in self.batches:
+                chunk = chunk.to(self.device, non_blocking=True)
+                x, y = chunk[:, :T], chunk[:, 1:T + 1]
+                with torch.autocast(self.device.type, dtype=compute_dtype,
+                                    enabled=compute_dtype != torch.float32):
+                    logits = model(x)
+                with loss_context(loss_parallel):
+                    summed = token_losses(logits, y)
+                if isinstance(summed, DTensor):
+                    summed = summed.to_local()
+                loss_sum += summed.double() * weight
+                tokens += int(weight) * y.numel()
+                text_bytes += nbytes
+        finally:
+            release_gathered_weights(model)
+            model.train(was_training)
+        # The tensor-parallel ranks of a group evaluated the same sequences: one of them counts.
+        if not self.count_rank:
+            loss_sum.zero_()
+            tokens = text_bytes = 0
+        stats = torch.tensor([0.0, tokens, text_bytes], dtype=torch.float64, device=self.device)
+        stats[0] = loss_sum
+        dist.all_reduce(stats)
+        total_loss, total_tokens, total_bytes = stats.tolist()
+        loss = total_loss / total_tokens
+        bpb = total_loss / (math.log(2) * total_bytes) \
+            if self.has_byte_counts and total_bytes > 0 else None
+        return EvalResult(loss=loss, bits_per_byte=bpb, tokens=int(total_tokens),
+                          text_bytes=int(total_bytes) if self.has_byte_counts else None,
+                          samples=self.num_samples, seconds=time.perf_counter() - t0)
+
+
+def release_gathered_weights(model: torch.nn.Module) -> None:
+    """Reshard every FSDP module: a forward without backward leaves the weights gathered where
+    reshard_after_forward is off (and always for the root), and the next training step must
+    gather the weights the optimizer updates, with its usual memory and collectives."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
