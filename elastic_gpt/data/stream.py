@@ -180,18 +180,25 @@ class StepStream:
     """Iterator of StepBatch for steps start_step, start_step + 1, ... (endless: epochs go on,
     epoch = position // num_samples), produced by a prefetch thread."""
 
-    def __init__(self, manifest: Manifest, *, plan: BatchPlan, rank: int, world_size: int,
+    def __init__(self, manifest, *, plan: BatchPlan, rank: int, world_size: int,
                  start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                  prefetch_steps: int = 4, storage_options: dict | None = None,
                  pin_memory: bool = False):
+        """`manifest`: one dataset's Manifest, or a run's TrainingData (elastic_gpt/data/
+        mixture.py: one dataset or a weighted mixture), which brings its own order and reader."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if plan.num_micro_batches < world_size:
             plan.check_world_size(world_size)
-        self.manifest = manifest
         self.plan, self.rank, self.world_size = plan, rank, world_size
-        self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
-        self.reader = ShardReader(manifest, storage_options)
+        if isinstance(manifest, Manifest):
+            self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
+            self.reader = ShardReader(manifest, storage_options)
+        else:
+            self.order = manifest.make_order(seed, shuffle_window)
+            self.reader = manifest.make_reader(storage_options)
+            manifest = manifest.manifest
+        self.manifest = manifest
         self.next_step = start_step
         self.pin_memory = pin_memory
         self._stop = threading.Event()
@@ -271,18 +278,31 @@ class StepStream:
             pass
 
 
-def open_step_stream(data_url: str, *, plan: BatchPlan, rank: int, world_size: int,
+def open_step_stream(data_url, *, plan: BatchPlan, rank: int, world_size: int,
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                      prefetch_steps: int = 4, storage_options: dict | None = None,
                      engine: str = "thread", pin_memory: bool = False) -> StepStream:
     """Open rank `rank`'s stream of step batches from `start_step` on (C1 + C2).
+    data_url: a dataset URL, or a TrainingData (`mixture.open_training_data(cfg.data)`: a
+    dataset or a weighted mixture of several).
     engine "thread" (default): ranged reads in a prefetch thread of this process;
-    "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream).
+    "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream; one dataset only).
     pin_memory: batches in page-locked memory (CUDA training; the thread engine pins them
     while prefetching, off the training thread)."""
-    manifest = load_manifest(data_url, storage_options)
     if engine not in ("thread", "ray_data"):
         raise ValueError(f"data engine must be 'thread' or 'ray_data', got {engine!r}")
+    if isinstance(data_url, str):
+        manifest = load_manifest(data_url, storage_options)
+    elif isinstance(data_url, Manifest) or not data_url.is_mixture:
+        manifest = data_url if isinstance(data_url, Manifest) else data_url.manifest
+    else:
+        if engine == "ray_data":
+            raise ValueError("the ray_data engine reads one dataset; a mixture (data.sources) "
+                             "is read by the thread engine")
+        return StepStream(data_url, plan=plan, rank=rank, world_size=world_size,
+                          start_step=start_step, seed=seed, shuffle_window=shuffle_window,
+                          prefetch_steps=prefetch_steps, storage_options=storage_options,
+                          pin_memory=pin_memory)
     if engine == "ray_data":
         return RayDataStepStream(manifest, plan=plan, rank=rank, world_size=world_size,
                                  start_step=start_step, seed=seed, shuffle_window=shuffle_window,
