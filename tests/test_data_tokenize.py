@@ -218,10 +218,11 @@ def test_ray_data_job_from_s3_matches_local_job_byte_for_byte(tmp_path, s3, ray_
                      **kw)
     assert s["parts_built"] >= 3 and s["docs"] == len(expected)
     prepare_data(str(tmp_path / "raw") + "/*", str(tmp_path / "local"), engine="local", **kw)
-    # Shards and indexes are identical; commit markers differ only in the input URLs they name.
+    # Shards, indexes and the byte table are identical; commit markers differ only in the input
+    # URLs they name.
     local = {k: v for k, v in dir_digest(tmp_path / "local").items() if k.endswith((".bin", ".idx"))}
     remote = {name: hashlib.sha256(fs.cat_file(f"corpus/ds/{name}")).hexdigest() for name in local}
-    assert remote == local and len(local) == 2 * s["shards"]
+    assert remote == local and len(local) == 2 * s["shards"] + 1  # + token_bytes.bin
     m = load_manifest("s3://corpus/ds", so)
     assert m.shards == load_manifest(str(tmp_path / "local")).shards
     assert decode_documents(m, so) == expected
@@ -289,6 +290,22 @@ def test_validation_split_is_deterministic_disjoint_and_whole_documents(tmp_path
     assert sorted(decode_documents(load_manifest(str(tmp_path / "c" / "val")))) != sorted(val)
     m, mv = load_manifest(str(tmp_path / "a")), load_manifest(str(tmp_path / "a" / "val"))
     assert (mv.tokenizer, mv.seq_len, mv.vocab_size) == (m.tokenizer, m.seq_len, m.vocab_size)
+
+
+def test_val_docs_holds_out_exactly_that_many_documents(tmp_path):
+    docs = _many_docs(tmp_path / "raw")
+    kw = dict(tokenizer="bytes", seq_len=16, engine="local", progress=False, val_docs=4)
+    prepare_data(str(tmp_path / "raw"), str(tmp_path / "a"), part_bytes=300, **kw)
+    prepare_data(str(tmp_path / "raw"), str(tmp_path / "b"), part_bytes=5000, **kw)
+    val = decode_documents(load_manifest(str(tmp_path / "a" / "val")))
+    train = decode_documents(load_manifest(str(tmp_path / "a")))
+    assert len(val) == 4 and sorted(val + train) == sorted(docs)
+    assert sorted(decode_documents(load_manifest(str(tmp_path / "b" / "val")))) == sorted(val)
+    with pytest.raises(ValueError, match="--val-docs 60 would hold out all 60 documents"):
+        prepare_data(str(tmp_path / "raw"), str(tmp_path / "c"), **{**kw, "val_docs": 60})
+    with pytest.raises(ValueError, match="keep one"):
+        prepare_data(str(tmp_path / "raw"), str(tmp_path / "c"), val_fraction=0.1,
+                     **{**kw, "val_docs": 2})
 
 
 def test_validation_split_resumes_and_refuses_an_empty_split(tmp_path):

@@ -415,11 +415,36 @@ def validation_url(output: str) -> str:
     return join_url(output, VALIDATION_DIR)
 
 
-def in_validation_split(doc_hash: bytes, fraction: float) -> bool:
-    """A document is held out when its seeded content hash, read as a number in [0, 1), is
-    below the fraction: a pure function of the text and the seed, whatever the part, the
-    engine or the number of workers; identical documents land on the same side."""
-    return int.from_bytes(doc_hash[:8], "little") < fraction * 2.0 ** 64
+def document_hash(encoded_pieces: list[bytes], seed: int) -> int:
+    """A document's seeded 64-bit content hash: what decides its side of the split."""
+    h = hashlib.blake2b(str(int(seed)).encode(), digest_size=8, person=b"elastic-gpt-val")
+    for e in encoded_pieces:
+        h.update(e)
+    return int.from_bytes(h.digest(), "little")
+
+
+def in_validation_split(doc_hash: int, threshold: int) -> bool:
+    """A document is held out when its seeded content hash is below the threshold
+    (--val-fraction F: F * 2**64; --val-docs N: just above the N-th smallest hash): a pure
+    function of the text and the seed, whatever the part, the engine or the number of
+    workers; identical documents land on the same side."""
+    return doc_hash < threshold
+
+
+def validation_threshold_for_docs(files: list[InputFile], n: int, seed: int, options: dict,
+                                  storage_options: dict | None) -> int:
+    """The threshold that holds out the n documents of smallest hash: one reading pass over
+    the input (no tokenizing), in this process."""
+    hashes = []
+    for f in files:
+        for pieces in iter_documents(f, storage_options, options["text_field"],
+                                     options["bad_utf8"], DocStats(), hashlib.sha256(),
+                                     options.get("allow_binary", True)):
+            hashes.append(document_hash([p.encode("utf-8") for p in pieces], seed))
+    if len(hashes) <= n:
+        raise ValueError(f"--val-docs {n} would hold out all {len(hashes)} documents of the "
+                         "input, leaving none to train on; lower --val-docs")
+    return sorted(hashes)[n - 1] + 1
 
 
 @functools.lru_cache(maxsize=4)
@@ -465,14 +490,13 @@ def build_part(index: int, files: list[InputFile], output: str, options: dict,
     tok = get_tokenizer(options["tokenizer"])
     encode = getattr(tok, "encode_array", tok.encode)
     token_bytes = _token_bytes_for(options["tokenizer"])
-    val_fraction = options.get("val_fraction", 0.0)
-    seed = str(options.get("val_seed", 0)).encode()
+    val_threshold = options.get("val_threshold", 0)
     content_hash = hashlib.sha256()
     name = shard_name(index)
     so = storage_options or {}
     train = _SplitWriter(output, name, options, tok, token_bytes, so)
     val = _SplitWriter(validation_url(output), name, options, tok, token_bytes, so) \
-        if val_fraction > 0 else None
+        if val_threshold > 0 else None
     bytes_exact = True  # the byte table held for every document (see token_bytes.py)
     try:
         for f in files:
@@ -485,12 +509,9 @@ def build_part(index: int, files: list[InputFile], output: str, options: dict,
                     bytes_exact = all(int(token_bytes[np.asarray(i, np.int64)].sum()) == len(e)
                                       for i, e in zip(ids, encoded))
                 dest = train
-                if val is not None:
-                    h = hashlib.blake2b(seed, digest_size=8, person=b"elastic-gpt-val")
-                    for e in encoded:
-                        h.update(e)
-                    if in_validation_split(h.digest(), val_fraction):
-                        dest = val
+                if val is not None and in_validation_split(
+                        document_hash(encoded, options["val_seed"]), val_threshold):
+                    dest = val
                 n = 0
                 for i in ids:
                     dest.w.add(i)
@@ -682,14 +703,15 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
                  max_files: int | None = None, max_bytes: int | None = None,
                  part_bytes: int | None = None, engine: str = "auto",
                  num_workers: int | None = None, overwrite: bool = False,
-                 val_fraction: float = 0.0, val_seed: int = 0,
+                 val_fraction: float = 0.0, val_docs: int = 0, val_seed: int = 0,
                  val_input: str | list[str] | None = None, allow_binary: bool = False) -> dict:
     """Tokenize `input` (URL, glob, directory, or a list of them) into a dataset at `output`.
 
     A validation set goes to `output/val` (a dataset of its own, same tokenizer and seq_len):
-    `val_fraction` holds out that share of the documents, whole, chosen by a seeded hash of
-    their text (`in_validation_split`), and the training shards do not contain them; or
-    `val_input` names separate validation files. Returns the summary dict (also stored in the
+    `val_fraction` holds out about that share of the documents, whole, chosen by a seeded hash
+    of their text (`in_validation_split`), and the training shards do not contain them;
+    `val_docs` holds out exactly that many (the smallest hashes: one more reading pass over the
+    input); or `val_input` names separate validation files. Returns the summary dict (also stored in the
     manifest's `stats`); ValueError names what is wrong and how to fix it (C6)."""
     t0 = time.perf_counter()
     if seq_len < 1:
@@ -701,17 +723,27 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}; e.g. "
                          "--val-fraction 0.05 holds out 5% of the documents")
-    if val_fraction and val_input:
-        raise ValueError("--val-fraction and --val-input both name a validation set; keep one")
+    if val_docs < 0:
+        raise ValueError(f"--val-docs must be at least 0, got {val_docs}")
+    if sum(bool(x) for x in (val_fraction, val_docs, val_input)) > 1:
+        raise ValueError("--val-fraction, --val-docs and --val-input each name a validation "
+                         "set; keep one")
     tok = get_tokenizer(tokenizer)
     output = output.rstrip("/")
     if "://" not in output:  # Ray workers may run in another directory
         output = os.path.abspath(output)
     options = {"tokenizer": tokenizer, "seq_len": seq_len, "dtype": token_dtype(tok.vocab_size),
                "text_field": text_field, "bad_utf8": bad_utf8, "format_version": 1}
-    if val_fraction:  # only then: the keys (and so the reuse) of datasets without a split stay
-        options.update(val_fraction=float(val_fraction), val_seed=int(val_seed))
     files = list_inputs(input, storage_options, max_files, max_bytes)
+    if val_docs:
+        threshold = validation_threshold_for_docs(
+            files, val_docs, val_seed, {**options, "allow_binary": allow_binary},
+            storage_options)
+    else:
+        threshold = int(val_fraction * 2 ** 64)
+    split = bool(val_fraction or val_docs)
+    if split:  # only then: the keys (and so the reuse) of datasets without a split stay
+        options.update(val_threshold=threshold, val_seed=int(val_seed))
     parts = plan_parts(files, part_bytes)
     keys = [part_key(p, options) for p in parts]
     job_key = hashlib.sha256("".join(keys).encode()).hexdigest()
@@ -752,23 +784,23 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
     source = {"input": input if isinstance(input, str) else list(input), "files": len(files),
               "bytes": sum(f.size for f in files), "job_key": job_key,
               "text_field": text_field, "bad_utf8": bad_utf8}
-    if val_fraction:
+    if split:
         val_markers = {i: m["val"] for i, m in markers.items()}
         val_summary = _write_manifest(
             validation_url(output), tokenizer, tok, options, len(parts), val_markers,
             {**source, "split": "validation", "of": output, "val_fraction": val_fraction,
-             "val_seed": val_seed}, storage_options,
+             "val_docs": val_docs, "val_seed": val_seed}, storage_options,
             empty_hint=f"--val-fraction {val_fraction} held out none of the {len(files)} "
-                       "files' documents (documents are held out whole); raise --val-fraction "
-                       "or pass --val-input")
+                       "files' documents (documents are held out whole); raise "
+                       "--val-fraction, or hold out an exact number with --val-docs N")
     summary = _write_manifest(
         output, tokenizer, tok, options, len(parts), markers,
-        {**source, "split": "train"} if val_fraction else source, storage_options,
-        empty_hint=_empty_corpus_hint(input, files, markers, options, val_fraction))
+        {**source, "split": "train"} if split else source, storage_options,
+        empty_hint=_empty_corpus_hint(input, files, markers, options, split))
     summary.update(parts_reused=len(parts) - len(todo), parts_built=len(todo),
                    tokenize_seconds=round(bar.seconds if todo else 0.0, 3),
                    tokenized_bytes=bar.bytes, engine=engine, output=output)
-    if val_fraction:
+    if split:
         summary["val"] = val_summary
     if val_input:
         summary["val"] = prepare_data(
@@ -791,14 +823,14 @@ def _warn_if_seq_len_exceeds_documents(seq_len: int, summary: dict) -> None:
                     if summary["tokens"] < seq_len else "")
 
 
-def _empty_corpus_hint(input, files, markers, options, val_fraction) -> str:
+def _empty_corpus_hint(input, files, markers, options, split: bool) -> str:
     totals = DocStats().as_dict()
     for m in markers.values():
         DocStats.merge(totals, m["stats"])
-    if totals["docs"] == 0 and val_fraction and any(m["val"]["stats"]["docs"]
+    if totals["docs"] == 0 and split and any(m["val"]["stats"]["docs"]
                                                     for m in markers.values()):
         return (f"every document of {input} fell in the validation split; lower "
-                "--val-fraction")
+                "--val-fraction or --val-docs")
     hint = ""
     if totals["bad_records"]:
         hint = (f"; {totals['bad_records']} records had no string field "
@@ -962,6 +994,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hold out this share of the documents (whole, chosen by a seeded "
                              "hash of their text) as a validation set at OUTPUT/val; the "
                              "training shards do not contain them (default 0: none)")
+    parser.add_argument("--val-docs", type=int, default=0,
+                        help="hold out exactly N documents (those of smallest seeded hash; "
+                             "reads the input once more) as the validation set at OUTPUT/val")
     parser.add_argument("--val-seed", type=int, default=0,
                         help="seed of the validation hold-out's hash (default 0)")
     parser.add_argument("--val-input", nargs="+", default=None,
@@ -996,7 +1031,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         text_field=args.text_field, bad_utf8=args.bad_utf8, max_files=args.max_files,
         max_bytes=args.max_bytes, part_bytes=args.part_bytes, engine=args.engine,
         num_workers=args.num_workers, overwrite=args.overwrite,
-        val_fraction=getattr(args, "val_fraction", 0.0), val_seed=getattr(args, "val_seed", 0),
+        val_fraction=getattr(args, "val_fraction", 0.0), val_docs=getattr(args, "val_docs", 0),
+        val_seed=getattr(args, "val_seed", 0),
         val_input=val_input, allow_binary=getattr(args, "allow_binary", False))
     print(format_summary(summary))
     return 0
