@@ -257,9 +257,12 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            at = lambda m: f"line {m.line + 1}, column {m.column + 1}"  # noqa: E731
+            mark, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+            where = f" at {at(mark)}" if mark else ""
             what = getattr(e, "problem", None) or first_line(e)
+            if context is not None and getattr(e, "context", None):
+                what += f" ({e.context} at {at(context)})"
             raise ValueError(f"config file {path} is not valid YAML{where}: {what}; fix that "
                              "line") from None
         except (OSError, UnicodeDecodeError) as e:

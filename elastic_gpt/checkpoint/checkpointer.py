@@ -27,6 +27,7 @@ before a save (making the step metrics durable), come in as callables.
 from __future__ import annotations
 
 import copy
+import errno
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_gpt.checkpoint.sharded import BoxSavePlanner, save_sharded, training_state_dict
 from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
+from elastic_gpt.errors import StorageFullError
 from elastic_gpt.torch_internals import FsspecWriter, _copy_state_dict, _create_cpu_state_dict
 
 if TYPE_CHECKING:
@@ -91,6 +93,24 @@ class Checkpointer:
     def _save(self, step: int, t0: float) -> None:
         raise NotImplementedError
 
+    def _full_disk(self, step: int) -> StorageFullError | None:
+        """After a failed write: a StorageFullError if the disk has no room for a checkpoint.
+        Asked of the disk, because torch's zip writer reports a full disk as a bare
+        `unexpected pos` RuntimeError, without the ENOSPC under it."""
+        free = self.store.free_bytes()
+        latest = self.store.latest()
+        need = self.store.committed_bytes(latest.step) if latest else 0
+        if free is None or free >= max(need, 1 << 20):
+            return None
+        kept = (f"the checkpoint of step {latest.step} at {latest.url} is intact" if latest
+                else "no earlier checkpoint exists")
+        full = StorageFullError(
+            f"storage is full under {self.store.root_url} ({free:,} bytes free, a checkpoint "
+            f"takes about {need:,}): step {step} was not committed, and {kept}; free space (or "
+            "raise the quota) and run the same command again to resume")
+        full.errno = errno.ENOSPC
+        return full
+
 
 class SyncCheckpointer(Checkpointer):
     """Writes and commits within `save`: the loop waits for the whole checkpoint."""
@@ -99,7 +119,13 @@ class SyncCheckpointer(Checkpointer):
         if self.rank == 0:
             self.store.prepare_step_dir(step)
         dist.barrier()  # no rank writes into the directory before rank 0 has cleared a leftover
-        save_sharded(self.store.url(step_dirname(step)), self.model, self.optimizer)
+        try:
+            save_sharded(self.store.url(step_dirname(step)), self.model, self.optimizer)
+        except (Exception, CheckpointException) as e:
+            full = self._full_disk(step)
+            if full is not None:
+                raise full from e
+            raise
         self.on_blocked(time.perf_counter() - t0)
         if self.rank == 0:
             self.store.commit(step, self.trainer_state())
@@ -144,6 +170,9 @@ class AsyncCheckpointer(Checkpointer):
         try:
             fut.result()
         except (Exception, CheckpointException) as e:  # DCP's error derives from BaseException
+            full = self._full_disk(step)
+            if full is not None:
+                raise full from e
             raise CheckpointWriteError(
                 f"asynchronous checkpoint of step {step} to {self.store.url(step_dirname(step))} "
                 f"failed: {type(e).__name__}: {e}; the step stays uncommitted and resume uses the "

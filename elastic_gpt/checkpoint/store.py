@@ -150,6 +150,24 @@ class CheckpointStore:
                 except OSError:
                     pass
 
+    def free_bytes(self) -> int | None:
+        """Free space for the root on a local disk; None for object stores, which have none."""
+        if self.protocol not in ("file", "local"):
+            return None
+        d = self.root
+        while d and not os.path.exists(d):
+            d = os.path.dirname(d)
+        st = os.statvfs(d or "/")
+        return st.f_bavail * st.f_frsize
+
+    def committed_bytes(self, step: int) -> int:
+        """Bytes of a committed step's files, from its marker (0 if it cannot be read)."""
+        try:
+            marker = json.loads(self.fs.cat_file(self.path(step_dirname(step), COMMIT_MARKER)))
+            return int(sum(marker.get("files", {}).values()))
+        except Exception:
+            return 0
+
     # ---- commit and retention (rank 0 only) ------------------------------------------------
 
     def commit(self, step: int, state: dict) -> None:

@@ -32,6 +32,10 @@ def preflight(cfg: Config):
     resolve_paths(cfg)
     if cfg.tracking.enabled:
         check_local_store(cfg.tracking.uri)
+    local = cfg.data.path.removeprefix("file://")
+    if cfg.data.path.startswith("file://") and os.path.isfile(local):
+        raise ValueError(f"data.path {local} is a file, not a dataset folder; point it at the "
+                         "folder `elastic-gpt prepare-data --output` wrote (it holds manifest.json)")
     manifest = load_manifest(cfg.data.path)
     check_shard_sizes(manifest)
     gpt_cfg = model_config_for(cfg, manifest)

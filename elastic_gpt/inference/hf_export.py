@@ -45,13 +45,18 @@ _OUTPUTS = ("config.json", "model.safetensors")
 
 
 def check_output_dir(out_dir: str, overwrite: bool) -> None:
-    """--out must be a folder we may fill: new, empty, or (with --overwrite) an earlier export."""
+    """--out must be a folder we may fill: new, empty, or (with --overwrite) an earlier export.
+    Checked before the checkpoint is read, and without leaving a folder behind."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"--out {out_dir} is a file, not a folder; name a new folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ValueError(f"--out {out_dir} is not empty ({', '.join(sorted(os.listdir(out_dir))[:3])}"
                          f"{', ...' if len(os.listdir(out_dir)) > 3 else ''}); name a new folder, "
                          "or pass --overwrite to replace an earlier export there")
+    made, d = [], os.path.abspath(out_dir)
+    while not os.path.exists(d):
+        made.append(d)
+        d = os.path.dirname(d)
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, ".elastic-gpt-write-probe")
@@ -60,6 +65,12 @@ def check_output_dir(out_dir: str, overwrite: bool) -> None:
     except OSError as e:
         raise ValueError(f"--out {out_dir} cannot be written ({e.strerror or e}); choose a "
                          "writable folder") from None
+    finally:
+        for d in made:  # innermost first: the export makes them again once the model is read
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
 
 
 def export_hf(checkpoint: str, out_dir: str, overwrite: bool = False) -> str:
@@ -67,6 +78,7 @@ def export_hf(checkpoint: str, out_dir: str, overwrite: bool = False) -> str:
     temporary name and renamed, so a failed export leaves no half-written model."""
     check_output_dir(out_dir, overwrite)
     model, state = load_model(checkpoint)
+    os.makedirs(out_dir, exist_ok=True)
     eos = None
     try:
         from elastic_gpt.data.manifest import load_manifest

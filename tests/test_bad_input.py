@@ -1,0 +1,602 @@
+"""Bad input, as a new user makes it, across every subcommand (C6): each case exits 2 with one
+`elastic-gpt <cmd>: error: <what>; <fix>` line, no traceback, and leaves every dataset, checkpoint
+and MLflow store byte-for-byte as it was.
+
+The cases are one table (CASES). docs/operations.md's failure table is rendered from it and this
+module checks the copy there is current; after changing a case run
+`.venv/bin/python tests/test_bad_input.py --write-docs`.
+
+Most cases fail before Ray starts and run in-process (fast). The few that only a worker can see
+(a shard whose bytes were changed in place, a disk that fills up during a checkpoint) run a real
+Ray job each and also assert the run stopped after one attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(REPO, "docs", "operations.md")
+TABLE_START = "<!-- bad-input table: generated from tests/test_bad_input.py, do not edit -->"
+TABLE_END = "<!-- end of bad-input table -->"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]        # after `elastic-gpt`; {w.name} fields come from the World
+    says: str                    # a fragment of the one error line
+    what: str                    # the bad input, in words, for the docs table
+    env: tuple[tuple[str, str | None], ...] = ()  # None unsets
+    needs: str = ""              # "s3" or "mount": skipped with the reason when not available
+
+    @property
+    def command(self) -> str:
+        return self.argv[0]
+
+
+def train(*overrides: str) -> tuple[str, ...]:
+    return ("train", "--config", "jobs/configs/mini.yaml", "model.preset=tiny",
+            "data.path={w.data}", "checkpoint.path={w.ckpt}", "tracking.uri={w.mlflow}",
+            "train.max_steps=8", *overrides)
+
+
+NO_AWS_CREDENTIALS = (("AWS_ACCESS_KEY_ID", None), ("AWS_SECRET_ACCESS_KEY", None),
+                      ("AWS_SESSION_TOKEN", None), ("AWS_EC2_METADATA_DISABLED", "true"),
+                      ("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent"),
+                      ("AWS_CONFIG_FILE", "/nonexistent"), ("AWS_ENDPOINT_URL", "{w.s3}"))
+REFUSED_ENDPOINT = (("AWS_ENDPOINT_URL", "http://127.0.0.1:{w.closed_port}"),
+                    ("AWS_MAX_ATTEMPTS", "1"), ("AWS_RETRY_MODE", "standard"))
+
+CASES = [
+    # ---- train: the config file and overrides
+    Case("config-missing", ("train", "--config", "jobs/configs/nope.yaml"),
+         "config file jobs/configs/nope.yaml does not exist", "--config names no file"),
+    Case("config-is-folder", ("train", "--config", "{w.root}"), "is a folder",
+         "--config names a folder"),
+    Case("config-bad-yaml", ("train", "--config", "{w.bad_yaml}"),
+         "is not valid YAML at line 4, column 1: expected ',' or ']', but got '<stream end>' (while "
+         "parsing a flow sequence at line 3, column 14)", "a YAML syntax error"),
+    Case("config-empty", ("train", "--config", "{w.empty_yaml}"), "data.path is empty",
+         "an empty config file"),
+    Case("config-a-list", ("train", "--config", "{w.list_yaml}"), "must be a mapping of sections",
+         "a config that is a YAML list"),
+    Case("config-binary", ("train", "--config", "{w.binary_yaml}"), "cannot be read",
+         "a config file that is not text"),
+    Case("unknown-key", train("train.lrr=1"), "unknown config key 'train.lrr'",
+         "a misspelt key"),
+    Case("unknown-section", train("trian.lr=1"), "unknown config key 'trian.lr'",
+         "a misspelt section"),
+    Case("override-without-equals", train("train.lr"), "must look like section.key=value",
+         "an override without `=`"),
+    Case("lr-nan", train("train.lr=.nan"), "train.lr=nan must be a finite number",
+         "`train.lr=.nan`"),
+    Case("grad-clip-inf", train("train.grad_clip=.inf"), "must be a finite number",
+         "`train.grad_clip=.inf`"),
+    Case("lr-negative", train("train.lr=-1"), "train.lr=-1.0 must be > 0", "a negative lr"),
+    Case("max-steps-zero", train("train.max_steps=0"), "train.max_steps=0 must be at least 1",
+         "`train.max_steps=0`"),
+    Case("warmup-negative", train("train.warmup_steps=-1"), "must be at least 0",
+         "a negative warm-up"),
+    Case("batch-not-multiple", train("train.global_batch_size=10"),
+         "is not a multiple of train.micro_batch_size=4", "a global batch the micro-batch does "
+         "not divide"),
+    Case("workers-inverted", train("scaling.max_workers=1"), "is below scaling.min_workers",
+         "max_workers below min_workers"),
+    Case("preset-unknown", train("model.preset=huge"), "model.preset='huge' is unknown",
+         "an unknown model preset"),
+    Case("dropout-out-of-range", train("model.dropout=1.5"), "must be in [0, 1)",
+         "dropout of 1.5"),
+    Case("dtype-unknown", train("train.dtype=float16"), "must be auto, float32 or bfloat16",
+         "an unsupported dtype"),
+    Case("tp-not-dividing-workers", train("parallel.tp=3"), "must be multiples of parallel.tp=3",
+         "tp that does not divide the workers"),
+    Case("tp-not-dividing-heads", train("parallel.tp=4", "scaling.min_workers=4",
+                                        "scaling.max_workers=4"),
+         "does not divide model.n_head=2", "tp that does not divide the heads"),
+    Case("sources-empty", train("data.path=", "data.sources=[]"), "data.sources is an empty list",
+         "an empty mixture"),
+    Case("sources-zero-weight", train("data.path=", "data.sources=[{{path: x, weight: 0}}]"),
+         "weight=0 must be a finite number > 0", "a mixture weight of 0"),
+    Case("eval-samples-negative", train("eval.samples=-1"), "eval.samples=-1 must be at least 0",
+         "negative eval samples"),
+    # ---- train: the dataset
+    Case("data-missing", train("data.path={w.root}/no-such-dataset"), "is not a prepared dataset",
+         "data.path names nothing"),
+    Case("data-is-file", train("data.path={w.a_file}"), "is a file, not a dataset folder",
+         "data.path names a file"),
+    Case("data-bad-manifest", train("data.path={w.bad_manifest}"), "is not valid JSON",
+         "a manifest.json that is not JSON"),
+    Case("data-truncated-shard", train("data.path={w.truncated}"),
+         "shard-00000.bin has", "a shard cut short after prepare-data"),
+    Case("data-missing-shard", train("data.path={w.missing_shard}"), "shard-00000.bin is missing",
+         "a shard deleted after prepare-data"),
+    Case("data-missing-index", train("data.path={w.missing_index}"), "shard-00000.idx is missing",
+         "a shard's index deleted"),
+    Case("data-other-tokenizer", train("data.path={w.gpt2_data}"),
+         "is for another model shape", "a dataset of another tokenizer than the checkpoint's"),
+    # ---- train: the checkpoint
+    Case("checkpoint-other-shape", train("checkpoint.path={w.other_shape}"),
+         "is for another model shape (n_layer: checkpoint 3 vs config 2",
+         "a checkpoint of another run's model shape"),
+    Case("checkpoint-other-batch", train("train.global_batch_size=8"),
+         "was trained with train.global_batch_size=16", "a changed global batch on resume"),
+    Case("checkpoint-under-proc", train("checkpoint.path=/proc/elastic-gpt/ckpt"),
+         "checkpoint.path file:///proc/elastic-gpt/ckpt", "checkpoint.path under /proc"),
+    Case("checkpoint-under-file", train("checkpoint.path={w.a_file}/ckpt"),
+         "is under a file, not a folder", "checkpoint.path under a regular file"),
+    Case("checkpoint-read-only", train("checkpoint.path={w.read_only}/ckpt"),
+         "cannot be written", "a read-only checkpoint folder", needs="mount"),
+    Case("checkpoint-s3-no-credentials", train("checkpoint.path=s3://ckpts/run"),
+         "refused access", "an s3:// checkpoint path without credentials",
+         env=NO_AWS_CREDENTIALS, needs="s3"),
+    Case("checkpoint-s3-wrong-credentials", train("checkpoint.path=s3://ckpts/run"),
+         "refused access", "an s3:// checkpoint path with unknown credentials",
+         env=(("AWS_ACCESS_KEY_ID", "nobody"), ("AWS_SECRET_ACCESS_KEY", "wrong"),
+              ("AWS_ENDPOINT_URL", "{w.s3}")), needs="s3-auth"),
+    Case("checkpoint-s3-refused", train("checkpoint.path=s3://ckpts/run"), "is unreachable",
+         "an S3 endpoint that refuses connections", env=REFUSED_ENDPOINT, needs="s3"),
+    # ---- train: tracking and Ray
+    Case("tracking-folder-missing", train("tracking.uri=sqlite:///{w.root}/no/such/mlflow.db"),
+         "/no/such does not exist", "a sqlite tracking store in a missing folder"),
+    Case("tracking-under-file", train("tracking.uri=sqlite:///{w.a_file}/mlflow.db"),
+         "is a file, not a folder", "a sqlite store under a regular file"),
+    Case("tracking-is-folder", train("tracking.uri=sqlite:///{w.root}"), "names a folder",
+         "a sqlite store that is a folder"),
+    Case("ray-address-not-a-host", train(), "RAY_ADDRESS=notahost",
+         "`RAY_ADDRESS=notahost`", env=(("RAY_ADDRESS", "notahost"),)),
+    Case("ray-address-closed-port", train(), "cannot reach the Ray cluster at RAY_ADDRESS",
+         "RAY_ADDRESS at a port nothing listens on",
+         env=(("RAY_ADDRESS", "127.0.0.1:{w.closed_port}"),)),
+    # ---- generate
+    Case("generate-negative-temperature", ("generate", "--checkpoint", "{w.ckpt}", "--prompt",
+                                           "def", "--temperature", "-1"),
+         "argument --temperature: -1 is not a number >= 0", "`--temperature -1`"),
+    Case("generate-negative-tokens", ("generate", "--checkpoint", "{w.ckpt}", "--prompt", "def",
+                                      "--max-new-tokens", "-5"),
+         "argument --max-new-tokens: -5 is not a positive integer", "`--max-new-tokens -5`"),
+    Case("generate-zero-tokens", ("generate", "--checkpoint", "{w.ckpt}", "--prompt", "def",
+                                  "--max-new-tokens", "0"),
+         "0 is not a positive integer", "`--max-new-tokens 0`"),
+    Case("generate-no-prompt", ("generate", "--checkpoint", "{w.ckpt}"),
+         "the following arguments are required: --prompt", "no --prompt"),
+    Case("generate-no-checkpoint", ("generate", "--checkpoint", "{w.root}/none", "--prompt", "x"),
+         "no committed checkpoint under", "--checkpoint names nothing"),
+    Case("generate-empty-folder", ("generate", "--checkpoint", "{w.empty}", "--prompt", "x"),
+         "no committed checkpoint under", "--checkpoint an empty folder"),
+    Case("generate-torn-step", ("generate", "--checkpoint", "{w.torn}", "--prompt", "x"),
+         "is not usable", "--checkpoint a step folder with a shard missing"),
+    Case("generate-s3-no-credentials", ("generate", "--checkpoint", "s3://ckpts/run", "--prompt",
+                                        "x"),
+         "refused", "--checkpoint s3:// without credentials", env=NO_AWS_CREDENTIALS, needs="s3"),
+    # ---- export-hf
+    Case("export-out-is-file", ("export-hf", "--checkpoint", "{w.ckpt}", "--out", "{w.a_file}"),
+         "is a file, not a folder", "--out names a file"),
+    Case("export-out-under-proc", ("export-hf", "--checkpoint", "{w.ckpt}", "--out",
+                                   "/proc/elastic-gpt/hf"),
+         "--out /proc/elastic-gpt/hf cannot be written", "--out under /proc"),
+    Case("export-out-not-empty", ("export-hf", "--checkpoint", "{w.ckpt}", "--out",
+                                  "{w.nonempty}"),
+         "is not empty (config.json); name a new folder, or pass --overwrite",
+         "--out a folder with an earlier export"),
+    Case("export-no-checkpoint", ("export-hf", "--checkpoint", "{w.root}/none", "--out",
+                                  "{w.root}/hf-new"),
+         "no committed checkpoint under", "--checkpoint names nothing"),
+    Case("export-s3-no-credentials", ("export-hf", "--checkpoint", "s3://ckpts/run", "--out",
+                                      "{w.root}/hf-s3"),
+         "refused", "--checkpoint s3:// without credentials", env=NO_AWS_CREDENTIALS, needs="s3"),
+    # ---- plan
+    Case("plan-zero-batch", ("plan", "--global-batch-size", "0"),
+         "argument --global-batch-size: 0 is not a positive integer", "`--global-batch-size 0`"),
+    Case("plan-negative-gpus", ("plan", "--gpus", "-8"), "-8 is not a positive integer",
+         "`--gpus -8`"),
+    Case("plan-zero-gpus", ("plan", "--gpus", "0"), "0 is not a positive integer", "`--gpus 0`"),
+    Case("plan-zero-efficiency", ("plan", "--efficiency", "0"), "0 is not a number in (0, 1]",
+         "`--efficiency 0`"),
+    Case("plan-negative-tokens", ("plan", "--tokens=-5B"), "is not a positive count",
+         "`--tokens -5B`"),
+    Case("plan-nan-bandwidth", ("plan", "--inter-node-bw", "nan"), "nan is not a number > 0",
+         "`--inter-node-bw nan`"),
+    Case("plan-unknown-gpu", ("plan", "--gpu", "B300"), "unknown GPU 'B300'", "an unknown GPU"),
+    Case("plan-bad-tp", ("plan", "--model", "gpt3-1.3b", "--tp", "3"), "--tp=3 must be one of",
+         "`--tp 3`"),
+    Case("plan-write-config-under-proc", ("plan", "--write-config", "/proc/elastic-gpt/p.yaml"),
+         "--write-config /proc/elastic-gpt/p.yaml cannot be written",
+         "--write-config under /proc"),
+    Case("plan-write-config-folder", ("plan", "--write-config", "{w.root}"), "is a folder",
+         "--write-config names a folder"),
+    # ---- prepare-data
+    Case("prepare-no-input", ("prepare-data", "--input", "{w.root}/nothing-*.txt", "--output",
+                              "{w.root}/out"),
+         "matched no files", "--input matches no file"),
+    Case("prepare-bad-tokenizer", ("prepare-data", "--input", "{w.a_file}", "--output",
+                                   "{w.root}/out", "--tokenizer", "no-such-tokenizer"),
+         "no-such-tokenizer", "an unknown tokenizer"),
+    # ---- tune
+    Case("tune-config-missing", ("tune", "--config", "jobs/configs/nope.yaml"),
+         "config file jobs/configs/nope.yaml does not exist", "--config names no file"),
+]
+
+
+# ----------------------------------------------------------------------------- the world
+
+
+class World:
+    """Everything a case may point at, under one folder whose digest must not change."""
+
+    def __init__(self, root: str, dataset: str):
+        from elastic_gpt.checkpoint.sharded import save_sharded
+        from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
+        from elastic_gpt.config import load_config, resolve_paths
+        from elastic_gpt.data.manifest import load_manifest
+        from elastic_gpt.data.prepare import prepare_data
+        from elastic_gpt.model.gpt import GPT, GPTConfig
+        from elastic_gpt.tracking.runs import resolve_run
+        from elastic_gpt.train.model_config import model_config_for
+
+        self.root = root
+        j = lambda *p: os.path.join(root, *p)  # noqa: E731
+        self.data = j("data", "good")
+        shutil.copytree(dataset, self.data)
+        for name in ("truncated", "missing_shard", "missing_index", "bad_manifest"):
+            shutil.copytree(dataset, j("data", name))
+            setattr(self, name, j("data", name))
+        with open(j("data", "truncated", "shard-00000.bin"), "r+b") as f:
+            f.truncate(os.path.getsize(f.name) // 2)
+        os.remove(j("data", "missing_shard", "shard-00000.bin"))
+        os.remove(j("data", "missing_index", "shard-00000.idx"))
+        with open(j("data", "bad_manifest", "manifest.json"), "w") as f:
+            f.write("{not json")
+        self.gpt2_data = j("data", "gpt2")
+        sample = j("sample.py")
+        with open(sample, "w") as f:
+            f.write("def add(a, b):\n    return a + b\n" * 200)
+        prepare_data([sample], self.gpt2_data, tokenizer="gpt2", seq_len=64, engine="local",
+                     progress=False)
+        self.a_file = sample
+
+        os.makedirs(j("configs", "adir"))
+        self.bad_yaml, self.empty_yaml, self.list_yaml, self.binary_yaml = (
+            j("configs", n) for n in ("bad.yaml", "empty.yaml", "list.yaml", "binary.yaml"))
+        with open(self.bad_yaml, "w") as f:
+            f.write("train:\n  lr: 3e-4\n  max_steps: [1, 2\n")
+        open(self.empty_yaml, "w").close()
+        with open(self.list_yaml, "w") as f:
+            f.write("- train\n- lr\n")
+        with open(self.binary_yaml, "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x00" * 64)
+
+        # A finished run: a committed checkpoint of the config the train cases use, and its
+        # MLflow run, FINISHED, in the store they point at.
+        self.ckpt = j("ckpt", "run")
+        self.mlflow = f"sqlite:///{j('mlflow', 'mlflow.db')}"
+        os.makedirs(j("mlflow"))
+        cfg = resolve_paths(load_config("jobs/configs/mini.yaml", [
+            "model.preset=tiny", f"data.path={self.data}", f"checkpoint.path={self.ckpt}",
+            f"tracking.uri={self.mlflow}"]))
+        gpt_cfg = model_config_for(cfg, load_manifest(cfg.data.path))
+        run_id = resolve_run(self.mlflow, "elastic-gpt", "mini", None, {"train.lr": 1})
+        import mlflow
+        mlflow.MlflowClient(self.mlflow).set_terminated(run_id, "FINISHED")
+        self._commit(CheckpointStore(cfg.checkpoint.path), gpt_cfg, 4, cfg.data.path, run_id,
+                     GPT, save_sharded, step_dirname)
+        self.other_shape = j("ckpt", "other_shape")
+        other = GPTConfig(**{**gpt_cfg.shape(), "n_layer": 3})
+        self._commit(CheckpointStore(self.other_shape), other, 2, cfg.data.path, None, GPT,
+                     save_sharded, step_dirname)
+        self.torn = j("ckpt", "torn", step_dirname(4))
+        shutil.copytree(os.path.join(self.ckpt, step_dirname(4)), self.torn)
+        os.remove(next(os.path.join(self.torn, f) for f in os.listdir(self.torn)
+                       if f.endswith(".distcp")))
+        self.empty = j("ckpt", "empty")
+        os.makedirs(self.empty)
+        self.nonempty = j("export", "earlier")
+        os.makedirs(self.nonempty)
+        with open(os.path.join(self.nonempty, "config.json"), "w") as f:
+            f.write("{}")
+        self.read_only = j("read_only")
+        self.s3 = ""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.closed_port = s.getsockname()[1]
+
+    @staticmethod
+    def _commit(store, gpt_cfg, step, data_url, run_id, GPT, save_sharded, step_dirname):
+        store.prepare_step_dir(step)
+        save_sharded(store.url(step_dirname(step)), GPT(gpt_cfg), None)
+        store.commit(step, {"step": step, "samples_seen": step * 16, "model_shape": gpt_cfg.shape(),
+                            "global_batch_size": 16, "mlflow_run_id": run_id,
+                            "data": {"url": "file://" + data_url}})
+        if run_id:
+            store.write_run_info({"mlflow_run_id": run_id, "run_name": "mini"})
+
+    def digest(self) -> str:
+        """Every file's path and bytes under the world, and the MLflow runs' logical content."""
+        h = hashlib.sha256()
+        for dirpath, dirs, files in sorted(os.walk(self.root)):
+            dirs.sort()
+            h.update(dirpath.encode())
+            for f in sorted(files):
+                path = os.path.join(dirpath, f)
+                h.update(path.encode())
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+        return h.hexdigest()
+
+    def runs(self) -> list[tuple]:
+        import mlflow
+        client = mlflow.MlflowClient(self.mlflow)
+        out = []
+        for exp in client.search_experiments():
+            for r in client.search_runs([exp.experiment_id]):
+                out.append((r.info.run_id, r.info.status, r.info.end_time,
+                            tuple(sorted(r.data.tags.items())), tuple(sorted(r.data.params))))
+        return out
+
+
+def _can_mount() -> bool:
+    probe = "/tmp/elastic_gpt_mount_probe"
+    os.makedirs(probe, exist_ok=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", probe],
+                        capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["umount", probe], capture_output=True)
+    return ok
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, stdlib_dataset):
+    w = World(str(tmp_path_factory.mktemp("world")), stdlib_dataset)
+    mounted = []
+    if _can_mount():
+        os.makedirs(w.read_only)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", w.read_only],
+                       check=True)
+        mounted.append(w.read_only)
+    server = None
+    try:
+        from elastic_gpt.testing.s3_server import S3Server
+        server = S3Server()
+        server.make_bucket("ckpts")
+        w.s3 = server.endpoint
+    except ImportError:
+        pass
+    w.server = server
+    yield w
+    if server:
+        server.stop()
+    for m in mounted:
+        subprocess.run(["umount", m], capture_output=True)
+
+
+def _fill(text: str, w: World) -> str:
+    return text.format(w=w)
+
+
+def run_case(case: Case, w: World, monkeypatch, capsys) -> tuple[int, str]:
+    from elastic_gpt.cli import main
+
+    if case.needs == "mount" and not os.path.ismount(w.read_only):
+        pytest.skip("mounting a read-only tmpfs needs root with CAP_SYS_ADMIN")
+    if case.needs.startswith("s3") and not w.s3:
+        pytest.skip("moto is not installed")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for k, v in case.env:
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, _fill(v, w))
+    try:
+        import s3fs
+        s3fs.S3FileSystem.clear_instance_cache()  # credentials are read when one is made
+    except ImportError:
+        pass
+    argv = [_fill(a, w) for a in case.argv]
+    capsys.readouterr()
+    if case.needs == "s3-auth":
+        with w.server.enforce_credentials():
+            code = _exit_code(main, argv)
+    else:
+        code = _exit_code(main, argv)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def _exit_code(main, argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse
+        return int(e.code or 0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, world, monkeypatch, capsys):
+    before, runs_before = world.digest(), world.runs()
+    code, output = run_case(case, world, monkeypatch, capsys)
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error:" in ln]
+    assert code == 2, output
+    assert len(errors) == 1 and errors[0] == lines[-1], output
+    assert errors[0].startswith(f"elastic-gpt {case.command}: error: "), output
+    assert _fill(case.says, world) in errors[0], output
+    assert "Traceback" not in output, output
+    assert world.runs() == runs_before
+    assert world.digest() == before, "the case changed a file of the world"
+
+
+def test_there_are_at_least_fifty_cases_over_every_subcommand():
+    from elastic_gpt.cli import build_parser
+    assert len(CASES) >= 50
+    subcommands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert {c.command for c in CASES} == subcommands
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+# ----------------------------------------------------------------------------- the docs table
+
+
+def render_table() -> str:
+    rows = ["| command | bad input | the one line says (exit 2) |", "|---|---|---|"]
+    for c in CASES:
+        says = c.says.replace("|", "\\|").replace("{w.", "{")
+        rows.append(f"| `{c.command}` | {c.what} | `{says}` |")
+    return "\n".join([TABLE_START, *rows, TABLE_END])
+
+
+def test_the_failure_table_in_the_docs_is_this_table():
+    with open(DOCS) as f:
+        text = f.read()
+    assert TABLE_START in text and TABLE_END in text, f"{DOCS} lacks the generated table"
+    current = text[text.index(TABLE_START):text.index(TABLE_END) + len(TABLE_END)]
+    assert current == render_table(), ("docs/operations.md's failure table is stale: run "
+                                      ".venv/bin/python tests/test_bad_input.py --write-docs")
+
+
+def write_docs() -> None:
+    with open(DOCS) as f:
+        text = f.read()
+    if TABLE_START in text:
+        text = text[:text.index(TABLE_START)] + render_table() + \
+            text[text.index(TABLE_END) + len(TABLE_END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + render_table() + "\n"
+    with open(DOCS, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-docs"]:
+        write_docs()
+    else:
+        print(json.dumps([dataclasses.asdict(c) for c in CASES], indent=1))
+
+
+# ----------------------------------------------------------------------------- seen by a worker
+
+CLI = os.path.join(os.path.dirname(sys.executable), "elastic-gpt")
+
+
+def train_process(data: str, root: str, *extra: str, timeout: float = 400,
+                  background: bool = False):
+    """`elastic-gpt train` in its own process and its own local Ray cluster (W=2, tiny model)."""
+    args = [CLI, "train", "--config", "jobs/configs/mini.yaml", "model.preset=tiny",
+            f"data.path={data}", f"checkpoint.path={root}/ckpt", f"run.storage_path={root}/ray",
+            f"tracking.uri=sqlite:///{root}/mlflow.db", "train.max_steps=4",
+            "train.warmup_steps=1", "train.log_every=1", "checkpoint.every_steps=2", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
+    if background:
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def attempts(output: str) -> int:
+    """Worker groups started: rank 0 prints its setup line once per attempt."""
+    return output.count("worker(s) on cpu")
+
+
+def only_run(root: str):
+    import mlflow
+    client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_a_shard_changed_in_place_stops_after_one_attempt_then_the_fixed_run_reopens(
+        stdlib_dataset, tmp_path):
+    """Same sizes, other bytes: only a worker's checksum sees it. The run stops at once, FAILED
+    with the reason; once the shards are restored, the same MLflow run goes on and finishes."""
+    data = str(tmp_path / "data")
+    shutil.copytree(stdlib_dataset, data)
+    shards = sorted(f for f in os.listdir(data) if f.endswith(".bin"))
+    originals = {}
+    for name in shards:
+        path = os.path.join(data, name)
+        with open(path, "rb") as f:
+            originals[name] = f.read()
+        with open(path, "wb") as f:
+            f.write(bytes(b ^ 1 for b in originals[name]))
+    out = train_process(data, str(tmp_path))
+    output = out.stdout + out.stderr
+    assert out.returncode == 2, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("elastic-gpt train: error: ") and "does not match its checksum" in last
+    assert attempts(output) == 1, output[-3000:]
+    run = only_run(str(tmp_path))
+    assert run.info.status == "FAILED"
+    assert "does not match its checksum" in run.data.tags["elastic_gpt.failure"]
+
+    for name, blob in originals.items():
+        with open(os.path.join(data, name), "wb") as f:
+            f.write(blob)
+    out = train_process(data, str(tmp_path))
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    again = only_run(str(tmp_path))
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert "elastic_gpt.failure" not in again.data.tags
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system with room for about one checkpoint of the tiny model."""
+    disk = str(tmp_path / "disk")
+    os.makedirs(disk)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2200k", "tmpfs", disk],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root with CAP_SYS_ADMIN")
+    yield disk
+    subprocess.run(["umount", disk], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_checkpoint_stops_once_and_keeps_the_previous_one(
+        stdlib_dataset, tmp_path, small_disk):
+    from elastic_gpt.checkpoint.store import CheckpointStore
+
+    out = train_process(stdlib_dataset, str(tmp_path), f"checkpoint.path={small_disk}/ckpt",
+                        "checkpoint.keep=2", "train.max_steps=6")
+    output = out.stdout + out.stderr
+    assert out.returncode == 2, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("elastic-gpt train: error: storage is full"), last
+    store = CheckpointStore(f"{small_disk}/ckpt")
+    latest = store.latest()
+    assert latest is not None and f"checkpoint of step {latest.step}" in last and "intact" in last
+    assert store.verify(latest.step) is None
+    assert attempts(output) == 1, output[-3000:]
+    assert only_run(str(tmp_path)).info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_is_closed_killed(stdlib_dataset, tmp_path):
+    import signal
+    import time
+
+    proc = train_process(stdlib_dataset, str(tmp_path), "train.max_steps=2000",
+                         "checkpoint.every_steps=1000", background=True)
+    seen = []
+    t0 = time.time()
+    for line in proc.stdout:
+        seen.append(line)
+        if "step 2/" in line or time.time() - t0 > 300:
+            break
+    proc.send_signal(signal.SIGTERM)  # what `ray job stop` sends the driver
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted; resume by running the same command again" in output
+    run = only_run(str(tmp_path))
+    assert run.info.status == "KILLED" and "interrupted" in run.data.tags["elastic_gpt.failure"]
