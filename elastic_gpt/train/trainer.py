@@ -196,11 +196,22 @@ class Trainer:
         if not ev.samples:
             return None
         val = open_validation_manifest(ev.path, self.cfg.data.path, self.manifest)
+        # Evaluation is collective: a rank that cannot see the validation set (a local path on
+        # another node) must stop the group, not leave the others waiting in its all-gathers.
+        seen = torch.tensor([float(val is not None)], device=self.device)
+        dist.all_reduce(seen)
+        if 0 < seen.item() < self.world_size:
+            raise ValueError(f"the validation set {val.url if val else self.cfg.data.path + '/val'}"
+                             f" is visible to {int(seen.item())} of {self.world_size} workers; "
+                             "put it on storage every node reads (s3://, gs://, a shared "
+                             "filesystem), or set eval.samples=0")
         if val is None:
             if self.rank == 0:
-                where = f"{self.cfg.data.path}/val" if self.cfg.data.path else "a mixture"
-                say(f"[elastic-gpt] no evaluation: no validation set at {where}; prepare one "
-                    "with prepare-data --val-fraction, or set eval.path")
+                why = (f"no validation set at {self.cfg.data.path}/val; prepare one with "
+                       "prepare-data --val-fraction or --val-docs, or set eval.path"
+                       if self.cfg.data.path else
+                       "a mixture (data.sources) has no single validation split; set eval.path")
+                say(f"[elastic-gpt] no evaluation: {why}")
             return None
         evaluator = Evaluator(
             val, samples=ev.samples, micro_batch_size=self.plan.micro_batch_size,
