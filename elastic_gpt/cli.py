@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import traceback
 
@@ -23,10 +22,6 @@ from elastic_gpt.errors import user_error_line
 def _train(args) -> int:
     from elastic_gpt.config import load_config
     from elastic_gpt.elastic.launcher import run_training
-
-    # `ray job stop` and schedulers stop a driver with SIGTERM: let it close its MLflow run as
-    # KILLED on the way out, as Ctrl-C does, instead of leaving it RUNNING.
-    signal.signal(signal.SIGTERM, _interrupt)
 
     cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, config_path=args.config)
@@ -43,10 +38,6 @@ def _train(args) -> int:
         say(f"[elastic-gpt] MLflow run {summary['run_id']} in {cfg.tracking.uri}")
         say(f"[elastic-gpt] look at it with: mlflow ui --backend-store-uri {cfg.tracking.uri}")
     return 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _generate(args) -> int:

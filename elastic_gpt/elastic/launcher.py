@@ -235,6 +235,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     manifest, gpt_cfg, store, latest = preflight(cfg)
     # Ray before MLflow: a cluster that cannot be reached must not reopen or create a run.
     started_cluster = connect_ray(cfg)
+    _interrupt_on_sigterm()
     run_id = None
     try:
         trainer_ready = build_trainer_factory(cfg)
@@ -277,6 +278,20 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
                    config=cfg.to_dict(), ledger=final.state.get("ledger") if final else None,
                    step=summary["step"], log_model=final_model)
     return summary
+
+
+def _interrupt_on_sigterm() -> None:
+    """`ray job stop` and schedulers stop a driver with SIGTERM: raise KeyboardInterrupt, as
+    Ctrl-C does, so the run is closed KILLED on the way out instead of left RUNNING. Installed
+    after ray.init, whose own handler (log and abort) it replaces."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _close_stopped_run(cfg: Config, run_id: str | None, reason: str, status: str) -> None:
