@@ -59,8 +59,8 @@ REFUSED_ENDPOINT = (("AWS_ENDPOINT_URL", "http://127.0.0.1:{w.closed_port}"),
 
 CASES = [
     # ---- train: the config file and overrides
-    Case("config-missing", ("train", "--config", "jobs/configs/nope.yaml"),
-         "config file jobs/configs/nope.yaml does not exist", "--config names no file"),
+    Case("config-missing", ("train", "--config", "missing.yaml"),
+         "config file missing.yaml does not exist", "--config names no file"),
     Case("config-is-folder", ("train", "--config", "{w.root}"), "is a folder",
          "--config names a folder"),
     Case("config-bad-yaml", ("train", "--config", "{w.bad_yaml}"),
@@ -124,6 +124,11 @@ CASES = [
          "a shard's index deleted"),
     Case("data-other-tokenizer", train("data.path={w.gpt2_data}"),
          "is for another model shape", "a dataset of another tokenizer than the checkpoint's"),
+    Case("sources-other-tokenizer", train("data.path=", "data.sources=[{{path: '{w.data}'}}, "
+                                                        "{{path: '{w.gpt2_data}'}}]"),
+         "data.sources[1]", "a mixture of datasets of two tokenizers"),
+    Case("eval-path-missing", train("eval.path={w.root}/no-such-val"),
+         "no-such-val", "eval.path names nothing"),
     # ---- train: the checkpoint
     Case("checkpoint-other-shape", train("checkpoint.path={w.other_shape}"),
          "is for another model shape (n_layer: checkpoint 3 vs config 2",
@@ -222,8 +227,8 @@ CASES = [
                                    "{w.root}/out", "--tokenizer", "no-such-tokenizer"),
          "no-such-tokenizer", "an unknown tokenizer"),
     # ---- tune
-    Case("tune-config-missing", ("tune", "--config", "jobs/configs/nope.yaml"),
-         "config file jobs/configs/nope.yaml does not exist", "--config names no file"),
+    Case("tune-config-missing", ("tune", "--config", "missing.yaml"),
+         "config file missing.yaml does not exist", "--config names no file"),
 ]
 
 

@@ -26,7 +26,7 @@ NAMING_PATHS = [*MARKDOWN, REPO / "Makefile", REPO / "ray-cluster.yaml",
 # Outputs the docs describe that exist only after a command has run (all in .gitignore or $OUT).
 GENERATED = {"bench/results.json", "bench/recovery.json", "bench/gpu_results.json"}
 # Dotted names that are not modules: MLflow tags the tracking code sets.
-NOT_MODULES = {"elastic_gpt.model_uri"}
+NOT_MODULES = {"elastic_gpt.model_uri", "elastic_gpt.failure"}
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")

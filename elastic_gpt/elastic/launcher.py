@@ -25,7 +25,8 @@ def preflight(cfg: Config):
     checkpoint is touched: paths, the tracking store, the dataset (its manifest and every shard's
     size: one listing, no reads), the model shape, any existing checkpoint and whether the
     checkpoint root takes a write with the current credentials."""
-    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.data.manifest import open_validation_manifest
+    from elastic_gpt.data.mixture import open_training_data
     from elastic_gpt.tracking.client import check_local_store
     from elastic_gpt.train.model_config import model_config_for
 
@@ -36,8 +37,14 @@ def preflight(cfg: Config):
     if cfg.data.path.startswith("file://") and os.path.isfile(local):
         raise ValueError(f"data.path {local} is a file, not a dataset folder; point it at the "
                          "folder `elastic-gpt prepare-data --output` wrote (it holds manifest.json)")
-    manifest = load_manifest(cfg.data.path)
-    check_shard_sizes(manifest)
+    data = open_training_data(cfg.data)
+    manifest = data.manifest
+    for source in data.manifests:
+        check_shard_sizes(source)
+    if cfg.eval.samples > 0:
+        val = open_validation_manifest(cfg.eval.path, cfg.data.path, manifest)
+        if val is not None:
+            check_shard_sizes(val)
     gpt_cfg = model_config_for(cfg, manifest)
     store = CheckpointStore(cfg.checkpoint.path)
     try:

@@ -291,8 +291,9 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     # The ranks of one tensor-parallel group read the same micro-batches (C2 is over the
     # data-parallel rank); the layout and its rank arithmetic are the Trainer's (ParallelDims).
     dims = ParallelDims.for_nodes(world, tp=cand.tp, hsdp=c.parallel.hsdp, rank_nodes=rank_nodes)
-    stream = open_step_stream(c.data.path, plan=BatchPlan(c.train.global_batch_size,
-                                                          cand.micro_batch),
+    from elastic_gpt.data.mixture import open_training_data
+    stream = open_step_stream(open_training_data(c.data),
+                              plan=BatchPlan(c.train.global_batch_size, cand.micro_batch),
                               rank=dims.dp_rank(rank), world_size=dims.dp_degree, start_step=0,
                               seed=c.data.seed,
                               shuffle_window=c.data.shuffle_window, prefetch_steps=1)
@@ -624,7 +625,7 @@ def run_tune(args) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.data.mixture import load_training_manifest
     from elastic_gpt.elastic.launcher import _worker_env, connect_ray, use_gpu
     from elastic_gpt.model.gpt import count_params
     from elastic_gpt.parallel.fsdp import reshard_label, resolve_dtype
@@ -643,7 +644,7 @@ def run_tune(args) -> int:
         raise ValueError(f"--memory-budget-gib={args.memory_budget_gib} must be positive")
     cfg.tracking.enabled = False
     resolve_paths(cfg)
-    manifest = load_manifest(cfg.data.path)
+    manifest = load_training_manifest(cfg.data)
     gpt_cfg = model_config_for(cfg, manifest)
     world = args.workers or cfg.scaling.max_workers
     G = cfg.train.global_batch_size
