@@ -747,6 +747,7 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
     parts = plan_parts(files, part_bytes)
     keys = [part_key(p, options) for p in parts]
     job_key = hashlib.sha256("".join(keys).encode()).hexdigest()
+    fresh = not _output_has_entries(output, storage_options)
     _check_output_writable(output, storage_options)
     _check_output(output, job_key, storage_options, overwrite)
     options["allow_binary"] = allow_binary
@@ -777,7 +778,10 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
     finally:
         bar.close()
     if errors:
-        # Committed parts stay: a re-run after fixing the input redoes only the failed ones.
+        # Committed parts stay: a re-run after fixing the input redoes only the failed ones. A
+        # new output that got no committed part is removed: a refused input leaves nothing.
+        if fresh and not markers:
+            _remove_output(output, storage_options)
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ValueError(errors[0] + more)
 
@@ -839,6 +843,23 @@ def _empty_corpus_hint(input, files, markers, options, split: bool) -> str:
         hint = f"; {totals['skipped_docs']} documents were skipped as non-UTF-8"
     return (f"the corpus {input} has no text ({len(files)} files, "
             f"{sum(f.size for f in files)} bytes){hint}")
+
+
+def _output_has_entries(output: str, storage_options: dict | None) -> bool:
+    try:
+        fs, path = fsspec.core.url_to_fs(output, **(storage_options or {}))
+        return bool(fs.exists(path) and (fs.isfile(path) or fs.ls(path)))
+    except Exception:
+        return True  # unknown: never remove what might be someone's
+
+
+def _remove_output(output: str, storage_options: dict | None) -> None:
+    try:
+        fs, path = fsspec.core.url_to_fs(output, **(storage_options or {}))
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception as e:
+        log.warning("could not remove the unfinished output %s (%s)", output, e)
 
 
 def _check_output_writable(output: str, storage_options: dict | None) -> None:
