@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stdout.isatty():  # no colour codes in a log file or a job's log
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     prog = f"elastic-gpt {args.command}"
     try:
         return args.func(args) or 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,12 @@ def load_model_weights(url: str, model: torch.nn.Module,
                        storage_options: dict | None = None) -> None:
     """Single-process load of just the model (generate, export-hf): no process group needed."""
     sd = {"model": model.state_dict()}
-    _dcp_load(sd, url, storage_options,
-              no_dist=not (dist.is_available() and dist.is_initialized()))
+    with warnings.catch_warnings():
+        # One process without a process group is exactly what we mean here: DCP's warning that
+        # it is "assuming the intent" would be printed on every generate and export.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _dcp_load(sd, url, storage_options,
+                  no_dist=not (dist.is_available() and dist.is_initialized()))
     model.load_state_dict(sd["model"])
 
 

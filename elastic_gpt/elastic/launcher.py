@@ -7,6 +7,7 @@ byte is written (C6).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -122,11 +123,40 @@ def connect_ray(cfg: Config) -> bool:
     need = cfg.scaling.max_workers * cfg.scaling.cpus_per_worker
     # address="local": a new cluster even where `ray start` left one in this RAY_TMPDIR (ray.init
     # would otherwise join it, and refuse num_cpus for an existing cluster).
-    ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1),
-             object_store_memory=int(os.environ.get("ELASTIC_GPT_OBJECT_STORE_BYTES", 200 << 20)),
-             include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": _worker_env()})
+    # The dashboard serves the state API Ray Train's PlacementGroupCleaner polls: without it the
+    # cleaner cannot work and logs a failure every second. Its processes find this cluster by
+    # RAY_ADDRESS (with another Ray cluster on the machine they would refuse to guess), so the
+    # GCS port is chosen here and both are in the environment the cluster's processes inherit.
+    gcs_port = _free_port()
+    with _environ(RAY_GCS_SERVER_PORT=str(gcs_port), RAY_ADDRESS=f"127.0.0.1:{gcs_port}"):
+        ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1),
+                 object_store_memory=int(os.environ.get("ELASTIC_GPT_OBJECT_STORE_BYTES",
+                                                        200 << 20)),
+                 include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
+                 log_to_driver=True, runtime_env={"env_vars": _worker_env()})
     return True
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Set environment variables for the processes started inside, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # Storage endpoints and regions travel to the workers; credentials never do (they would show in
@@ -219,6 +249,10 @@ def _tune_ray_train_env(cfg: Config) -> None:
     workers often, and bound the wait for a placement group that cannot be placed (the policy
     sizes groups from live state, so a wait means capacity vanished since: retry at the new size)."""
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Drains are ours to handle (rank 0's WorkerMembership checkpoints and restarts without the
+    # node); Ray Train's own watcher would only add a second reaction, and an error-level line
+    # about its restartable actor at every worker group start.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
                           str(cfg.elastic.worker_start_timeout_s))
 
@@ -245,7 +279,11 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     _interrupt_on_sigterm()
     run_id = None
     try:
-        trainer_ready = build_trainer_factory(cfg)
+        if cfg.elastic.replica_groups == "off":
+            trainer_ready = build_trainer_factory(cfg)
+        else:  # C7: one Ray Train run per replica group (docs/replica-groups.md)
+            from elastic_gpt.elastic.replica_groups import replica_group_factory
+            trainer_ready = replica_group_factory(cfg)
         run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
         say(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "
             f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
