@@ -510,7 +510,8 @@ def train_process(data: str, root: str, *extra: str, timeout: float = 400,
     """`elastic-gpt train` in its own process and its own local Ray cluster (W=2, tiny model)."""
     args = [CLI, "train", "--config", "jobs/configs/mini.yaml", "model.preset=tiny",
             f"data.path={data}", f"checkpoint.path={root}/ckpt", f"run.storage_path={root}/ray",
-            f"tracking.uri=sqlite:///{root}/mlflow.db", "train.max_steps=4",
+            f"tracking.uri=sqlite:///{root}/mlflow.db", "tracking.log_model=false",
+            "train.max_steps=4",
             "train.warmup_steps=1", "train.log_every=1", "checkpoint.every_steps=2", *extra]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
