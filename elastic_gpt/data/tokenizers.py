@@ -16,6 +16,8 @@ _GPT2_PAT = (
 )
 EOT_TEXT = "<|endoftext|>"
 # Special tokens commonly used as the document separator by tokenizer.json files, in preference order.
+# The file name a dataset or checkpoint folder keeps its tokenizer.json under (save_tokenizer).
+TOKENIZER_FILE = "tokenizer.json"
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eot_id|>")
 
 
@@ -110,6 +112,9 @@ class HFTokenizer:
         except Exception as e:  # tokenizers raises plain Exception on bad JSON
             raise ValueError(f"tokenizer file {path!r} is not a valid tokenizer.json: "
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        # Special tokens written in a document are text (the module's contract): without this,
+        # tokenizers turns a literal "<|endoftext|>" into the end-of-text id.
+        self._tok.encode_special_tokens = True
         self.name = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eos_token,) if eos_token else _EOS_CANDIDATES
@@ -129,11 +134,37 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def to_str(self) -> str:
+        """The tokenizer.json text: what save_tokenizer copies next to a dataset or checkpoint."""
+        return self._tok.to_str()
+
+
+def save_tokenizer(tok: Tokenizer, directory: str) -> str:
+    """Make `directory` (a dataset or checkpoint folder, any fsspec URL) carry `tok`, so readers
+    need nothing else: a tokenizer.json tokenizer is written there as TOKENIZER_FILE. Returns the
+    name to record, which get_tokenizer(name, base=directory) reads back: TOKENIZER_FILE, or
+    "gpt2"/"bytes", which ship with the package and need no file."""
+    if not hasattr(tok, "to_str"):
+        return tok.name
+    import fsspec
+
+    with fsspec.open(directory.rstrip("/") + "/" + TOKENIZER_FILE, "w", encoding="utf-8") as f:
+        f.write(tok.to_str())
+    return TOKENIZER_FILE
+
+
+def get_tokenizer(name_or_path: str, base: str | None = None) -> Tokenizer:
+    """"gpt2", "bytes", or the path/URL of a tokenizer.json; a relative path is read from the
+    folder `base` when given (what save_tokenizer wrote there), else from the working directory."""
+    if base and name_or_path.endswith(".json") and "://" not in name_or_path \
+            and not os.path.isabs(name_or_path):
+        name_or_path = base.rstrip("/") + "/" + name_or_path
+    return _get_tokenizer(name_or_path)
+
 
 @lru_cache(maxsize=4)
-def get_tokenizer(name_or_path: str) -> Tokenizer:
-    """"gpt2", "bytes", or the path/URL of a tokenizer.json. Cached: building GPT-2's BPE
-    tables takes about a second."""
+def _get_tokenizer(name_or_path: str) -> Tokenizer:
+    # Cached: building GPT-2's BPE tables takes about a second.
     if name_or_path == "gpt2":
         return GPT2Tokenizer()
     if name_or_path in ("bytes", "byte"):

@@ -1,0 +1,114 @@
+"""The corpus-trained BPE tokenizer (elastic_gpt/data/train_tokenizer.py) and how a folder carries
+a tokenizer (save_tokenizer / get_tokenizer(base=...))."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from elastic_gpt.data.prepare import prepare_data
+from elastic_gpt.data.token_bytes import token_byte_lengths
+from elastic_gpt.data.tokenizers import (
+    EOT_TEXT,
+    TOKENIZER_FILE,
+    HFTokenizer,
+    get_tokenizer,
+    save_tokenizer,
+)
+from elastic_gpt.data.train_tokenizer import iter_training_documents, main, train_tokenizer
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "# coding: utf-8\nNAME = 'café ☕'\n\n\nif __name__ == '__main__':\n\tprint(NAME)\n",
+    "import os\n\n\ndef main():\n    for root, dirs, files in os.walk('.'):\n        pass\n",
+] + [f"def f{i}(x):\n    return x * {i}  # {'ü' * (i % 3)}\n" for i in range(40)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "src"
+    d.mkdir()
+    for i, t in enumerate(TEXTS):
+        (d / f"m{i:02d}.py").write_text(t, encoding="utf-8")
+    return d
+
+
+def test_round_trip_and_exact_bytes(corpus, tmp_path):
+    out = tmp_path / "tok.json"
+    s = train_tokenizer(f"file://{corpus}/*.py", str(out), vocab_size=400)
+    assert s["docs"] == len(TEXTS) and s["vocab_size"] <= 400
+    tok = get_tokenizer(str(out))
+    assert isinstance(tok, HFTokenizer) and tok.eos_id == json.loads(out.read_text())[
+        "added_tokens"][0]["id"]
+    table = token_byte_lengths(tok)
+    for text in [*TEXTS, "never seen: ∑ 𝔘 \x00\r\n  \t", EOT_TEXT]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert tok.eos_id not in ids  # a literal end-of-text in a document is text
+        assert int(table[np.asarray(ids)].sum()) == len(text.encode("utf-8"))  # exact bits/byte
+    # indentation and newlines are learnt as tokens, not spent space by space
+    assert len(tok.encode("\n        self.x = x")) < len("\n        self.x = x") / 2
+
+
+def test_deterministic(corpus, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for p in (a, b):
+        train_tokenizer(str(corpus), str(p), vocab_size=350)
+    assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("split", [dict(val_fraction=0.3), dict(val_docs=5)])
+def test_leaves_out_what_prepare_data_holds_out(corpus, tmp_path, split):
+    """The documents the tokenizer learns from are exactly prepare-data's training split."""
+    seen = list(iter_training_documents(f"{corpus}/*.py", val_seed=7, **split))
+    out = tmp_path / "ds"
+    summary = prepare_data(f"{corpus}/*.py", str(out), "bytes", 16, progress=False,
+                           engine="local", val_seed=7, **split)
+    assert 0 < summary["val"]["docs"] and len(seen) == summary["docs"]
+    assert len(seen) + summary["val"]["docs"] == len(TEXTS)
+    tok = get_tokenizer("bytes")
+    val_text = _dataset_text(out / "val", tok)
+    held = [t for t in TEXTS if t not in seen]
+    assert held and all(t in val_text for t in held)
+    assert not any(t in val_text for t in seen if t not in held)
+
+
+def _dataset_text(path, tok) -> str:
+    from elastic_gpt.data.manifest import load_manifest
+
+    m = load_manifest(str(path))
+    text = []
+    for k in range(len(m.shards)):
+        recs = np.fromfile(m.shard_url(k), dtype=m.dtype).reshape(-1, m.record_tokens)
+        stream = np.concatenate([recs[0], *[r[1:] for r in recs[1:]]]) if len(recs) else []
+        text.append(tok.decode(stream))
+    return "".join(text)
+
+
+def test_a_folder_carries_its_tokenizer(corpus, tmp_path):
+    train_tokenizer(str(corpus), str(tmp_path / "tok.json"), vocab_size=300)
+    tok = get_tokenizer(str(tmp_path / "tok.json"))
+    folder = tmp_path / "ckpt" / "step_10"
+    folder.mkdir(parents=True)
+    name = save_tokenizer(tok, f"file://{folder}")
+    assert name == TOKENIZER_FILE and (folder / TOKENIZER_FILE).exists()
+    again = get_tokenizer(name, base=f"file://{folder}")
+    assert again.encode(TEXTS[1]) == tok.encode(TEXTS[1]) and again.eos_id == tok.eos_id
+    # the built-in tokenizers ship with the package: nothing is written, the name is recorded
+    assert save_tokenizer(get_tokenizer("gpt2"), str(tmp_path / "none")) == "gpt2"
+    assert save_tokenizer(get_tokenizer("bytes"), str(tmp_path / "none")) == "bytes"
+    assert not (tmp_path / "none").exists()
+    assert get_tokenizer("gpt2", base=str(folder)).name == "gpt2"
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["--input", str(tmp_path / "nothing-*.py"), "--output",
+                 str(tmp_path / "t.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train_tokenizer: error:") and "\n" not in err
+    assert main(["--input", str(tmp_path), "--output", str(tmp_path / "t.json"),
+                 "--vocab-size", "100"]) == 2
+    assert "--vocab-size" in capsys.readouterr().err
