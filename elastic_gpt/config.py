@@ -210,6 +210,15 @@ class ElasticSection:
     """Failure budget over a sliding hour; restarts stop once it is spent."""
     worker_start_timeout_s: float = 20.0
     """How long to wait for a worker group's resources before retrying at the live size."""
+    replica_groups: Literal["off"] | Annotated[int, Range(1)] = "off"
+    """off: one worker group, restarted from the newest checkpoint on any membership change.
+    N: N replica groups (docs/replica-groups.md): each its own Ray Train run of
+    scaling.max_workers / N workers with FSDP2 (and tp) inside it, torchft's fault-tolerant
+    all-reduce across groups; a lost group drops out of the next step's quorum and the others
+    keep training, and its replacement heals from a live peer (C7). Needs torchft (the ft extra)."""
+    replica_heartbeat_timeout_s: Annotated[float, Range(0.1)] = 2.0
+    """Replica groups: a group whose heartbeats stop this long is dropped from the quorum; the
+    survivors' stall per lost group. Too short evicts healthy groups on a loaded machine."""
 
 
 @dataclass
@@ -364,7 +373,7 @@ def _as_type(dotted: str, value, tp):
         raise _Mismatch(accepted)
     if origin is Literal:
         choices = get_args(tp)
-        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
             value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         # Compare the type too: YAML's `true` must not pass as 1, nor 1 as "1".
         if any(type(value) is type(c) and value == c for c in choices):

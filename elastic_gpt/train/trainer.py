@@ -41,6 +41,7 @@ from elastic_gpt.parallel.fsdp import (
     resolve_reshard_after_forward,
 )
 from elastic_gpt.parallel.mesh import ParallelDims
+from elastic_gpt.parallel.replicate import NoReplication
 from elastic_gpt.parallel.tensor import loss_context
 from elastic_gpt.train.evaluate import EvalResult, Evaluator
 from elastic_gpt.train.goodput import GoodputLedger
@@ -119,6 +120,8 @@ class StepResult:
     grad_norm: float
     fingerprint: int
     metrics: dict = field(default_factory=dict)
+    committed: bool = True
+    """False: a replica group's quorum refused the step (C7); nothing was applied, re-do it."""
 
 
 class Trainer:
@@ -131,12 +134,16 @@ class Trainer:
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
                  metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership(),
-                 rank_nodes: list[str] | None = None):
+                 rank_nodes: list[str] | None = None, replication: NoReplication | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.dims = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
                                            rank_nodes=rank_nodes)
         self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
         self.tp_rank = self.dims.tp_rank(rank)
+        # Replica groups (parallel/replicate.py) split a step over every live group's ranks: the
+        # batch rank and degree are this rank's place in that split, else the data-parallel ones.
+        self.replication = replication or NoReplication()
+        self.batch_rank, self.batch_degree = self.dp_rank, self.dp_degree
         # The null defaults hold no state, so one instance can serve every Trainer.
         self.metrics, self.membership = metrics, membership
         self.mlflow_run_id = mlflow_run_id
@@ -157,6 +164,7 @@ class Trainer:
         self.model = self._build_model()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
+        self.replication.attach(self.model, self.optimizer, self.device)
         self.store = CheckpointStore(cfg.checkpoint.path)
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
@@ -285,7 +293,7 @@ class Trainer:
         global_tokens = plan.global_batch_size * T
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        first_mb = plan.rank_micro_batches(self.dp_rank, self.dp_degree).start
+        first_mb = plan.rank_micro_batches(self.batch_rank, self.batch_degree).start
         per_micro_batch_sync = cfg.train.grad_sync == "microbatch"
         for k, (tokens, weight) in enumerate(zip(batch.tokens, batch.weights)):
             tokens = tokens.to(self.device, non_blocking=True)
@@ -312,7 +320,9 @@ class Trainer:
                 # gradients over the data-parallel ranks, so scaling by their number makes the
                 # reduction a sum: the gradient is the mean over exactly G sequences at any
                 # data-parallel degree, even with uneven micro-batches (C1).
-                (summed * (weight * self.dp_degree / global_tokens)).backward()
+                # Across replica groups the degree is all live groups' ranks, and the cross-group
+                # mean turns back into a sum the same way.
+                (summed * (weight * self.batch_degree / global_tokens)).backward()
             if isinstance(summed, DTensor):
                 summed = summed.to_local()
             loss_sum += summed.detach().double() * weight
@@ -357,13 +367,18 @@ class Trainer:
         stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
         stats[0] = loss_sum
         dist.all_reduce(stats)
+        self.replication.reduce_stats(stats)  # over the live replica groups, if any
         # The step's only host sync: everything the host needs in one transfer.
         loss_total, fp_lo, fp_hi, stop, grad_norm = torch.cat(
             [stats, grad_norm.detach().to(stats).reshape(1)]).tolist()
         if stop > 0:
             self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.plan.global_batch_size * self.gpt_cfg.seq_len)
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        # C7: the step is applied by every live replica group or by none (then re-done).
+        committed = self.replication.should_commit(self.step, stats)
+        if not committed:
+            pass
+        elif math.isfinite(loss) and math.isfinite(grad_norm):
             self.optimizer.step()
             self._nonfinite_streak = 0
         else:
@@ -375,7 +390,15 @@ class Trainer:
                     f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
         self.optimizer.zero_grad(set_to_none=True)
         fingerprint = join_fingerprint(fp_lo, fp_hi)
-        return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr})
+        return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed)
+
+    def _open_stream(self):
+        """This rank's batches from self.step on, for its place in the step's split."""
+        cfg = self.cfg
+        return open_step_stream(
+            self.data, plan=self.plan, rank=self.batch_rank, world_size=self.batch_degree,
+            start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
+            prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
 
     # ---- checkpoint --------------------------------------------------------------------------
 
@@ -409,8 +432,10 @@ class Trainer:
         if self.rank == 0:
             say(self.setup_line())
         self.restore()
-        if self.rank == 0:  # at a start nothing is in flight: uncommitted dirs are leftovers (C4)
-            self.store.remove_uncommitted()
+        # A replica group behind its live peers is healed from them at its first quorum.
+        self.replication.set_step(self.step)
+        if self.rank == 0 and self.replication.cleans_at_start:
+            self.store.remove_uncommitted()  # at a start nothing is in flight: leftovers (C4)
         if self.rank == 0:
             event = self.ledger.on_resume(
                 restored_step=self.step, world_size=self.world_size,
@@ -420,10 +445,8 @@ class Trainer:
                 say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
                     f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
                     f"{self.step} ({event['lost_steps']} step(s) to redo)")
-        stream = open_step_stream(
-            self.data, plan=self.plan, rank=self.dp_rank, world_size=self.dp_degree,
-            start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
-            prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
+        stream = self._open_stream()
+        split = (self.batch_rank, self.batch_degree)
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
         last = None
         try:
@@ -436,11 +459,27 @@ class Trainer:
                         self.metrics.log({"event_recovery_s": event["recovery_s"],
                                           "event_lost_steps": event["lost_steps"]}, self.step)
                 t0 = time.perf_counter()
+                step, self.batch_rank, self.batch_degree = self.replication.begin_step(
+                    self.dp_rank, self.dp_degree)
+                if step is not None and (step, self.batch_rank, self.batch_degree) != \
+                        (self.step, *split):
+                    # A new quorum (or a healed step): the prefetched batches were cut for
+                    # another split or step; re-plan from this step (C1, C2).
+                    stream.close()
+                    self.step, split = step, (self.batch_rank, self.batch_degree)
+                    stream = self._open_stream()
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
                 t_data = time.perf_counter() - t0
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
+                if not result.committed:  # re-done from its own batch, prefetched ones are ahead
+                    if self.rank == 0:
+                        say(f"[elastic-gpt] step {self.step + 1} not committed by the replica "
+                            "groups' quorum; re-doing it")
+                    stream.close()
+                    stream = self._open_stream()
+                    continue
                 self.step += 1
                 self.ledger.on_step(step_time)
                 tokens_per_s = tokens_per_step / step_time
@@ -464,8 +503,11 @@ class Trainer:
                 if self._eval_due(self.step):  # before the save: a resume never skips one
                     self.evaluate(result.step)
                 self.checkpointer.poll()  # a failed background write raises here
-                # The last step, and the step a planned restart resumes from, are always saved.
-                self.checkpointer.save(self.step, force=self.step == end or bool(self.stop_reason))
+                # The last step, and the step a planned restart resumes from, are always saved;
+                # of replica groups, the one leading this step's quorum saves.
+                if self.replication.leads:
+                    self.checkpointer.save(self.step,
+                                           force=self.step == end or bool(self.stop_reason))
                 self.membership.publish(self.step, step_time, self.ledger.to_dict())
                 last = metrics
                 if self.stop_reason:
@@ -475,6 +517,7 @@ class Trainer:
             self.checkpointer.finish()  # the last step is committed before we return
         finally:
             stream.close()
+            self.replication.shutdown()
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
 

@@ -1,0 +1,234 @@
+"""Replica groups: torchft as the fault-tolerant replicate dimension of HSDP (C7).
+
+Each replica group is a complete FSDP2 (and tensor-parallel) group of its own that holds the whole
+sharded model; a torchft `Manager` per process joins the groups through a shared Lighthouse.
+Every step starts with a synchronous quorum (`use_async_quorum=False`: torchft's asynchronous
+default reads the state dict on its quorum thread while the forward runs, which crashed the rank
+serving a peer's recovery under FSDP2), which says which groups take part and, for a group that
+is behind (a replacement), copies a live peer's state to it shard by shard before the step. Each
+FSDP module's gradient, once reduce-scattered (and all-reduced over in-group HSDP replicas), is
+averaged over the live groups through torchft's `ManagedProcessGroup`; `should_commit()` then
+decides for every group at once whether the optimizer steps, or the step is re-done.
+
+C1 across groups: the step's micro-batches are split over (live groups x data-parallel ranks of a
+group); group g of n takes data-parallel ranks g*D .. g*D + D-1 of n*D. The Trainer scales each
+rank's loss by that degree, so FSDP's in-group mean and the cross-group mean together give the sum
+over exactly G sequences (the token weighting of an uneven split is kept, not a mean of groups).
+
+`NoReplication` is today's behaviour (one group); nothing here imports Ray, and torchft is
+imported only when a `ReplicaGroup` is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+FT_MISSING = ("elastic.replica_groups needs torchft, which is not installed; pip install "
+              "'elastic-gpt[ft]'")
+
+
+def import_torchft():
+    """torchft, or the one-line error that says how to get it (C6)."""
+    try:
+        import torchft
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ManagedProcessGroup
+    except ImportError:
+        raise ValueError(FT_MISSING) from None
+    return torchft, ManagedProcessGroup, PGTransport
+
+
+class NoReplication:
+    """One worker group: every hook does nothing, every step commits."""
+
+    leads = True
+    """This group writes checkpoints and logs metrics at this step."""
+    live_groups = 1
+    cleans_at_start = True
+    """Whether uncommitted checkpoint directories at start are leftovers (C4): not while other
+    replica groups may be writing one."""
+
+    def attach(self, model, optimizer, device: torch.device) -> None:
+        pass
+
+    def set_step(self, step: int) -> None:
+        """The step this group restored (0 for a fresh run)."""
+
+    def begin_step(self, dp_rank: int, dp_degree: int) -> tuple[int | None, int, int]:
+        """Quorum for the next step: (the step every live group is at, or None to keep the
+        Trainer's; this rank's data-parallel rank and the degree over all live groups)."""
+        return None, dp_rank, dp_degree
+
+    def reduce_stats(self, stats: torch.Tensor) -> None:
+        pass
+
+    def should_commit(self, step: int, stats: torch.Tensor) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ReplicaGroup(NoReplication):
+    """This process's membership in replica group `group` (0..N-1) of a run whose groups meet at
+    the Lighthouse `lighthouse`. `group_rank`/`group_size` are the rank inside the group (the
+    default process group is the group's own). `record_dir`: each rank appends one JSON line per
+    step attempt (quorum time, whether it healed, the outcome, and with `state_hash` a hash of
+    its shards of the parameters and optimizer state) - what the tests and the benchmark read."""
+
+    def __init__(self, *, lighthouse: str, group: int, group_rank: int, group_size: int,
+                 timeout_s: float = 30.0, record_dir: str | None = None, state_hash: bool = False):
+        self.torchft, self._managed_pg, self._transport = import_torchft()
+        self.lighthouse, self.group = lighthouse, group
+        self.group_rank, self.group_size = group_rank, group_size
+        self.timeout = timedelta(seconds=timeout_s)
+        self.record_dir, self.state_hash = record_dir, state_hash
+        self.manager = None
+        self.leads = group == 0
+        self.cleans_at_start = False
+        self.live_groups = 1
+        self._record = None
+        self._healed_at: int | None = None
+        self._first = True
+        self._quorum_s = 0.0
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def attach(self, model, optimizer, device: torch.device) -> None:
+        """Make the Manager and route every FSDP module's gradient through the managed group."""
+        from torch.distributed.fsdp import FSDPModule
+
+        torchft = self.torchft
+        self.model, self.optimizer = model, optimizer
+        backend = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+        pg = backend(timeout=self.timeout)
+        self.manager = torchft.Manager(
+            pg=pg, min_replica_size=1, use_async_quorum=False,
+            load_state_dict=self._load_state_dict, state_dict=self._state_dict,
+            replica_id=f"replica_group_{self.group}", rank=self.group_rank,
+            world_size=self.group_size, lighthouse_addr=self.lighthouse, timeout=self.timeout,
+            quorum_timeout=self.timeout,
+            # Every group initialises the same weights from the seed (init_sharded_weights) or
+            # restores the same checkpoint: no step-0 copy is needed.
+            init_sync=False,
+            # A step that fails this many times in a row (a quorum that never works) fails the
+            # group; Ray restarts its run.
+            max_retries=10,
+            checkpoint_transport=self._transport(pg, timeout=self.timeout, device=device))
+        replicate = self._managed_pg(self.manager)
+        replicate.register(f"replica_groups_{self.group}")
+
+        def average_over_groups(grad: torch.Tensor) -> None:
+            dist.all_reduce(grad, group=replicate, op=dist.ReduceOp.AVG)
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(average_over_groups)
+        if self.record_dir:
+            os.makedirs(self.record_dir, exist_ok=True)
+            path = os.path.join(self.record_dir, f"g{self.group}_r{self.group_rank}.jsonl")
+            self._record = open(path, "a", buffering=1)  # noqa: SIM115 (closed in shutdown)
+            self._write(event="start", pid=os.getpid())
+
+    def _state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def _load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _quorum(self) -> None:
+        before = self.manager.current_step()
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        self._quorum_s = time.perf_counter() - t0
+        if self.manager.current_step() != before:
+            self._healed_at = self.manager.current_step()
+            log.info("replica group %d healed from a live peer to step %d in %.2f s", self.group,
+                     self._healed_at, self._quorum_s)
+        # A quorum that failed (a peer vanished while the process group was reconfigured)
+        # leaves the manager errored: this step's collectives do nothing and should_commit says
+        # no, so the step is re-done at the next quorum.
+
+    def set_step(self, step: int) -> None:
+        """After a restore from a checkpoint: the quorum's step is the checkpoint's."""
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({"step": step,
+                                      "batches_committed": state["batches_committed"]})
+
+    def begin_step(self, dp_rank: int, dp_degree: int) -> tuple[int | None, int, int]:
+        # Each step's quorum is the first thing every group does for it: a group that joins
+        # forms its first quorum with the others' quorum of their next step, and is healed in it.
+        self._healed_at = None
+        first = self._first
+        self._first = False
+        self._quorum()
+        if first:
+            self._write(event="join", step=self.manager.current_step(), quorum_s=self._quorum_s,
+                        healed=self._healed_at is not None)
+        replica_rank = self.manager.participating_rank()
+        self.live_groups = self.manager.num_participants()
+        if replica_rank is None:  # only in torchft's FIXED_WITH_SPARES mode, which is not used
+            raise RuntimeError(f"replica group {self.group} is not in the quorum it formed")
+        self.leads = replica_rank == 0
+        step = self.manager.current_step()
+        if self.record_dir and self.state_hash:
+            self._write(event="state", step=step, hash=self.local_state_hash())
+        return step, replica_rank * dp_degree + dp_rank, self.live_groups * dp_degree
+
+    def reduce_stats(self, stats: torch.Tensor) -> None:
+        """Sum the step's statistics (loss, fingerprint, flags) over the live groups; each
+        group's are already summed over its ranks."""
+        self.manager.allreduce(stats, reduce_op=dist.ReduceOp.SUM).wait()
+
+    def should_commit(self, step: int, stats: torch.Tensor) -> bool:
+        ok = self.manager.should_commit()
+        if self._record is not None:
+            loss_sum, lo, hi = stats[:3].tolist()
+            self._write(event="step", step=step, committed=ok, groups=self.live_groups,
+                        leads=self.leads, quorum_s=round(self._quorum_s, 4),
+                        healed=self._healed_at is not None, loss_sum=loss_sum, fp=[lo, hi])
+        return ok
+
+    def local_state_hash(self) -> str:
+        """sha1 of this rank's shards of every parameter and optimizer tensor, in a fixed order:
+        equal across groups of the same size iff their full states are equal."""
+        h = hashlib.sha1()
+        tensors = [("p." + n, p) for n, p in self.model.named_parameters()]
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                tensors += [(f"o.{names[id(p)]}.{k}", v) for k, v in sorted(state.items())]
+        for name, t in tensors:
+            if hasattr(t, "to_local"):
+                t = t.to_local()
+            h.update(name.encode())
+            if isinstance(t, torch.Tensor):
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(t).encode())
+        return h.hexdigest()
+
+    def _write(self, **record) -> None:
+        if self._record is not None:
+            self._record.write(json.dumps({"t": round(time.time(), 4), "group": self.group,
+                                           "rank": self.group_rank, **record}) + "\n")
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+        if self._record is not None:
+            self._record.close()
