@@ -23,6 +23,8 @@ import time
 
 from common import PRESET, median, prepare_dataset
 
+from elastic_gpt.tracking import metric_names as mn
+
 _TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "jobs", "configs", "mini.yaml")
 
@@ -46,7 +48,7 @@ def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> d
     class StepLog(NullMetricSink):
         def log(self, metrics, step):
             now = saver.in_flight
-            steps_log.append({"step": step, "step_time_s": metrics["step_time_s"],
+            steps_log.append({"step": step, "step_time_s": metrics[mn.TRAIN_STEP_TIME_S],
                               "overlapped": flight["at_start"] or now})
             flight["at_start"] = now
 
@@ -75,7 +77,7 @@ def one_run(data: str, root: str, async_save: bool, steps: int, every: int) -> d
     # is waited for by finish().
     periodic = (blocked[:-1] if steps % every == 0 else blocked)[1:]
     periodic_cpu = blocked_cpu[1:1 + len(periodic)]
-    body = [s for s in steps_log if s["step"] >= 2]  # drop warm-up steps
+    body = [s for s in steps_log if s["step"] > 2]  # drop the first two (warm-up) steps
     return {
         "blocked_s": [round(b, 4) for b in blocked], "blocked_median_s": median(periodic),
         "blocked_cpu_s": [round(b, 4) for b in blocked_cpu],

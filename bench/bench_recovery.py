@@ -28,6 +28,7 @@ os.environ.setdefault("RAY_TMPDIR", "/tmp/elastic_gpt_ray_bench")
 os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 from elastic_gpt.testing.cluster import LocalCluster, training_workers, wait_for  # noqa: E402
+from elastic_gpt.tracking import metric_names as mn  # noqa: E402
 
 # ---- the two systems under test ------------------------------------------------------------------
 
@@ -61,7 +62,7 @@ class ElasticGPTRun:
         runs = client.search_runs(experiment.experiment_id) if experiment else []
         if not runs:
             return []
-        hist = client.get_metric_history(runs[0].info.run_id, "world_size")
+        hist = client.get_metric_history(runs[0].info.run_id, mn.TRAIN_WORLD_SIZE)
         return sorted((m.timestamp / 1000, m.step, int(m.value)) for m in hist)
 
     def lost_steps(self) -> list[int]:

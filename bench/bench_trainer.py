@@ -39,6 +39,8 @@ import time
 
 from common import PRESET, median, prepare_dataset
 
+from elastic_gpt.tracking import metric_names as mn
+
 G, MB = 8, 2  # 8 seqs * 256 tokens = 2,048 tokens per step; 4 micro-batches at W=1, 2 at W=2
 
 
@@ -252,9 +254,9 @@ def trainer_run(data: str, root: str, name: str, workers: int, steps: int, warmu
         f"run.storage_path={root}/ray", "elastic.max_failures_per_hour=0"])
     summary = run_training(cfg)
     client = mlflow.MlflowClient(uri)
-    hist = sorted(client.get_metric_history(summary["run_id"], "step_time_s"),
+    hist = sorted(client.get_metric_history(summary["run_id"], mn.TRAIN_STEP_TIME_S),
                   key=lambda m: m.step)
-    reported = [m.value for m in hist if m.step >= warmup]
+    reported = [m.value for m in hist if m.step > warmup]  # step k: after k steps
     stamps = [m.timestamp / 1000 for m in hist]
     wall = [b - a for i, (a, b) in enumerate(zip(stamps, stamps[1:])) if i + 1 >= warmup]
     return {"reported": reported, "wall": wall, "steps": len(hist)}

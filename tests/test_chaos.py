@@ -27,6 +27,7 @@ from elastic_gpt.testing.cluster import (
     training_workers,
     wait_for,
 )
+from elastic_gpt.tracking import metric_names as mn
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +66,9 @@ def train(env, name: str, fault=None, min_workers: int = 1):
 
 def metrics(env, summary) -> dict:
     run = summary["run_id"]
-    return {k: metric_by_step(env["uri"], run, k) for k in ("loss", "data_fingerprint",
-                                                            "world_size")}
+    return {k: metric_by_step(env["uri"], run, name) for k, name in (
+        ("loss", mn.TRAIN_LOSS), ("data_fingerprint", mn.DATA_FINGERPRINT),
+        ("world_size", mn.TRAIN_WORLD_SIZE))}
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +83,12 @@ def events_of(summary) -> list[dict]:
 
 
 def assert_same_training(got: dict, ref: dict, exact: bool) -> None:
-    assert sorted(got["loss"]) == list(range(STEPS)), "every step trained, none skipped"
+    assert sorted(got["loss"]) == list(range(1, STEPS + 1)), "every step trained, none skipped"
     assert got["data_fingerprint"] == ref["data_fingerprint"], "same samples at every step (C2)"
     if exact:
         assert got["loss"] == ref["loss"], "bit-identical losses (C3)"
     else:
-        for s in range(STEPS):
+        for s in range(1, STEPS + 1):
             assert got["loss"][s] == pytest.approx(ref["loss"][s], rel=1e-4, abs=1e-4), s
 
 
@@ -107,7 +109,7 @@ def test_node_killed_then_added_back(cluster, reference):
     assert summary["step"] == STEPS
     got = metrics(cluster.env, summary)
     assert_same_training(got, reference, exact=False)
-    sizes = [got["world_size"][s] for s in range(STEPS)]
+    sizes = [got["world_size"][s] for s in range(1, STEPS + 1)]
     assert 1 in sizes and sizes[-1] == 2, sizes
     kinds = [e["kind"] for e in events_of(summary)]
     assert "failure" in kinds and "resize" in kinds, kinds
@@ -218,6 +220,7 @@ def test_driver_killed_and_resubmitted(cluster, reference):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from step" in second.stdout
     assert store.read_run_info()["mlflow_run_id"] == run_id
-    got = {k: metric_by_step(env["uri"], run_id, k) for k in ("loss", "data_fingerprint")}
+    got = {k: metric_by_step(env["uri"], run_id, name) for k, name in (
+        ("loss", mn.TRAIN_LOSS), ("data_fingerprint", mn.DATA_FINGERPRINT))}
     assert_same_training(got, reference, exact=True)
     assert max(store.step_dirs()) == STEPS

@@ -14,6 +14,7 @@ from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.elastic.launcher import run_key
 from elastic_gpt.testing.cluster import LocalCluster, progress, train_in_background, wait_for
+from elastic_gpt.tracking import metric_names as mn
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +47,15 @@ def test_node_killed_under_tensor_parallelism_continues_at_dp_1(stdlib_dataset, 
 
     assert summary["step"] == STEPS
     run = summary["run_id"]
-    fingerprints = metric_by_step(cfg.tracking.uri, run, "data_fingerprint")
-    sizes = metric_by_step(cfg.tracking.uri, run, "world_size")
-    assert sorted(fingerprints) == list(range(STEPS)), "every step trained, none skipped"
-    assert sizes[0] == 4 and sizes[STEPS - 1] == 2, sizes  # 2 x tp 2, then 1 x tp 2
+    fingerprints = metric_by_step(cfg.tracking.uri, run, mn.DATA_FINGERPRINT)
+    sizes = metric_by_step(cfg.tracking.uri, run, mn.TRAIN_WORLD_SIZE)
+    assert sorted(fingerprints) == list(range(1, STEPS + 1)), "every step trained, none skipped"
+    assert sizes[1] == 4 and sizes[STEPS] == 2, sizes  # 2 x tp 2, then 1 x tp 2
     # What an uninterrupted run logs: the fingerprint of each step's G samples (C2).
     plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size)
     with open_step_stream(cfg.data.path, plan=plan, rank=0, world_size=1, start_step=0,
                           seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window) as stream:
-        expected = {s: float(next(stream).fingerprint) for s in range(STEPS)}
+        # Logged at step s + 1: the fingerprint of the (s + 1)-th step's samples.
+        expected = {s + 1: float(next(stream).fingerprint) for s in range(STEPS)}
     assert fingerprints == expected
     assert "failure" in [e["kind"] for e in summary["events"]]

@@ -13,12 +13,15 @@ import sys
 
 import pytest
 
+from elastic_gpt.tracking import metric_names as mn
+
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "main-v0")
 
 _RESUME = r"""
 import json, os, sys
 import torch.distributed as dist
 from elastic_gpt.config import load_config, resolve_paths
+from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.trainer import NullMetricSink, Trainer
 
 os.chdir(sys.argv[1])
@@ -28,7 +31,7 @@ cfg = resolve_paths(load_config("config.yaml"))
 logged = {}
 class Recorder(NullMetricSink):
     def log(self, m, s):
-        logged[str(s)] = [m["loss"], m["data_fingerprint"]]
+        logged[str(s)] = [m[mn.TRAIN_LOSS], m[mn.DATA_FINGERPRINT]]
 trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None, metrics=Recorder())
 summary = trainer.train()
 json.dump({"logged": logged, "step": summary["step"]}, open("resumed.json", "w"))
@@ -51,11 +54,14 @@ def test_old_config_dataset_and_checkpoint_resume_bit_identically(old_run):
     resumed = json.loads((old_run / "resumed.json").read_text())
     expected = json.loads((old_run / "expected.json").read_text())
     assert resumed["step"] == 4
-    # The checkpoint is at step 2: steps 2 and 3 are trained again by the new code.
-    assert sorted(resumed["logged"]) == ["2", "3"]
+    # The checkpoint is step_00000002 (after 2 steps): the 3rd and 4th steps are trained again
+    # by the new code, which logs them as steps 3 and 4. The old main numbered metrics from 0,
+    # so expected.json has them as "2" and "3".
+    assert sorted(resumed["logged"]) == ["3", "4"]
     for step, (loss, fingerprint) in resumed["logged"].items():
-        assert loss == expected["loss"][step], f"step {step}"
-        assert fingerprint == expected["data_fingerprint"][step], f"step {step}"
+        old = str(int(step) - mn.OLD_STEP_OFFSET)
+        assert loss == expected["loss"][old], f"step {step}"
+        assert fingerprint == expected["data_fingerprint"][old], f"step {step}"
 
 
 def test_old_dataset_manifest_reads(old_run):

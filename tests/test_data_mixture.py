@@ -21,6 +21,7 @@ from elastic_gpt.data.mixture import (
 from elastic_gpt.data.order import BatchPlan, SampleOrder
 from elastic_gpt.data.prepare import prepare_data
 from elastic_gpt.data.stream import open_step_stream
+from elastic_gpt.tracking import metric_names as mn
 
 SEED, WINDOW = 11, 32
 
@@ -186,9 +187,9 @@ def test_trainer_logs_samples_seen_per_source(sources, tmp_path):
                  "scaling.min_workers=1", "eval.samples=0", "tracking.enabled=false",
                  "checkpoint.path=" + str(tmp_path / "ckpt"), f"data.sources={json.dumps(mix)}"]
     got = run_gloo(_train_worker, 1, overrides)[0]
-    last = got["logged"][2]
-    per_source = {k: v for k, v in last.items() if k.startswith("data/samples_seen/")}
-    assert set(per_source) == {"data/samples_seen/code", "data/samples_seen/prose"}
-    assert sum(per_source.values()) == last["samples_seen"] == 24
-    assert per_source["data/samples_seen/code"] == pytest.approx(18, abs=1)
+    last = got["logged"][3]  # after step 3
+    per_source = {k: v for k, v in last.items() if k.startswith(mn.source_samples_seen(""))}
+    assert set(per_source) == {mn.source_samples_seen("code"), mn.source_samples_seen("prose")}
+    assert sum(per_source.values()) == last[mn.TRAIN_SAMPLES_SEEN] == 24
+    assert per_source[mn.source_samples_seen("code")] == pytest.approx(18, abs=1)
     assert [s["weight"] for s in got["state"]["data"]["sources"]] == [3.0, 1.0]

@@ -22,6 +22,7 @@ import torch
 
 from elastic_gpt.config import load_config
 from elastic_gpt.testing.gloo import run_gloo
+from elastic_gpt.tracking import metric_names as mn
 
 FIXTURE_DATASET = os.path.join(os.path.dirname(__file__), "fixtures", "main-v0", "dataset")
 EVAL_SAMPLES = 7  # not a multiple of the micro-batch or of W: uneven blocks, padded slots
@@ -144,18 +145,19 @@ def test_run_evaluates_on_schedule_and_at_the_end_without_changing_training(
     with_eval = run_gloo(_train_worker, 1, base)[0]
     without = run_gloo(_train_worker, 1, [*base, "eval.samples=0",
                                           "checkpoint.path=" + str(tmp_path / "b")])[0]
-    val_steps = sorted(s for s, m in with_eval["logged"].items() if "val/loss" in m)
-    assert val_steps == [1, 3, 4]  # after steps 2 and 4 (every 2), and the last, step 5
-    last = with_eval["logged"][4]
-    assert last["val/perplexity"] == pytest.approx(math.exp(last["val/loss"]))
-    assert 0 < last["val/bits_per_byte"] < 8 and with_eval["eval"].loss == last["val/loss"]
+    val_steps = sorted(s for s, m in with_eval["logged"].items() if mn.VAL_LOSS in m)
+    assert val_steps == [2, 4, 5]  # after steps 2 and 4 (every 2), and the last, step 5
+    last = with_eval["logged"][5]
+    assert last[mn.VAL_PERPLEXITY] == pytest.approx(math.exp(last[mn.VAL_LOSS]))
+    assert 0 < last[mn.VAL_BITS_PER_BYTE] < 8 and with_eval["eval"].loss == last[mn.VAL_LOSS]
     # The model learns: the held-out loss falls from the untrained model's.
-    assert with_eval["logged"][4]["val/loss"] < with_eval["logged"][1]["val/loss"] + 0.5
+    assert with_eval["logged"][5][mn.VAL_LOSS] < with_eval["logged"][2][mn.VAL_LOSS] + 0.5
     assert with_eval["ledger"]["eval_s"] > 0 and without["ledger"]["eval_s"] == 0
     # Evaluation neither perturbs the training trajectory nor counts as productive time.
-    for step in range(5):
-        assert with_eval["logged"][step]["loss"] == without["logged"][step]["loss"], step
-        assert "val/loss" not in without["logged"][step]
+    for step in range(1, 6):
+        assert with_eval["logged"][step][mn.TRAIN_LOSS] == \
+            without["logged"][step][mn.TRAIN_LOSS], step
+        assert mn.VAL_LOSS not in without["logged"][step]
 
 
 def test_version_1_validation_set_has_no_bits_per_byte(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from elastic_gpt.config import load_config
 from elastic_gpt.testing.gloo import run_gloo
+from elastic_gpt.tracking import metric_names as mn
 
 
 def _step_worker(rank: int, world: int, overrides: list[str], nodes: list[str] | None) -> dict:
@@ -119,7 +120,7 @@ def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:
             self.seen = {}
 
         def log(self, metrics, step):
-            self.seen[step] = (metrics["loss"], metrics["data_fingerprint"])
+            self.seen[step] = (metrics[mn.TRAIN_LOSS], metrics[mn.DATA_FINGERPRINT])
 
     cfg = load_config("jobs/configs/mini.yaml", overrides)
     recorder = Recorder()
@@ -154,8 +155,8 @@ def test_checkpoints_reshard_between_data_and_tensor_parallel(stdlib_dataset, tm
     assert "dp 1 x tp 2" in tp_session["setup"]
     seen.update(tp_session["seen"])
     seen.update(train(stdlib_dataset, ckpt, tp=1, stop_at=STEPS)["seen"])  # back, from step 4
-    assert sorted(seen) == list(range(STEPS))
-    for s in range(STEPS):
+    assert sorted(seen) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
         assert seen[s][1] == whole[s][1], f"step {s} trained on other samples (C2)"
         assert seen[s][0] == pytest.approx(whole[s][0], abs=2e-3), f"step {s}"
 

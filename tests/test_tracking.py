@@ -16,17 +16,22 @@ import pytest
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.testing.mlflow_server import MlflowServer
 from elastic_gpt.testing.ports import free_port
+from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.tracking.events import EVENTS_ARTIFACT, log_events
 from elastic_gpt.tracking.metric_logger import MetricLogger
-from elastic_gpt.tracking.publish import finish_run, log_goodput
+from elastic_gpt.tracking.publish import finish_run, log_goodput, metric_series, plot_loss_curve
 from elastic_gpt.tracking.redaction import MASK, redact, redacted_params, register_secrets_in
-from elastic_gpt.tracking.runs import resolve_run
+from elastic_gpt.tracking.runs import (
+    EXPERIMENT_KIND_TAG,
+    TRAINING_KIND,
+    dataset_descriptions,
+    resolve_run,
+    training_view_url,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(os.path.dirname(sys.executable), "elastic-gpt")
 STEPS = 6
-C5_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "world_size", "grad_accum",
-           "samples_seen", "step_time_s", "data_wait_s", "data_fingerprint")
 PASSWORD = "pw-Zq81xLmT0pSecret"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
 HF_TOKEN = "hf_" + "Ab1" * 12
@@ -132,10 +137,11 @@ def test_events_merge_across_submissions_and_goodput_metrics(tmp_path):
     ledger = {"productive_s": 30.0, "lost_s": 5.0, "checkpoint_s": 3.0, "recovery_s": 12.0,
               "lost_steps": 4, "events": [{"kind": "x"}]}
     got = log_goodput(uri, run_id, ledger, step=50)
-    assert got["goodput"] == pytest.approx(0.6) and got["goodput_wall_s"] == pytest.approx(50.0)
+    assert got[mn.GOODPUT] == pytest.approx(0.6) and got[mn.GOODPUT_WALL_S] == pytest.approx(50.0)
     metrics = client.get_run(run_id).data.metrics
-    assert metrics["goodput_lost_steps"] == 4 and metrics["goodput_events"] == 1
-    assert metrics["goodput_recovery_s"] == 12.0
+    assert metrics[mn.GOODPUT_LOST_STEPS] == 4 and metrics[mn.GOODPUT_EVENTS] == 1
+    assert metrics[mn.goodput("recovery_s")] == 12.0
+    assert all(mn.is_known(k) for k in got)
 
 
 def test_finish_run_publishes_the_ledger_and_survives_a_failing_model_export(tmp_path, caplog):
@@ -153,11 +159,176 @@ def test_finish_run_publishes_the_ledger_and_survives_a_failing_model_export(tmp
     assert "could not log the final model" in caplog.text and "disk full" in caplog.text
     client = mlflow.MlflowClient(uri)
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.metrics["goodput"] == pytest.approx(0.8)
+    assert run.info.status == "FINISHED" and run.data.metrics[mn.GOODPUT] == pytest.approx(0.8)
     path = client.download_artifacts(run_id, EVENTS_ARTIFACT, str(tmp_path / "dl"))
     kinds = [json.loads(line)["kind"] for line in open(path)]
     assert kinds[0] == "resize" and kinds[-1] == "submission_end"
     assert "config/resolved.yaml" in [f.path for f in client.list_artifacts(run_id, "config")]
+
+
+def test_experiment_is_marked_as_model_training(tmp_path):
+    """MLflow 3 reads the experiment-kind tag to choose the experiment's view; without it an
+    experiment reads as GenAI. New experiments get it, old ones that lack it too; a kind a user
+    chose is kept."""
+    import mlflow
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    resolve_run(uri, "new", "r", None, {})
+    old = client.create_experiment("old")  # as an earlier version left it: no kind
+    resolve_run(uri, "old", "r", None, {})
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "finetuning"})
+    resolve_run(uri, "chosen", "r", None, {})
+    assert client.get_experiment_by_name("new").tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND
+    assert client.get_experiment(old).tags[EXPERIMENT_KIND_TAG] == TRAINING_KIND
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "finetuning"
+    assert training_view_url("http://h:5000/", "7", "abc") == \
+        "http://h:5000/#/experiments/7/runs/abc/model-metrics?workflowType=machine_learning"
+
+
+def test_resolved_shape_dtype_and_one_dataset_input_across_two_submissions(
+        stdlib_dataset, tmp_path, monkeypatch):
+    """The driver's run set-up (launcher._resolve_mlflow_run) on a local store, submitted twice
+    as a resubmission would be: one run, the resolved model shape and dtype as params, the
+    dataset as the run's one input (the second submission adds none)."""
+    import mlflow
+
+    from elastic_gpt.config import load_config, resolve_paths
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.elastic import launcher
+    from elastic_gpt.train.model_config import model_config_for
+
+    monkeypatch.setattr(launcher, "use_gpu", lambda cfg: False)  # no Ray: workers on CPU
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = resolve_paths(load_config("jobs/configs/mini.yaml", [
+        "model.preset=tiny", f"data.path={stdlib_dataset}", f"tracking.uri={uri}",
+        f"checkpoint.path={tmp_path}/ckpt", "run.name=twice"]))
+    manifest = load_manifest(cfg.data.path)
+    gpt_cfg = model_config_for(cfg, manifest)
+    store = CheckpointStore(cfg.checkpoint.path)
+    first = launcher._resolve_mlflow_run(cfg, store, None, manifest, gpt_cfg)
+    second = launcher._resolve_mlflow_run(cfg, store, None, manifest, gpt_cfg)
+    assert first == second
+    run = mlflow.MlflowClient(uri).get_run(first)
+    p = run.data.params
+    assert p["model.n_layer"] == "None"  # the config's value: left to the preset
+    assert p["model.resolved.n_layer"] == str(gpt_cfg.n_layer) == "2"
+    assert p["model.resolved.seq_len"] == str(manifest.seq_len)
+    assert p["model.resolved.vocab_size"] == str(gpt_cfg.vocab_size)
+    assert p["train.resolved_dtype"] == "float32"  # auto on CPU
+    [entry] = run.inputs.dataset_inputs
+    [expected] = dataset_descriptions([manifest])
+    assert (entry.dataset.name, entry.dataset.digest) == ("stdlib", expected["digest"])
+    assert json.loads(entry.dataset.source)["uri"] == manifest.url
+    assert {t.key: t.value for t in entry.tags}["mlflow.data.context"] == "training"
+
+
+def test_loss_plot_draws_train_and_val_titled_by_run_name_across_the_rename(tmp_path,
+                                                                            monkeypatch):
+    """A run resumed across the metric rename holds `loss` (steps from 0) up to the resume and
+    `train/loss` (steps from 1) after it: the plot joins them on one numbering."""
+    import matplotlib.axes
+    import mlflow
+    from mlflow.entities import Metric
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    run_id = resolve_run(uri, "exp", "curve-run", None, {})
+    client.log_batch(run_id, metrics=[Metric("loss", 5.0 - s, 1000 + s, s) for s in range(3)])
+    client.log_batch(run_id, metrics=[Metric(mn.TRAIN_LOSS, 5.0 - s, 2000 + s, s)
+                                      for s in range(4, 7)] +
+                     [Metric(mn.VAL_LOSS, 4.0, 3000, 6)])
+    assert metric_series(client, run_id, mn.TRAIN_LOSS) == {1: 5.0, 2: 4.0, 3: 3.0, 4: 1.0,
+                                                            5: 0.0, 6: -1.0}
+    drawn = {}
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, title, *a, **k: drawn.setdefault("title", title))
+    monkeypatch.setattr(matplotlib.axes.Axes, "legend",
+                        lambda self, *a, **k: drawn.setdefault(
+                            "lines", [line.get_label() for line in self.get_lines()]))
+    assert plot_loss_curve(client, run_id, str(tmp_path / "curve.png"))
+    assert drawn == {"title": "curve-run", "lines": ["train", "validation"]}
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def _numbering_worker(rank: int, world: int, overrides: list[str], uri: str) -> dict:
+    """A short real run (gloo, one process) logging through the real MetricLogger, its console
+    captured."""
+    import contextlib
+    import io
+
+    import mlflow
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.train.trainer import Trainer
+
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("numbering")).info.run_id
+    logged: list[tuple[str, int]] = []
+
+    class Recording(MetricLogger):
+        def log(self, metrics, step):
+            logged.extend((k, step) for k in metrics)
+            super().log(metrics, step)
+
+    sink = Recording(uri, run_id, system_every_s=None)
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        Trainer(load_config(None, overrides), rank=rank, world_size=world, mlflow_run_id=run_id,
+                metrics=sink).train()
+    sink.flush(30)
+    sink.close()
+    return {"run_id": run_id, "logged": logged, "console": console.getvalue()}
+
+
+@pytest.mark.slow  # a real run in a spawned process
+def test_one_step_numbering_in_console_mlflow_checkpoints_and_eval(tmp_path):
+    """After k optimizer steps: the console says `step k/N`, MLflow has step k, the checkpoint
+    folder is step_<k>, and an evaluation after it is logged at k; every name logged is in the
+    metric-name table."""
+    import re
+
+    import mlflow
+
+    from elastic_gpt.data.prepare import prepare_data
+    from elastic_gpt.testing.gloo import run_gloo
+
+    data = str(tmp_path / "ds")
+    stdlib = os.path.dirname(os.__file__)
+    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:8]
+    prepare_data(files, data, tokenizer="bytes", seq_len=32, engine="local", progress=False,
+                 max_bytes=60_000, val_fraction=0.2, val_seed=1)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    ckpt = f"file://{tmp_path}/ckpt"
+    got = run_gloo(_numbering_worker, 1, [
+        "model.preset=tiny", f"data.path={data}", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "train.max_steps=4", "train.warmup_steps=1",
+        "train.log_every=1", "checkpoint.every_steps=2", f"checkpoint.path={ckpt}",
+        "eval.every_steps=2", "eval.samples=4", "scaling.max_workers=1",
+        "scaling.min_workers=1"], uri)[0]
+    console_steps = [int(k) for k in re.findall(r"\] step (\d+)/4 ", got["console"])]
+    eval_steps = [int(k) for k in re.findall(r"eval after step (\d+) ", got["console"])]
+    client = mlflow.MlflowClient(uri)
+    mlflow_steps = sorted(m.step for m in client.get_metric_history(got["run_id"],
+                                                                    mn.TRAIN_LOSS))
+    val_steps = sorted(m.step for m in client.get_metric_history(got["run_id"], mn.VAL_LOSS))
+    assert console_steps == mlflow_steps == [1, 2, 3, 4]
+    assert eval_steps == val_steps == [2, 4]
+    assert sorted(CheckpointStore(ckpt).step_dirs()) == [2, 4]
+    assert os.path.isdir(tmp_path / "ckpt" / "step_00000004")
+    names = {k for k, _ in got["logged"]}
+    assert set(mn.STEP_METRICS) <= names and {mn.VAL_LOSS, mn.VAL_PERPLEXITY} <= names
+    assert all(mn.is_known(k) for k in names), sorted(k for k in names if not mn.is_known(k))
+
+
+def test_metric_names_table_orders_the_training_view_first():
+    """MLflow draws one chart group per prefix, in code-point order, with `system/` on its own
+    tab: the Model metrics page must start with train/ then val/."""
+    names = [*mn.STEP_METRICS, *mn.VAL_METRICS, mn.GOODPUT, mn.cluster("nodes"),
+             mn.EVENT_RECOVERY_S, mn.source_samples_seen("code")]
+    model_page = sorted({n.rsplit("/", 1)[0] for n in names if not n.startswith("system/")})
+    assert model_page == ["train", "val"]
+    assert len(set(mn.OLD_NAMES.values())) == len(mn.OLD_NAMES)
+    assert not any(mn.is_known(old) for old in mn.OLD_NAMES.values())
 
 
 def test_tracking_imports_no_model_inference_or_checkpoint_code():
@@ -178,12 +349,12 @@ def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
     client = mlflow.MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("e")).info.run_id
     logger = MetricLogger(uri, run_id, flush_every_s=60)  # only flush() ships
-    for step in range(5):
-        logger.log({"loss": 1.0 / (step + 1)}, step)
+    for step in range(1, 6):
+        logger.log({mn.TRAIN_LOSS: 1.0 / step}, step)
     assert logger.flush(timeout_s=60)
-    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(5))
+    assert [m.step for m in client.get_metric_history(run_id, mn.TRAIN_LOSS)] == [1, 2, 3, 4, 5]
     logger.close()
-    assert "system/cpu_utilization_percentage" in client.get_run(run_id).data.metrics
+    assert mn.SYSTEM_CPU_PERCENT in client.get_run(run_id).data.metrics
 
 
 @pytest.mark.slow  # bound by MLflow's retry back-off, not by CPU
@@ -195,7 +366,7 @@ def test_unreachable_server_degrades_quickly_with_a_warning(caplog):
         assert resolve_run(uri, "exp", "r", "abc123", {}) == "abc123"
         finish_run(uri, "abc123", finished=True)  # never raises
         logger = MetricLogger(uri, "abc123", flush_every_s=0.2)
-        logger.log({"loss": 1.0}, 0)
+        logger.log({mn.TRAIN_LOSS: 1.0}, 1)
         assert not logger.flush(timeout_s=1)
         logger.close(timeout=20)
     assert time.time() - t0 < 60  # MLflow's own defaults retry for ~4 minutes per call
@@ -318,13 +489,24 @@ def test_server_run_has_config_cluster_versions_metrics_events_plot_and_model(se
                           text=True).stdout.strip()
     assert p["env.git_commit"].startswith(head)
 
-    for key in C5_KEYS:
+    # The shape and dtype the workers resolved (the config leaves them to the preset, the
+    # dataset and the device).
+    assert {k: p[f"model.resolved.{k}"] for k in ("n_layer", "n_head", "n_embd", "seq_len")} == \
+        {"n_layer": "2", "n_head": "2", "n_embd": "64", "seq_len": "64"}
+    assert int(p["model.resolved.vocab_size"]) >= 257 and p["train.resolved_dtype"] == "float32"
+    assert client.get_experiment(run.info.experiment_id).tags[EXPERIMENT_KIND_TAG] == \
+        TRAINING_KIND
+    [dataset] = run.inputs.dataset_inputs
+    assert dataset.dataset.name == "stdlib" and dataset.dataset.source_type == "local"
+
+    for key in mn.STEP_METRICS:  # one numbering: after step k is step k (C5)
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == \
-            list(range(STEPS)), key
+            list(range(1, STEPS + 1)), key
     metrics = run.data.metrics
-    assert metrics["system/cpu_utilization_percentage"] >= 0
-    assert metrics["system/system_memory_usage_megabytes"] > 0
-    assert 0 < metrics["goodput"] <= 1 and metrics["goodput_productive_s"] > 0
+    assert all(mn.is_known(k) for k in metrics), sorted(k for k in metrics if not mn.is_known(k))
+    assert metrics[mn.SYSTEM_CPU_PERCENT] >= 0 and metrics[mn.SYSTEM_MEMORY_MB] > 0
+    assert 0 < metrics[mn.GOODPUT] <= 1 and metrics[mn.goodput("productive_s")] > 0
+    assert metrics[mn.cluster("nodes")] == 1
 
     files = _artifact_files(client, run.info.run_id)
     for f in ("config/mini.yaml", "config/resolved.yaml", "events/events.jsonl",

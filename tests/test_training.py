@@ -15,6 +15,7 @@ from conftest import metric_by_step
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
 from elastic_gpt.elastic.launcher import run_training
+from elastic_gpt.tracking import metric_names as mn
 
 pytest_plugins = ["elastic_gpt.testing.s3_server"]
 pytestmark = pytest.mark.slow
@@ -51,8 +52,8 @@ def reference(env):
     summary, cfg = train(env, "reference", workers=2, checkpoint="s3://ckpts/reference")
     run = summary["run_id"]
     return {"summary": summary, "cfg": cfg,
-            "loss": metric_by_step(env["uri"], run, "loss"),
-            "fp": metric_by_step(env["uri"], run, "data_fingerprint")}
+            "loss": metric_by_step(env["uri"], run, mn.TRAIN_LOSS),
+            "fp": metric_by_step(env["uri"], run, mn.DATA_FINGERPRINT)}
 
 
 def test_reference_run_trains_checkpoints_to_s3_and_logs_every_metric(env, reference):
@@ -64,14 +65,13 @@ def test_reference_run_trains_checkpoints_to_s3_and_logs_every_metric(env, refer
     assert store.verify(8) is None and store.read_state(8)["samples_seen"] == STEPS * 12
     assert store.read_run_info()["mlflow_run_id"] == s["run_id"]
     loss = reference["loss"]
-    assert sorted(loss) == list(range(STEPS))
-    assert loss[STEPS - 1] < loss[0] - 0.5, f"loss did not fall: {loss}"
+    assert sorted(loss) == list(range(1, STEPS + 1))  # after step k is step k (C5)
+    assert loss[STEPS] < loss[1] - 0.5, f"loss did not fall: {loss}"
     import mlflow
     run = mlflow.MlflowClient(env["uri"]).get_run(s["run_id"])
-    for key in ["loss", "lr", "grad_norm", "tokens_per_s", "mfu", "world_size", "grad_accum",
-                "samples_seen", "step_time_s", "data_wait_s", "data_fingerprint"]:
+    for key in mn.STEP_METRICS:
         assert key in run.data.metrics, key
-    assert run.data.metrics["world_size"] == 2 and run.data.metrics["grad_accum"] == 3
+    assert run.data.metrics[mn.TRAIN_WORLD_SIZE] == 2 and run.data.metrics[mn.TRAIN_GRAD_ACCUM] == 3
     assert run.data.params["train.global_batch_size"] == "12"
     assert run.info.status == "FINISHED"
     artifacts = {a.path for a in mlflow.MlflowClient(env["uri"]).list_artifacts(s["run_id"], "plots")}
@@ -87,12 +87,12 @@ def test_resume_at_another_world_size_continues_the_same_run(env, reference, fir
     assert a["step"] == 4
     b, _ = train(env, name, workers=second)
     assert b["step"] == STEPS and b["run_id"] == a["run_id"]
-    loss = metric_by_step(env["uri"], b["run_id"], "loss")
-    fp = metric_by_step(env["uri"], b["run_id"], "data_fingerprint")
-    ws = metric_by_step(env["uri"], b["run_id"], "world_size")
+    loss = metric_by_step(env["uri"], b["run_id"], mn.TRAIN_LOSS)
+    fp = metric_by_step(env["uri"], b["run_id"], mn.DATA_FINGERPRINT)
+    ws = metric_by_step(env["uri"], b["run_id"], mn.TRAIN_WORLD_SIZE)
     assert fp == reference["fp"]
-    assert [ws[s] for s in range(STEPS)] == [first] * 4 + [second] * 4
-    for step in range(STEPS):
+    assert [ws[s] for s in range(1, STEPS + 1)] == [first] * 4 + [second] * 4
+    for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(reference["loss"][step], rel=2e-5, abs=2e-5), step
 
 
@@ -124,8 +124,8 @@ def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference
     t.join(5)
     assert killed, "the kill never happened"
     assert summary["step"] == STEPS
-    loss = metric_by_step(env["uri"], summary["run_id"], "loss")
-    fp = metric_by_step(env["uri"], summary["run_id"], "data_fingerprint")
+    loss = metric_by_step(env["uri"], summary["run_id"], mn.TRAIN_LOSS)
+    fp = metric_by_step(env["uri"], summary["run_id"], mn.DATA_FINGERPRINT)
     assert fp == reference["fp"]
     assert loss == reference["loss"]  # bit-identical, not approximately
 

@@ -346,8 +346,13 @@ def _close_stopped_run(cfg: Config, run_id: str | None, reason: str, status: str
 
 
 def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:
-    """The run to continue (its id is stored with the checkpoints, C5) or a new one."""
-    from elastic_gpt.tracking.runs import resolve_run
+    """The run to continue (its id is stored with the checkpoints, C5) or a new one, with the
+    model shape and compute dtype the workers resolve and the training data as its inputs."""
+    import torch
+
+    from elastic_gpt.data.mixture import open_training_data
+    from elastic_gpt.parallel.fsdp import resolve_dtype
+    from elastic_gpt.tracking.runs import dataset_descriptions, resolve_run, training_view_link
 
     if not cfg.tracking.enabled:
         return None
@@ -356,8 +361,22 @@ def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | 
         run_info.get("mlflow_run_id")
     params = {**cfg.flat(), "model.n_params": _n_params(gpt_cfg),
               "data.num_samples": manifest.num_samples, "data.num_tokens": manifest.num_tokens}
+    # The config leaves the shape to the preset and the dataset, and the dtype to the device
+    # (`auto`): the values the workers build with, computed by the same functions. Also logged
+    # to a run created before they were recorded.
+    device = torch.device("cuda" if use_gpu(cfg) else "cpu")
+    resolved = {f"model.resolved.{k}": v for k, v in gpt_cfg.shape().items()}
+    resolved["train.resolved_dtype"] = str(resolve_dtype(cfg.train.dtype, device)).removeprefix(
+        "torch.")
+    data = open_training_data(cfg.data)
+    datasets = dataset_descriptions(data.manifests,
+                                    [s.name for s in data.sources] if data.is_mixture else None)
     run_id = resolve_run(cfg.tracking.uri, cfg.tracking.experiment, cfg.run.name, existing, params,
-                         resumed_from_step=latest.step if latest else None)
+                         resumed_from_step=latest.step if latest else None,
+                         added_params=resolved, datasets=datasets)
+    link = training_view_link(cfg.tracking.uri, run_id) if run_id else None
+    if link:
+        say(f"[elastic-gpt] MLflow run: {link}")
     if run_id and run_id != run_info.get("mlflow_run_id"):
         store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
                               "created_at": time.time()})

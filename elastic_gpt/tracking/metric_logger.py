@@ -14,6 +14,7 @@ import threading
 import time
 
 from elastic_gpt.console import first_line
+from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.tracking.client import bounded_http, mlflow_client
 from elastic_gpt.tracking.redaction import redact
 
@@ -136,16 +137,16 @@ class SystemSampler:
         ps = self._psutil
         if ps is not None:
             mem = ps.virtual_memory()
-            out["system/cpu_utilization_percentage"] = float(ps.cpu_percent(interval=None))
-            out["system/system_memory_usage_megabytes"] = (mem.total - mem.available) / 2**20
-            out["system/system_memory_usage_percentage"] = float(mem.percent)
-            out["system/process_memory_rss_megabytes"] = self._proc.memory_info().rss / 2**20
+            out[mn.SYSTEM_CPU_PERCENT] = float(ps.cpu_percent(interval=None))
+            out[mn.SYSTEM_MEMORY_MB] = (mem.total - mem.available) / 2**20
+            out[mn.SYSTEM_MEMORY_PERCENT] = float(mem.percent)
+            out[mn.SYSTEM_PROCESS_RSS_MB] = self._proc.memory_info().rss / 2**20
         try:
             import torch
             if torch.cuda.is_available():
                 for i in range(torch.cuda.device_count()):
                     free, total = torch.cuda.mem_get_info(i)
-                    out[f"system/gpu_{i}_memory_usage_megabytes"] = (total - free) / 2**20
+                    out[mn.gpu_memory_mb(i)] = (total - free) / 2**20
         except Exception:
             pass
         return out

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from elastic_gpt.console import first_line
+from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.tracking.client import bounded_http, mlflow_client, server_reachable
 from elastic_gpt.tracking.events import log_events_with
 from elastic_gpt.tracking.redaction import redact, redact_obj
@@ -24,29 +25,29 @@ log = logging.getLogger(__name__)
 
 
 def goodput_metrics(ledger: dict) -> dict[str, float]:
-    """`goodput_*` metrics from a ledger: the GoodputLedger dict or summary (productive_s,
-    lost_s, checkpoint_s, recovery_s, lost_steps, goodput) or the older training_s form."""
+    """The goodput metrics (`metric_names.goodput(...)`) from a ledger: the GoodputLedger dict or
+    summary (productive_s, lost_s, checkpoint_s, recovery_s, eval_s, lost_steps, goodput) or the
+    older training_s form."""
     seconds = {k: float(v) for k, v in ledger.items()
                if k.endswith("_s") and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    out = {f"goodput_{k}": v for k, v in seconds.items()}
-    for k in ("lost_steps",):
-        if isinstance(ledger.get(k), (int, float)):
-            out[f"goodput_{k}"] = float(ledger[k])
+    out = {mn.goodput(k): v for k, v in seconds.items()}
+    if isinstance(ledger.get("lost_steps"), (int, float)):
+        out[mn.GOODPUT_LOST_STEPS] = float(ledger["lost_steps"])
     events = ledger.get("events")
     if isinstance(events, (int, float)):
-        out["goodput_events"] = float(events)
+        out[mn.GOODPUT_EVENTS] = float(events)
     elif isinstance(events, list):
-        out["goodput_events"] = float(len(events))
+        out[mn.GOODPUT_EVENTS] = float(len(events))
     wall = sum(seconds.values())
     useful = seconds.get("productive_s", seconds.get("training_s", 0.0))
-    out["goodput_wall_s"] = wall
-    out["goodput"] = float(ledger["goodput"]) if isinstance(ledger.get("goodput"), (int, float)) \
-        else (useful / wall if wall else 1.0)
+    out[mn.GOODPUT_WALL_S] = wall
+    out[mn.GOODPUT] = float(ledger["goodput"]) \
+        if isinstance(ledger.get("goodput"), (int, float)) else (useful / wall if wall else 1.0)
     return out
 
 
 def log_goodput(uri: str, run_id: str, ledger: dict, step: int = 0) -> dict[str, float]:
-    """Log the goodput split of wall time as `goodput_*` metrics (and return them)."""
+    """Log the goodput split of wall time (at `step`, the optimizer steps done) and return it."""
     from mlflow.entities import Metric
     metrics = goodput_metrics(ledger)
     now = int(time.time() * 1000)
@@ -138,21 +139,41 @@ def _log_loss_curve(client, run_id: str) -> None:
             client.log_artifact(run_id, png, artifact_path="plots")
 
 
+def metric_series(client, run_id: str, name: str) -> dict[int, float]:
+    """step -> the last value logged for it (a step re-done after a failure is logged twice).
+    For a run resumed across the metric rename, the old-named series is joined in, moved to the
+    new step numbering; where both exist the new name wins."""
+    out: dict[int, float] = {}
+    old = mn.OLD_NAMES.get(name)
+    if old:
+        for m in sorted(client.get_metric_history(run_id, old), key=lambda m: m.timestamp):
+            out[m.step + mn.OLD_STEP_OFFSET] = m.value
+    for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.timestamp):
+        out[m.step] = m.value
+    return out
+
+
 def plot_loss_curve(client, run_id: str, path: str) -> bool:
+    """Training and validation loss against the optimizer steps done, titled by the run name."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    history = client.get_metric_history(run_id, "loss")
-    if not history:
+    train = metric_series(client, run_id, mn.TRAIN_LOSS)
+    if not train:
         return False
-    latest_per_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
-    steps = sorted(latest_per_step)
+    val = metric_series(client, run_id, mn.VAL_LOSS)
+    run = client.get_run(run_id)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [latest_per_step[s] for s in steps], lw=1.2)
+    steps = sorted(train)
+    ax.plot(steps, [train[s] for s in steps], lw=1.2, label="train")
+    if val:
+        vsteps = sorted(val)
+        ax.plot(vsteps, [val[s] for s in vsteps], "o-", lw=1.2, ms=3, label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.set_title(f"run {run_id[:8]}")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(redact(run.info.run_name or run_id))
+    ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,6 +1,7 @@
 """One MLflow run per experiment across restarts and resubmissions (C5): the driver resolves the
 run (reusing the id stored beside the checkpoints), logs the resolved config, the software
-versions, the code's commit and the Ray job as params and tags, and the cluster shape.
+versions, the code's commit and the Ray job as params and tags, the datasets as the run's
+inputs, and the cluster shape; the experiment is marked as model training for MLflow's UI.
 
 Tracking never stops training: an unreachable server costs a warning, bounded retries and, for a
 new run, this submission's tracking; a bad *local* store (sqlite path) or refused credentials are
@@ -18,6 +19,7 @@ import subprocess
 import time
 
 from elastic_gpt.console import first_line
+from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.tracking.client import bounded_http, is_remote, mlflow_client, server_reachable
 from elastic_gpt.tracking.events import log_events_with
 from elastic_gpt.tracking.redaction import redact, redacted_params
@@ -25,13 +27,25 @@ from elastic_gpt.tracking.redaction import redact, redacted_params
 log = logging.getLogger(__name__)
 
 FAILURE_TAG = "elastic_gpt.failure"  # why the last submission stopped; cleared when it reopens
+# MLflow's experiment type (the value its UI's "experiment type" selector writes for "Machine
+# learning"); without it an MLflow 3 experiment reads as GenAI and opens on traces and token usage.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+# MLflow 3.17's UI takes the view from a per-browser switch (GenAI / Model training), which a
+# link sets with this query; links we print carry it so they open on the runs and their charts.
+TRAINING_VIEW_QUERY = "workflowType=machine_learning"
 
 
 def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str | None,
                 params: dict, tags: dict | None = None,
-                resumed_from_step: int | None = None) -> str | None:
+                resumed_from_step: int | None = None, added_params: dict | None = None,
+                datasets: list[dict] | None = None) -> str | None:
     """Return the MLflow run id to log to: the stored one if it still exists, else a new run
     with `params` plus the environment. Logs a `submission` event either way.
+
+    `added_params` are also logged to a reused run that lacks them (values that runs created by
+    older code did not record; an existing param is never changed). `datasets` (see
+    `log_datasets`) become the run's inputs once: a run that has inputs gets no more.
 
     An unreachable server does not stop training: the stored id is kept (workers queue metrics
     and retry), or, for a new run, None (no tracking for this submission) with a warning. A local
@@ -48,11 +62,19 @@ def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str |
             if run_id is None:
                 exp = client.get_experiment_by_name(experiment)
                 exp_id = exp.experiment_id if exp else client.create_experiment(
-                    experiment, artifact_location=local_artifact_root(uri))
+                    experiment, artifact_location=local_artifact_root(uri),
+                    tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
                 run = client.create_run(exp_id, run_name=run_name, tags=_redacted_tags(tags))
                 run_id = run.info.run_id
-                log_params(client, run_id, {**params, **{f"env.{k}": v for k, v in
-                                                         env.items()}})
+                log_params(client, run_id, {**params, **(added_params or {}),
+                                            **{f"env.{k}": v for k, v in env.items()}})
+            else:
+                have = client.get_run(run_id).data.params
+                log_params(client, run_id, {k: v for k, v in (added_params or {}).items()
+                                            if k not in have})
+            mark_training_experiment(client, client.get_run(run_id).info.experiment_id)
+            if datasets:
+                log_datasets(client, run_id, datasets)
             for k, v in {**env, **job_info(), **(tags or {})}.items():
                 client.set_tag(run_id, k, redact(v)[:5000])
             log_events_with(client, run_id, [{
@@ -121,6 +143,80 @@ def _warn_degraded(uri: str, problem: str, run_id: str | None) -> None:
 
 def _redacted_tags(tags: dict | None) -> dict:
     return {k: redact(v)[:5000] for k, v in (tags or {}).items()}
+
+
+def mark_training_experiment(client, experiment_id: str) -> None:
+    """Tag the experiment as model training, unless it already says what it is (a user who
+    chose another type in the UI keeps it)."""
+    exp = client.get_experiment(experiment_id)
+    if EXPERIMENT_KIND_TAG not in exp.tags:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+
+
+def training_view_url(server: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI link that opens the experiment's runs (or the run's training charts)."""
+    base = server.rstrip("/") + f"/#/experiments/{experiment_id}"
+    if run_id:
+        return f"{base}/runs/{run_id}/model-metrics?{TRAINING_VIEW_QUERY}"
+    return f"{base}/runs?{TRAINING_VIEW_QUERY}"
+
+
+def training_view_link(uri: str, run_id: str) -> str | None:
+    """`training_view_url` of a run on an http(s) tracking server, without the URI's
+    credentials; None for a local store (no UI address to give) or if the run cannot be read."""
+    from urllib.parse import urlsplit, urlunsplit
+    if not uri.lower().startswith(("http://", "https://")) or server_reachable(uri, attempts=1):
+        return None
+    try:
+        with bounded_http():
+            experiment_id = mlflow_client(uri).get_run(run_id).info.experiment_id
+    except Exception:
+        return None
+    parts = urlsplit(uri)
+    server = urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))
+    return training_view_url(server, experiment_id, run_id)
+
+
+def dataset_descriptions(manifests: list, names: list[str] | None = None) -> list[dict]:
+    """What `log_datasets` needs of each prepared dataset: its URL (redacted), a name (the
+    folder's, or the mixture source's), and a digest of its content: the shards' sha256 sums
+    from the manifest, so the same data has the same digest wherever it is stored."""
+    import hashlib
+    out = []
+    for i, m in enumerate(manifests):
+        content = hashlib.sha256()
+        for shard in m.shards:
+            content.update(f"{shard.sha256}:{shard.num_samples};".encode())
+        name = names[i] if names else (m.url.rstrip("/").rsplit("/", 1)[-1] or m.url)
+        out.append({"url": redact(m.url), "name": name, "digest": content.hexdigest()[:16],
+                    "num_samples": m.num_samples, "num_tokens": m.num_tokens,
+                    "tokenizer": m.tokenizer, "seq_len": m.seq_len})
+    return out
+
+
+def log_datasets(client, run_id: str, datasets: list[dict]) -> bool:
+    """Log the training datasets as the run's inputs (context "training"), one per mixture
+    source, unless the run has inputs already (resubmissions add none). True if logged."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    if client.get_run(run_id).inputs.dataset_inputs:
+        return False
+    inputs = []
+    for d in datasets:
+        with warnings.catch_warnings():  # a file:// URL matches two equivalent source types
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(d["url"])
+        entity = MetaDataset(source, name=d["name"], digest=d["digest"])._to_mlflow_entity()
+        inputs.append(DatasetInput(entity, tags=[
+            InputTag("mlflow.data.context", "training"),
+            *(InputTag(f"elastic_gpt.{k}", str(d[k])) for k in
+              ("num_samples", "num_tokens", "tokenizer", "seq_len") if k in d)]))
+    client.log_inputs(run_id, datasets=inputs)
+    return True
 
 
 def log_params(client, run_id: str, params: dict) -> None:
@@ -202,7 +298,7 @@ def cluster_shape() -> dict:
 
 def log_cluster_shape(uri: str, run_id: str | None) -> None:
     """Params `cluster.*` (the shape the run started on), tags `cluster.*` (this submission's)
-    and metrics `cluster_*` (a time series: elastic runs change shape)."""
+    and metrics `metric_names.cluster(...)` (a time series: elastic runs change shape)."""
     if not run_id or server_reachable(uri, attempts=1):
         return
     try:
@@ -216,7 +312,7 @@ def log_cluster_shape(uri: str, run_id: str | None) -> None:
                 client.set_tag(run_id, f"cluster.{k}", str(v))
             from mlflow.entities import Metric
             now = int(time.time() * 1000)
-            client.log_batch(run_id, metrics=[Metric(f"cluster_{k}", float(v), now, 0)
+            client.log_batch(run_id, metrics=[Metric(mn.cluster(k), float(v), now, 0)
                                               for k, v in shape.items()
                                               if isinstance(v, (int, float))])
     except Exception as e:

@@ -29,6 +29,7 @@ from elastic_gpt.data.manifest import Manifest
 from elastic_gpt.data.stream import ShardReader
 from elastic_gpt.model.gpt import token_losses
 from elastic_gpt.parallel.tensor import loss_context
+from elastic_gpt.tracking import metric_names as mn
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,15 @@ class EvalResult:
         return math.exp(min(self.loss, 700.0))  # exp overflows a float past ~709
 
     def metrics(self) -> dict[str, float]:
-        out = {"val/loss": self.loss, "val/perplexity": self.perplexity}
+        out = {mn.VAL_LOSS: self.loss, mn.VAL_PERPLEXITY: self.perplexity}
         if self.bits_per_byte is not None:
-            out["val/bits_per_byte"] = self.bits_per_byte
+            out[mn.VAL_BITS_PER_BYTE] = self.bits_per_byte
         return out
 
     def line(self, step: int) -> str:
+        """`step`: optimizer steps done, the numbering of the metrics and checkpoint folders."""
         bpb = f"{self.bits_per_byte:.4f}" if self.bits_per_byte is not None else "n/a"
-        return (f"[elastic-gpt] eval after step {step + 1} | val loss {self.loss:.4f} | "
+        return (f"[elastic-gpt] eval after step {step} | val loss {self.loss:.4f} | "
                 f"perplexity {self.perplexity:,.2f} | bits/byte {bpb} | {self.samples} "
                 f"sequences, {self.tokens:,} tokens | {self.seconds:.2f}s")
 

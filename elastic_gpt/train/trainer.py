@@ -43,6 +43,7 @@ from elastic_gpt.parallel.fsdp import (
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.replicate import NoReplication
 from elastic_gpt.parallel.tensor import loss_context
+from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.evaluate import EvalResult, Evaluator
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
@@ -237,8 +238,9 @@ class Trainer:
             steps_done == self.cfg.train.max_steps or bool(every and steps_done % every == 0))
 
     def evaluate(self, step: int) -> EvalResult:
-        """Collective: the held-out metrics after `step` (0-based, as the step metrics), logged
-        through the metric sink; its wall time is the ledger's eval_s, not productive time."""
+        """Collective: the held-out metrics after `step` optimizer steps (the step metrics'
+        numbering), logged through the metric sink; its wall time is the ledger's eval_s, not
+        productive time."""
         result = self.evaluator.evaluate(self.model, compute_dtype=self.compute_dtype,
                                          loss_parallel=self.dims.loss_parallel)
         self.ledger.on_eval(result.seconds)
@@ -456,8 +458,8 @@ class Trainer:
                 if self.step == first_step:
                     event = self.ledger.on_first_step_started()
                     if event and self.rank == 0:
-                        self.metrics.log({"event_recovery_s": event["recovery_s"],
-                                          "event_lost_steps": event["lost_steps"]}, self.step)
+                        self.metrics.log({mn.EVENT_RECOVERY_S: event["recovery_s"],
+                                          mn.EVENT_LOST_STEPS: event["lost_steps"]}, self.step)
                 t0 = time.perf_counter()
                 step, self.batch_rank, self.batch_degree = self.replication.begin_step(
                     self.dp_rank, self.dp_degree)
@@ -484,24 +486,28 @@ class Trainer:
                 self.ledger.on_step(step_time)
                 tokens_per_s = tokens_per_step / step_time
                 metrics = {
-                    "loss": result.loss, "lr": result.metrics["lr"], "grad_norm": result.grad_norm,
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": tokens_per_s * self.flops_per_token / (self.peak * self.world_size),
-                    "world_size": self.world_size, "grad_accum": self.plan.slots(self.dp_degree),
-                    "samples_seen": self.step * self.plan.global_batch_size,
-                    "step_time_s": step_time, "data_wait_s": t_data,
-                    "data_fingerprint": result.fingerprint,
+                    mn.TRAIN_LOSS: result.loss, mn.TRAIN_LR: result.metrics["lr"],
+                    mn.TRAIN_GRAD_NORM: result.grad_norm, mn.TRAIN_TOKENS_PER_S: tokens_per_s,
+                    mn.TRAIN_MFU: tokens_per_s * self.flops_per_token /
+                    (self.peak * self.world_size),
+                    mn.TRAIN_WORLD_SIZE: self.world_size,
+                    mn.TRAIN_GRAD_ACCUM: self.plan.slots(self.dp_degree),
+                    mn.TRAIN_SAMPLES_SEEN: self.step * self.plan.global_batch_size,
+                    mn.TRAIN_STEP_TIME_S: step_time, mn.DATA_WAIT_S: t_data,
+                    mn.DATA_FINGERPRINT: result.fingerprint,
                 }
                 if self.data.is_mixture and self.rank == 0:
-                    counts = self.data_order.source_counts(metrics["samples_seen"])
+                    counts = self.data_order.source_counts(metrics[mn.TRAIN_SAMPLES_SEEN])
                     for source, count in zip(self.data.sources, counts):
-                        metrics[f"data/samples_seen/{source.name}"] = count
-                self.metrics.log(metrics, result.step)
+                        metrics[mn.source_samples_seen(source.name)] = count
+                # One step numbering everywhere (C5): self.step is now the number of optimizer
+                # steps done, the console's "step k/N" and the checkpoint folder step_<k>.
+                self.metrics.log(metrics, self.step)
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
-                    say(_progress_line(result.step, cfg.train.max_steps, metrics))
+                    say(_progress_line(self.step, cfg.train.max_steps, metrics))
                 if self._eval_due(self.step):  # before the save: a resume never skips one
-                    self.evaluate(result.step)
+                    self.evaluate(self.step)
                 self.checkpointer.poll()  # a failed background write raises here
                 # The last step, and the step a planned restart resumes from, are always saved;
                 # of replica groups, the one leading this step's quorum saves.
@@ -523,10 +529,13 @@ class Trainer:
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:
-    return (f"[elastic-gpt] step {step + 1}/{max_steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} "
-            f"| grad {m['grad_norm']:.2f} | {m['tokens_per_s']:,.0f} tok/s | mfu {m['mfu']:.1%} "
-            f"| W={m['world_size']} accum={m['grad_accum']} | {m['step_time_s']:.2f}s/step "
-            f"(data {m['data_wait_s'] / m['step_time_s']:.1%})")
+    """`step` is the number of optimizer steps done, as in the metrics and checkpoint folders."""
+    return (f"[elastic-gpt] step {step}/{max_steps} | loss {m[mn.TRAIN_LOSS]:.4f} | lr "
+            f"{m[mn.TRAIN_LR]:.2e} | grad {m[mn.TRAIN_GRAD_NORM]:.2f} | "
+            f"{m[mn.TRAIN_TOKENS_PER_S]:,.0f} tok/s | mfu {m[mn.TRAIN_MFU]:.1%} | "
+            f"W={m[mn.TRAIN_WORLD_SIZE]} accum={m[mn.TRAIN_GRAD_ACCUM]} | "
+            f"{m[mn.TRAIN_STEP_TIME_S]:.2f}s/step "
+            f"(data {m[mn.DATA_WAIT_S] / m[mn.TRAIN_STEP_TIME_S]:.1%})")
 
 
 def _min_lr(cfg: Config) -> float:

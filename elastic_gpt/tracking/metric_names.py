@@ -1,0 +1,110 @@
+"""Every metric name the project logs to MLflow, in one table (part of contract C5). The trainer,
+the evaluator, the run set-up and the publishing code take their names from here, and so do the
+tests and benchmarks that read a run back.
+
+The prefixes decide what a user sees first. MLflow's run page draws one chart group per prefix
+(the name up to its last `/`) and orders the groups by code point, so lower-case `cluster/`,
+`debug/` or `goodput/` groups would come before `train/`. Metrics under `system/` go to the run's
+separate "System metrics" tab instead, so the run's "Model metrics" page holds just `train/`
+(loss, lr, grad norm, tokens/s, MFU and the step's shape) and then `val/`, and the rest is grouped
+in the System metrics tab beside MLflow's own host metrics.
+
+Step numbering (C5): a metric logged at step k describes the state after k optimizer steps, the
+same k as the console's `step k/N` and the checkpoint folder `step_0000000k`.
+
+Nothing here imports MLflow, torch or the model.
+"""
+
+from __future__ import annotations
+
+# ---- the training view: the run's "Model metrics" page, in this order ----------------------------
+
+TRAIN_LOSS = "train/loss"                  # mean nats per token of the step's global batch
+TRAIN_LR = "train/lr"                      # the learning rate the step used
+TRAIN_GRAD_NORM = "train/grad_norm"        # before clipping
+TRAIN_TOKENS_PER_S = "train/tokens_per_s"
+TRAIN_MFU = "train/mfu"
+TRAIN_STEP_TIME_S = "train/step_time_s"
+TRAIN_WORLD_SIZE = "train/world_size"      # workers in the group (elastic runs change it)
+TRAIN_GRAD_ACCUM = "train/grad_accum"      # micro-batches per data-parallel rank
+TRAIN_SAMPLES_SEEN = "train/samples_seen"  # the resume cursor: steps * global batch (C2)
+
+VAL_LOSS = "val/loss"
+VAL_PERPLEXITY = "val/perplexity"
+VAL_BITS_PER_BYTE = "val/bits_per_byte"
+
+# ---- the System metrics tab ----------------------------------------------------------------------
+
+SYSTEM_PREFIX = "system/"
+GOODPUT_PREFIX = "system/goodput/"
+CLUSTER_PREFIX = "system/cluster/"
+DEBUG_PREFIX = "system/debug/"
+
+GOODPUT = GOODPUT_PREFIX + "fraction"      # productive / wall time
+GOODPUT_EVENTS = GOODPUT_PREFIX + "events"
+GOODPUT_LOST_STEPS = GOODPUT_PREFIX + "lost_steps"
+GOODPUT_WALL_S = GOODPUT_PREFIX + "wall_s"
+
+DATA_FINGERPRINT = DEBUG_PREFIX + "data_fingerprint"  # a 52-bit hash of the step's samples (C2)
+DATA_WAIT_S = DEBUG_PREFIX + "data_wait_s"
+EVENT_RECOVERY_S = DEBUG_PREFIX + "event_recovery_s"  # logged once per resume
+EVENT_LOST_STEPS = DEBUG_PREFIX + "event_lost_steps"
+
+# MLflow's own names for host metrics (what `mlflow.start_run(log_system_metrics=True)` logs).
+SYSTEM_CPU_PERCENT = "system/cpu_utilization_percentage"
+SYSTEM_MEMORY_MB = "system/system_memory_usage_megabytes"
+SYSTEM_MEMORY_PERCENT = "system/system_memory_usage_percentage"
+SYSTEM_PROCESS_RSS_MB = "system/process_memory_rss_megabytes"
+
+
+def goodput(ledger_key: str) -> str:
+    """A goodput ledger total (`productive_s`, `lost_s`, `checkpoint_s`, `recovery_s`,
+    `eval_s`, ...) as a metric."""
+    return GOODPUT_PREFIX + ledger_key
+
+
+def cluster(key: str) -> str:
+    """The cluster shape at a submission: `nodes`, `cpus`, `gpus`."""
+    return CLUSTER_PREFIX + key
+
+
+def source_samples_seen(source: str) -> str:
+    """Samples of one mixture source among the samples seen (data.sources)."""
+    return f"system/data/samples_seen/{source}"
+
+
+def gpu_memory_mb(index: int) -> str:
+    return f"system/gpu_{index}_memory_usage_megabytes"
+
+
+# What every training step logs (C5).
+STEP_METRICS = (TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU,
+                TRAIN_STEP_TIME_S, TRAIN_WORLD_SIZE, TRAIN_GRAD_ACCUM, TRAIN_SAMPLES_SEEN,
+                DATA_WAIT_S, DATA_FINGERPRINT)
+VAL_METRICS = (VAL_LOSS, VAL_PERPLEXITY, VAL_BITS_PER_BYTE)
+FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, GOODPUT, GOODPUT_EVENTS, GOODPUT_LOST_STEPS,
+                         GOODPUT_WALL_S, EVENT_RECOVERY_S, EVENT_LOST_STEPS, SYSTEM_CPU_PERCENT,
+                         SYSTEM_MEMORY_MB, SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
+# Families whose last part is a ledger key, a cluster resource, a source or a GPU index.
+FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_")
+
+
+def is_known(name: str) -> bool:
+    """Whether `name` is one of this table's names (tests hold every logged key to it)."""
+    return name in FIXED_NAMES or any(name.startswith(p) and len(name) > len(p)
+                                      for p in FAMILY_PREFIXES)
+
+
+# The names runs logged before this table (a run resumed across the rename holds both: the old
+# series end at the last step trained by the old code, the new ones start after it; nothing is
+# rewritten). Readers that draw a whole run (the loss plot) join the two.
+OLD_NAMES = {
+    TRAIN_LOSS: "loss", TRAIN_LR: "lr", TRAIN_GRAD_NORM: "grad_norm",
+    TRAIN_TOKENS_PER_S: "tokens_per_s", TRAIN_MFU: "mfu", TRAIN_STEP_TIME_S: "step_time_s",
+    TRAIN_WORLD_SIZE: "world_size", TRAIN_GRAD_ACCUM: "grad_accum",
+    TRAIN_SAMPLES_SEEN: "samples_seen", DATA_WAIT_S: "data_wait_s",
+    DATA_FINGERPRINT: "data_fingerprint", EVENT_RECOVERY_S: "event_recovery_s",
+    EVENT_LOST_STEPS: "event_lost_steps", GOODPUT: "goodput",
+}
+# The old series also counted steps from 0: old step s is new step s + 1.
+OLD_STEP_OFFSET = 1
