@@ -289,7 +289,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
             f"{manifest.num_samples:,} samples of {gpt_cfg.seq_len} tokens, workers "
             f"{cfg.scaling.min_workers}..{cfg.scaling.max_workers}, checkpoints at "
             f"{cfg.checkpoint.path}" + (f", resuming from step {latest.step}" if latest else ""))
-        log_cluster_shape(cfg.tracking.uri, run_id)
+        log_cluster_shape(cfg.tracking.uri, run_id, step=latest.step if latest else 0)
         try:
             result = trainer_ready(run_id).fit()
         except Exception as e:

@@ -296,9 +296,10 @@ def cluster_shape() -> dict:
     return shape
 
 
-def log_cluster_shape(uri: str, run_id: str | None) -> None:
+def log_cluster_shape(uri: str, run_id: str | None, step: int = 0) -> None:
     """Params `cluster.*` (the shape the run started on), tags `cluster.*` (this submission's)
-    and metrics `metric_names.cluster(...)` (a time series: elastic runs change shape)."""
+    and metrics `metric_names.cluster(...)` at `step`, the step the submission starts from (a
+    time series: elastic runs change shape)."""
     if not run_id or server_reachable(uri, attempts=1):
         return
     try:
@@ -312,7 +313,7 @@ def log_cluster_shape(uri: str, run_id: str | None) -> None:
                 client.set_tag(run_id, f"cluster.{k}", str(v))
             from mlflow.entities import Metric
             now = int(time.time() * 1000)
-            client.log_batch(run_id, metrics=[Metric(mn.cluster(k), float(v), now, 0)
+            client.log_batch(run_id, metrics=[Metric(mn.cluster(k), float(v), now, step)
                                               for k, v in shape.items()
                                               if isinstance(v, (int, float))])
     except Exception as e:
