@@ -64,6 +64,8 @@ def test_deterministic(corpus, tmp_path):
 def test_leaves_out_what_prepare_data_holds_out(corpus, tmp_path, split):
     """The documents the tokenizer learns from are exactly prepare-data's training split."""
     seen = list(iter_training_documents(f"{corpus}/*.py", val_seed=7, **split))
+    held_out = list(iter_training_documents(f"{corpus}/*.py", val_seed=7, validation=True,
+                                            **split))
     out = tmp_path / "ds"
     summary = prepare_data(f"{corpus}/*.py", str(out), "bytes", 16, progress=False,
                            engine="local", val_seed=7, **split)
@@ -72,7 +74,7 @@ def test_leaves_out_what_prepare_data_holds_out(corpus, tmp_path, split):
     tok = get_tokenizer("bytes")
     val_text = _dataset_text(out / "val", tok)
     held = [t for t in TEXTS if t not in seen]
-    assert held and all(t in val_text for t in held)
+    assert held and sorted(held) == sorted(held_out) and all(t in val_text for t in held)
     assert not any(t in val_text for t in seen if t not in held)
 
 

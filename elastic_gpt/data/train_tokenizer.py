@@ -33,8 +33,10 @@ DEFAULT_VOCAB = 4096
 
 def iter_training_documents(inputs: str | list[str], *, val_fraction: float = 0.0,
                             val_docs: int = 0, val_seed: int = 0, text_field: str = "text",
-                            bad_utf8: str = "replace", storage_options: dict | None = None):
-    """Yield each document prepare-data would put in the training split, as one string."""
+                            bad_utf8: str = "replace", storage_options: dict | None = None,
+                            validation: bool = False):
+    """Yield each document prepare-data would put in the training split (or, with
+    `validation`, in the held-out one), as one string."""
     from elastic_gpt.data import prepare
 
     files = prepare.list_inputs(inputs, storage_options)
@@ -48,11 +50,10 @@ def iter_training_documents(inputs: str | list[str], *, val_fraction: float = 0.
     for f in files:
         for pieces in prepare.iter_documents(f, storage_options, text_field, bad_utf8,
                                              prepare.DocStats(), hashlib.sha256()):
-            if threshold and prepare.in_validation_split(
-                    prepare.document_hash([p.encode("utf-8") for p in pieces], val_seed),
-                    threshold):
-                continue
-            yield "".join(pieces)
+            held = bool(threshold) and prepare.in_validation_split(
+                prepare.document_hash([p.encode("utf-8") for p in pieces], val_seed), threshold)
+            if held == validation:
+                yield "".join(pieces)
 
 
 def train_bpe(documents, vocab_size: int = DEFAULT_VOCAB):
