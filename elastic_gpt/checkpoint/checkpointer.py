@@ -56,6 +56,8 @@ class Checkpointer:
     constructs one with the same settings and calls its methods at the same step boundaries.
 
     `trainer_state()` is read while a save is taken and committed beside its shards.
+    `extra_files(step_url)` runs on rank 0 after the shards are written and before the commit, so
+    what it writes into the step folder (the tokenizer) is listed in the commit marker too.
     `before_save()` runs first, on every save. `on_blocked(seconds)` is told how long the save
     held the loop up: from before `before_save()` to the end of the shards' write for a
     synchronous save, to the end of the copy to CPU for an asynchronous one.
@@ -68,11 +70,13 @@ class Checkpointer:
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  trainer_state: Callable[[], dict],
                  before_save: Callable[[], None] = lambda: None,
-                 on_blocked: Callable[[float], None] = lambda seconds: None):
+                 on_blocked: Callable[[float], None] = lambda seconds: None,
+                 extra_files: Callable[[str], None] = lambda step_url: None):
         self.store, self.every_steps, self.keep, self.rank = store, every_steps, keep, rank
         self.model, self.optimizer = model, optimizer
         self.trainer_state, self.before_save, self.on_blocked = (trainer_state, before_save,
                                                                  on_blocked)
+        self.extra_files = extra_files
 
     def save(self, step: int, *, force: bool = False) -> bool:
         """Collective. Checkpoint the state after `step` steps if the cadence says so or `force`;
@@ -128,6 +132,7 @@ class SyncCheckpointer(Checkpointer):
             raise
         self.on_blocked(time.perf_counter() - t0)
         if self.rank == 0:
+            self.extra_files(self.store.url(step_dirname(step)))
             self.store.commit(step, self.trainer_state())
             self.store.retain(self.keep)
         dist.barrier()  # nobody runs ahead of a commit they might need to resume from
@@ -220,6 +225,7 @@ class AsyncCheckpointer(Checkpointer):
         dcp.save(self._staging, storage_writer=self.writer_factory(url), process_group=self.pg,
                  planner=BoxSavePlanner())
         if self.rank == 0:
+            self.extra_files(url)
             self.store.commit(step, trainer_state)  # commit marker last (C4)
             self.store.retain(self.keep)
         self.last_write_s = time.perf_counter() - t0

@@ -43,7 +43,7 @@ from elastic_gpt.data.manifest import (
     join_url,
 )
 from elastic_gpt.data.token_bytes import token_byte_lengths
-from elastic_gpt.data.tokenizers import get_tokenizer, token_dtype
+from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, token_dtype
 
 log = logging.getLogger(__name__)
 
@@ -728,12 +728,16 @@ def prepare_data(input: str | list[str], output: str, tokenizer: str = "gpt2",
     if sum(bool(x) for x in (val_fraction, val_docs, val_input)) > 1:
         raise ValueError("--val-fraction, --val-docs and --val-input each name a validation "
                          "set; keep one")
+    if tokenizer.endswith(".json") and "://" not in tokenizer:
+        tokenizer = os.path.abspath(tokenizer)  # Ray workers may run in another directory
     tok = get_tokenizer(tokenizer)
     output = output.rstrip("/")
-    if "://" not in output:  # Ray workers may run in another directory
+    if "://" not in output:
         output = os.path.abspath(output)
     options = {"tokenizer": tokenizer, "seq_len": seq_len, "dtype": token_dtype(tok.vocab_size),
                "text_field": text_field, "bad_utf8": bad_utf8, "format_version": 1}
+    if hasattr(tok, "to_str"):  # a tokenizer.json: its contents, not its path, decide the tokens
+        options["tokenizer_sha256"] = hashlib.sha256(tok.to_str().encode()).hexdigest()
     files = list_inputs(input, storage_options, max_files, max_bytes)
     if val_docs:
         threshold = validation_threshold_for_docs(
@@ -938,9 +942,12 @@ def _write_manifest(output, tokenizer, tok, options, num_parts, markers, source,
         log.warning("tokenizer %s does not map each token to fixed bytes; %s has no byte counts "
                     "(val/bits_per_byte will be unavailable)", tokenizer, output)
     text_bytes = sum(s.text_bytes for s in shards) if byte_counts else None
+    # The dataset carries its tokenizer (a tokenizer.json is copied in and named relative to
+    # the dataset), so it reads the same on any machine and after the original file is gone.
+    recorded = save_tokenizer(tok, output)
     manifest = Manifest(
         url=output, seq_len=options["seq_len"], vocab_size=tok.vocab_size, eos_id=tok.eos_id,
-        tokenizer=tokenizer, dtype=options["dtype"], shards=tuple(shards),
+        tokenizer=recorded, dtype=options["dtype"], shards=tuple(shards),
         num_samples=num_samples, num_tokens=num_samples * (options["seq_len"] + 1),
         source={**source, "fingerprint": content.hexdigest()},
         stats={**totals, "text_bytes": text_bytes},

@@ -329,7 +329,7 @@ def decode_documents(manifest: Manifest, storage_options: dict | None = None) ->
     of prepare-data for text the tokenizer round-trips."""
     from elastic_gpt.data.tokenizers import get_tokenizer
 
-    tok = get_tokenizer(manifest.tokenizer)
+    tok = get_tokenizer(manifest.tokenizer, base=manifest.url)
     docs = []
     for k, info in enumerate(manifest.shards):
         stream = read_shard_stream(manifest, k, storage_options)

@@ -134,6 +134,11 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    @property
+    def eos_token(self) -> str:
+        """The end-of-text token's text (what a Hugging Face tokenizer config names)."""
+        return self._tok.id_to_token(self.eos_id)
+
     def to_str(self) -> str:
         """The tokenizer.json text: what save_tokenizer copies next to a dataset or checkpoint."""
         return self._tok.to_str()
@@ -145,12 +150,17 @@ def save_tokenizer(tok: Tokenizer, directory: str) -> str:
     name to record, which get_tokenizer(name, base=directory) reads back: TOKENIZER_FILE, or
     "gpt2"/"bytes", which ship with the package and need no file."""
     if not hasattr(tok, "to_str"):
-        return tok.name
+        return tokenizer_name(tok)
     import fsspec
 
     with fsspec.open(directory.rstrip("/") + "/" + TOKENIZER_FILE, "w", encoding="utf-8") as f:
         f.write(tok.to_str())
     return TOKENIZER_FILE
+
+
+def tokenizer_name(tok: Tokenizer) -> str:
+    """The name save_tokenizer records for `tok` (without writing anything)."""
+    return TOKENIZER_FILE if hasattr(tok, "to_str") else tok.name
 
 
 def get_tokenizer(name_or_path: str, base: str | None = None) -> Tokenizer:

@@ -43,10 +43,28 @@ def _resolve_checkpoint(url: str) -> tuple[str, dict]:
 
 def load_model(url: str) -> tuple[GPT, dict]:
     step_url, state = resolve_checkpoint(url)
+    return model_at(step_url, state), state
+
+
+def model_at(step_url: str, state: dict) -> GPT:
     model = GPT(GPTConfig(**state["model_shape"]))
     load_model_weights(step_url, model)
     model.eval()
-    return model, state
+    return model
+
+
+def checkpoint_tokenizer(step_url: str, state: dict):
+    """(tokenizer, end-of-text id) of a checkpoint: the copy in its step folder when it has one,
+    so the checkpoint alone is enough; else (checkpoints written before they carried one) the
+    tokenizer its dataset's manifest names."""
+    from elastic_gpt.data.manifest import load_manifest
+    from elastic_gpt.data.tokenizers import get_tokenizer
+
+    info = state.get("tokenizer")
+    if info:
+        return get_tokenizer(info["name"], base=step_url), int(info["eos_id"])
+    manifest = load_manifest(state["data"]["url"])
+    return get_tokenizer(manifest.tokenizer, base=manifest.url), manifest.eos_id
 
 
 @torch.no_grad()
@@ -76,14 +94,11 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
 
 def sample_text(checkpoint: str, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
                 seed: int | None = 0) -> str:
-    from elastic_gpt.data.manifest import load_manifest
-    from elastic_gpt.data.tokenizers import get_tokenizer
-
-    model, state = load_model(checkpoint)
-    manifest = load_manifest(state["data"]["url"])
-    tok = get_tokenizer(manifest.tokenizer)
-    ids = tok.encode(prompt) or [manifest.eos_id]
+    step_url, state = resolve_checkpoint(checkpoint)
+    model = model_at(step_url, state)
+    tok, eos_id = checkpoint_tokenizer(step_url, state)
+    ids = tok.encode(prompt) or [eos_id]
     out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, seed=seed,
-                   eos_id=manifest.eos_id)
+                   eos_id=eos_id)
     new = [i for i in out[0, len(ids):].tolist() if i < tok.vocab_size]
     return prompt + tok.decode(new)

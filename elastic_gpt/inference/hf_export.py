@@ -12,7 +12,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from elastic_gpt.inference.generate import load_model
+from elastic_gpt.inference.generate import checkpoint_tokenizer, model_at, resolve_checkpoint
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -39,9 +39,6 @@ def hf_config(model, eos_id: int | None = None) -> dict:
         "scale_attn_weights": True, "tie_word_embeddings": True, "use_cache": True,
         "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": "float32",
     }
-
-
-_OUTPUTS = ("config.json", "model.safetensors")
 
 
 def check_output_dir(out_dir: str, overwrite: bool) -> None:
@@ -75,21 +72,31 @@ def check_output_dir(out_dir: str, overwrite: bool) -> None:
 
 def export_hf(checkpoint: str, out_dir: str, overwrite: bool = False) -> str:
     """Export the newest (or the named) checkpoint into `out_dir`; each file is written to a
-    temporary name and renamed, so a failed export leaves no half-written model."""
+    temporary name and renamed, so a failed export leaves no half-written model. A
+    tokenizer.json tokenizer goes with it (with a tokenizer_config.json, so
+    transformers.AutoTokenizer.from_pretrained(out_dir) reads it)."""
     check_output_dir(out_dir, overwrite)
-    model, state = load_model(checkpoint)
+    step_url, state = resolve_checkpoint(checkpoint)
+    model = model_at(step_url, state)
     os.makedirs(out_dir, exist_ok=True)
-    eos = None
+    tok = eos = None
     try:
-        from elastic_gpt.data.manifest import load_manifest
-        eos = load_manifest(state["data"]["url"]).eos_id
+        tok, eos = checkpoint_tokenizer(step_url, state)
     except (ValueError, OSError, KeyError):
-        pass  # the dataset may be gone; the weights are still exportable
-    config, weights = (os.path.join(out_dir, name) for name in _OUTPUTS)
+        pass  # an old checkpoint whose dataset is gone: the weights are still exportable
+    files = {"config.json": json.dumps(hf_config(model, eos), indent=1)}
+    if tok is not None and hasattr(tok, "to_str"):
+        files["tokenizer.json"] = tok.to_str()
+        files["tokenizer_config.json"] = json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
+            "bos_token": tok.eos_token, "model_max_length": model.cfg.seq_len}, indent=1)
+    weights = os.path.join(out_dir, "model.safetensors")
     save_file(hf_state_dict(model), weights + ".tmp",
               metadata={"format": "pt", "elastic_gpt_step": str(state["step"])})
-    with open(config + ".tmp", "w") as f:
-        json.dump(hf_config(model, eos), f, indent=1)
+    for name, text in files.items():
+        with open(os.path.join(out_dir, name) + ".tmp", "w") as f:
+            f.write(text)
     os.replace(weights + ".tmp", weights)
-    os.replace(config + ".tmp", config)
+    for name in files:
+        os.replace(os.path.join(out_dir, name) + ".tmp", os.path.join(out_dir, name))
     return out_dir

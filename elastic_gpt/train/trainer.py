@@ -9,6 +9,7 @@ restart), and a planned restart is raised as `errors.ElasticRestart`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from elastic_gpt.data.manifest import open_validation_manifest
 from elastic_gpt.data.mixture import open_training_data
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.data.stream import open_step_stream
+from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
 from elastic_gpt.model.gpt import GPT, flops_per_token, token_losses
 from elastic_gpt.parallel.fsdp import (
@@ -178,7 +180,8 @@ class Trainer:
         self.checkpointer = make_checkpointer(
             cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
             trainer_state=self.trainer_state, before_save=self._flush_metrics,
-            on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds))
+            on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds),
+            extra_files=self._save_tokenizer)
 
     def _build_model(self) -> GPT:
         # Build on "meta" (no memory), shard, then materialise only this rank's shards.
@@ -424,8 +427,19 @@ class Trainer:
             "train_seed": self.cfg.train.seed,
             "global_batch_size": self.plan.global_batch_size,
             "ledger": self.ledger.to_dict(),
+            "tokenizer": {"name": tokenizer_name(self.tokenizer), "eos_id": self.manifest.eos_id,
+                          "vocab_size": self.manifest.vocab_size},
             "saved_at": time.time(),
         }
+
+    @functools.cached_property
+    def tokenizer(self):
+        return get_tokenizer(self.manifest.tokenizer, base=self.manifest.url)
+
+    def _save_tokenizer(self, step_url: str) -> None:
+        """Each checkpoint carries its tokenizer: `generate` and `export-hf` need nothing but the
+        checkpoint, even after the dataset is gone."""
+        save_tokenizer(self.tokenizer, step_url)
 
     # ---- the loop ----------------------------------------------------------------------------
 
