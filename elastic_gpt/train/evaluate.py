@@ -147,6 +147,25 @@ class Evaluator:
                           samples=self.num_samples, seconds=time.perf_counter() - t0)
 
 
+def gzip_bits_per_byte(manifest: Manifest, samples: int, tokenizer,
+                       storage_options: dict | None = None) -> tuple[float, int] | None:
+    """gzip -9's bits per byte on the text of the evaluated sequences, and that text's size:
+    the yardstick a model's val bits/byte is printed next to (a model that cannot beat a
+    general-purpose compressor on held-out text has not learnt much). The records' target
+    tokens are consecutive text, so decoding them in order gives that text back."""
+    import gzip
+
+    records = first_records(manifest, min(samples, manifest.num_samples))
+    if not records:
+        return None
+    tokens, _ = ShardReader(manifest, storage_options).read(records)
+    ids = [int(t) for t in np.asarray(tokens)[:, 1:].reshape(-1) if int(t) != manifest.eos_id]
+    text = tokenizer.decode(ids).encode("utf-8")
+    if not text:
+        return None
+    return 8 * len(gzip.compress(text, compresslevel=9)) / len(text), len(text)
+
+
 def release_gathered_weights(model: torch.nn.Module) -> None:
     """Reshard every FSDP module: a forward without backward leaves the weights gathered where
     reshard_after_forward is off (and always for the root), and the next training step must

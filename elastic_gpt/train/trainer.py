@@ -46,7 +46,7 @@ from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.replicate import NoReplication
 from elastic_gpt.parallel.tensor import loss_context
 from elastic_gpt.tracking import metric_names as mn
-from elastic_gpt.train.evaluate import EvalResult, Evaluator
+from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer
@@ -250,8 +250,23 @@ class Trainer:
         self.metrics.log(result.metrics(), step)
         if self.rank == 0:
             say(result.line(step))
+            if step == self.cfg.train.max_steps and result.bits_per_byte is not None:
+                self._say_against_gzip(result)
         self.last_eval = result
         return result
+
+    def _say_against_gzip(self, result: EvalResult) -> None:
+        """At the final evaluation: val bits/byte next to gzip -9 on exactly that text."""
+        try:
+            ref = gzip_bits_per_byte(self.evaluator.manifest, self.evaluator.num_samples,
+                                     get_tokenizer(self.evaluator.manifest.tokenizer,
+                                                   base=self.evaluator.manifest.url))
+        except Exception as e:  # a yardstick only: never fail a finished run over it
+            log.warning("could not compress the validation text for comparison (%s)", e)
+            return
+        if ref is not None:
+            say(f"[elastic-gpt] held-out text ({ref[1]:,} bytes): model {result.bits_per_byte:.3f} "
+                f"bits/byte, gzip -9 {ref[0]:.3f} bits/byte")
 
     def setup_line(self) -> str:
         """What this group runs, so a log shows the choices `auto` settings made."""
