@@ -40,9 +40,9 @@ train: venv data
 	mkdir -p $(RAY_TMPDIR)
 	$(BIN)/elastic-gpt train --config jobs/configs/mini.yaml
 	@echo "---- a sample from the trained model ----"
-	@# "def", not "def ": the BPE puts a word's leading space in the word's token, so a prompt
-	@# that ends in a space ends in a token that training never showed before a name.
-	$(BIN)/elastic-gpt generate --checkpoint runs/mini-bpe4k/checkpoints --prompt "def" \
+	@# generate heals a prompt's trailing space (the BPE puts a word's leading space in the
+	@# word's token): the first new token must start with it, so "def " is continued by " name".
+	$(BIN)/elastic-gpt generate --checkpoint runs/mini-bpe4k/checkpoints --prompt "def " \
 		--max-new-tokens 100 --temperature 0.7
 	@echo "---- MLflow: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
 

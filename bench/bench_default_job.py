@@ -12,7 +12,7 @@ the plain loop again, and reports median steady-state tokens/s of each (the job'
 per-step `step_time_s`). --quality: runs the job as `make train` does (all of train.max_steps),
 evaluates its checkpoint on every record of the dataset's validation split (<data.path>/val:
 summed token losses in nats / ln 2 / the UTF-8 bytes of the target tokens), compresses exactly
-the text of those documents with gzip -9 and xz -9, samples as `make train` does (prompt "def",
+the text of those documents with gzip -9 and xz -9, samples as `make train` does (prompt "def ",
 temperature 0.7, seed 0; and greedy) and reads the sample with Python's own `tokenize`; exit 1
 unless the bits per byte are below gzip's and the sample has a `def name(...):` line with an
 indented body and more than half its lines accepted by `tokenize`.
@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 CONFIG = os.path.join(ROOT, "jobs/configs/mini.yaml")
-PROMPT = "def"  # as `make train` samples (the Makefile says why not "def ")
+PROMPT = "def "  # as `make train` samples (generate heals the trailing space)
 
 
 def data_path() -> str:

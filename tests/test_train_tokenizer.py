@@ -168,3 +168,18 @@ def test_the_dataset_and_each_checkpoint_carry_a_trained_tokenizer(corpus, tmp_p
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert config["eos_token"] == HFTokenizer(str(out / TOKENIZER_FILE)).eos_token
+
+
+def test_a_prompt_ending_in_a_space_is_healed(corpus, tmp_path):
+    """`def ` is encoded as `def` and the first new token must begin with the space: the BPE
+    keeps a word's leading space in the word's token (` name`), never as a lone space before it."""
+    from elastic_gpt.inference.generate import heal_prompt, tokens_starting_with
+
+    train_tokenizer(str(corpus), str(tmp_path / "tok.json"), vocab_size=300)
+    tok = get_tokenizer(str(tmp_path / "tok.json"))
+    assert heal_prompt("def ") == ("def", " ") and heal_prompt("def") == ("def", "")
+    assert heal_prompt("   ") == ("   ", "")  # nothing left to encode: kept as typed
+    allowed = tokens_starting_with(tok, " ", tok.vocab_size + 20)
+    word = next(i for i in tok.encode("def f(x):\n    return x") if tok.decode([i]) == " return")
+    assert allowed[word] and not allowed[tok.encode("def")[0]]
+    assert not allowed[tok.vocab_size:].any()  # padding rows are never sampled

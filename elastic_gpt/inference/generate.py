@@ -70,14 +70,18 @@ def checkpoint_tokenizer(step_url: str, state: dict):
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
              top_k: int | None = 50, seed: int | None = None,
-             eos_id: int | None = None) -> torch.Tensor:
-    """idx (1, T) -> (1, T + n). temperature 0 is greedy (argmax), hence deterministic."""
+             eos_id: int | None = None,
+             first_allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """idx (1, T) -> (1, T + n). temperature 0 is greedy (argmax), hence deterministic.
+    `first_allowed`: a (vocab,) bool mask the first new token must be in (token healing)."""
     if temperature < 0 or max_new_tokens < 1:  # a negative temperature samples the least likely
         raise ValueError(f"temperature={temperature} must be >= 0 and max_new_tokens="
                          f"{max_new_tokens} at least 1")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         logits = model(idx[:, -model.cfg.seq_len:])[:, -1, :].float()  # (1, vocab)
+        if i == 0 and first_allowed is not None:
+            logits = logits.masked_fill(~first_allowed, float("-inf"))
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -97,8 +101,27 @@ def sample_text(checkpoint: str, prompt: str, max_new_tokens: int = 100, tempera
     step_url, state = resolve_checkpoint(checkpoint)
     model = model_at(step_url, state)
     tok, eos_id = checkpoint_tokenizer(step_url, state)
-    ids = tok.encode(prompt) or [eos_id]
+    head, tail = heal_prompt(prompt)
+    ids = tok.encode(head) or [eos_id]
+    allowed = tokens_starting_with(tok, tail, model.cfg.vocab_size) if tail else None
     out = generate(model, torch.tensor([ids]), max_new_tokens, temperature, seed=seed,
-                   eos_id=eos_id)
+                   eos_id=eos_id, first_allowed=allowed)
     new = [i for i in out[0, len(ids):].tolist() if i < tok.vocab_size]
-    return prompt + tok.decode(new)
+    return head + tok.decode(new)
+
+
+def heal_prompt(prompt: str) -> tuple[str, str]:
+    """(what to encode, what the first new token must start with). A BPE merges a word's
+    leading space into the word, so a prompt ending in a space (`def `) would end on a lone
+    space token that training text almost never has before a name; instead the space is left
+    to the model's first token (token healing)."""
+    head = prompt.rstrip(" ")
+    return (head, prompt[len(head):]) if head else (prompt, "")
+
+
+def tokens_starting_with(tok, text: str, vocab_size: int) -> torch.Tensor:
+    """(vocab_size,) bool: the ids whose text starts with `text`."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    for i in range(min(tok.vocab_size, vocab_size)):
+        mask[i] = tok.decode([i]).startswith(text)
+    return mask
