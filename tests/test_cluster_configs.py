@@ -336,6 +336,9 @@ def test_runtime_env_parses_like_ray_job_submit(tmp_path):
     zip_working_dir(str(REPO), env["excludes"], str(out))
     names = zipfile.ZipFile(out).namelist()
     assert "jobs/pretrain.py" in names and "jobs/configs/gpt2-124m.yaml" in names
+    # The excludes are gitignore patterns: the repository's data folder goes, the package's
+    # data layer (elastic_gpt/data) stays.
+    assert "elastic_gpt/data/manifest.py" in names
     for bad in (".venv/", ".git/", "data/", "runs/", ".ray_tmp/"):
         assert not any(n.startswith(bad) for n in names), bad
     assert out.stat().st_size < 50 * 2**20
