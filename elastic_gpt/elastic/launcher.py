@@ -273,7 +273,9 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     from elastic_gpt.tracking.runs import log_cluster_shape
 
     install_redaction(cfg.to_dict())  # no credential in printed lines or logs
+    config_path = os.path.abspath(config_path) if config_path else None
     manifest, gpt_cfg, store, latest = preflight(cfg)
+    _leave_job_working_dir()
     # Ray before MLflow: a cluster that cannot be reached must not reopen or create a run.
     started_cluster = connect_ray(cfg)
     _interrupt_on_sigterm()
@@ -323,6 +325,16 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
                    config=cfg.to_dict(), ledger=final.state.get("ledger") if final else None,
                    step=summary["step"], log_model=final_model)
     return summary
+
+
+def _leave_job_working_dir() -> None:
+    """Inside `ray job submit` the driver starts in Ray's unpacked copy of the working dir, and
+    Ray deletes that copy when another job sharing it (same code, same hash) ends, even while
+    this driver still runs; MLflow and others then fail on os.getcwd(). Every path is absolute
+    once preflight has passed, so the driver moves to the temp folder."""
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        import tempfile
+        os.chdir(tempfile.gettempdir())
 
 
 def _interrupt_on_sigterm() -> None:
