@@ -573,9 +573,19 @@ def test_training_goes_on_when_the_server_is_down(server, server_run, stdlib_dat
     """Resume the same run with the server stopped: a warning, the stored run id kept, every
     step trained and checkpointed; the run's metrics wait in the workers' queue."""
     server.stop()
+    # Keep the stopped server's port taken (bound, not listening: connections are refused, as
+    # at a host whose server is down), so no process started meanwhile (the driver's own local
+    # Ray dashboard picks a free port) can answer there in its place.
+    port = int(server_run["uri"].rsplit(":", 1)[1].split("/")[0])
+    down = socket.socket()
+    down.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    down.bind(("127.0.0.1", port))
     t0 = time.time()
-    out = train_cli(overrides(stdlib_dataset, server_run["root"], server_run["uri"],
-                              f"train.max_steps={STEPS + 3}"))
+    try:
+        out = train_cli(overrides(stdlib_dataset, server_run["root"], server_run["uri"],
+                                  f"train.max_steps={STEPS + 3}"))
+    finally:
+        down.close()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "is unreachable" in out.stderr and server_run["run_id"] in out.stderr
     assert PASSWORD not in out.stdout + out.stderr
