@@ -14,7 +14,6 @@ Ray job each and also assert the run stopped after one attempt.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ import subprocess
 import sys
 
 import pytest
+from test_cli import tree_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs", "operations.md")
@@ -340,17 +340,8 @@ class World:
             store.write_run_info({"mlflow_run_id": run_id, "run_name": "mini"})
 
     def digest(self) -> str:
-        """Every file's path and bytes under the world, and the MLflow runs' logical content."""
-        h = hashlib.sha256()
-        for dirpath, dirs, files in sorted(os.walk(self.root)):
-            dirs.sort()
-            h.update(dirpath.encode())
-            for f in sorted(files):
-                path = os.path.join(dirpath, f)
-                h.update(path.encode())
-                with open(path, "rb") as fh:
-                    h.update(fh.read())
-        return h.hexdigest()
+        """Every folder and file (path and bytes) under the world."""
+        return tree_digest(self.root)
 
     def runs(self) -> list[tuple]:
         import mlflow

@@ -32,8 +32,11 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def tree_digest(root: str) -> str:
+    """Every folder (an empty one left behind counts) and every file's path and bytes."""
     h = hashlib.sha256()
-    for dirpath, _, files in sorted(os.walk(root)):
+    for dirpath, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        h.update(dirpath.encode())
         for f in sorted(files):
             path = os.path.join(dirpath, f)
             h.update(path.encode())
