@@ -575,6 +575,378 @@ def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s:
                        goodput(interval, ckpt_write_s, recovery_s, mtbf), young, best)
 
 
+# ----------------------------------------------------------------------------- replica groups
+
+
+DEFAULT_HEARTBEAT_S = 2.0
+"""The trainer's default `elastic.replica_heartbeat_timeout_s`."""
+MIN_HEARTBEAT_S = 0.1
+"""The smallest heartbeat timeout the trainer's config accepts."""
+
+
+def replica_goodput(interval_s: float, ckpt_write_s: float, mtbf_s: float, *, stall_s: float,
+                    absent_s: float, n_groups: int, groups_lost: int = 1,
+                    degraded_speed: float | None = None, fallback_mtbf_s: float = math.inf,
+                    fallback_recovery_s: float = 0.0) -> float:
+    """Fraction of wall time spent on kept work with `elastic.replica_groups: N` (first order, the
+    same form as `goodput`).
+
+    Each cycle trains `interval_s`, then blocks `ckpt_write_s` for the checkpoint the fallback
+    needs. Group losses arrive at rate 1/mtbf_s (one per node failure); each costs every live
+    group `stall_s` (the heartbeat timeout, the discarded step in flight, and the heal, during
+    which the peer sending the state blocks its quorum), and while the lost `groups_lost` groups
+    are away (`absent_s`: restart and checkpoint read) the run goes on at `degraded_speed` of its
+    throughput (default (N - m) / N): (1 - speed) * absent_s of work per loss.
+
+    The fallback is modelled, not ignored, as the restart path at one node's failure rate:
+    losing the driver's node (it holds the Lighthouse and every group's run task) loses every
+    group at once, so at rate 1/fallback_mtbf_s the run pays `fallback_recovery_s` plus half a
+    cycle, as in `goodput`. The driver's node is counted on top of the training nodes (a head
+    node); where it is one of them, its failures are counted twice, on the pessimistic side.
+    Losing every group through overlapping failures needs N - 1 more within one group's absence
+    (rate ~ 1/M * (absent_s / M)**(N - 1)): second order, ignored, as `goodput` ignores failures
+    during a recovery.
+    """
+    tau, delta = interval_s, ckpt_write_s
+    if tau <= 0:
+        return 0.0
+    if not 1 <= groups_lost < n_groups:
+        raise ValueError(f"groups_lost={groups_lost} must be at least 1 and fewer than the "
+                         f"n_groups={n_groups}: some group has to survive a failure")
+    speed = (n_groups - groups_lost) / n_groups if degraded_speed is None else degraded_speed
+    per_loss = stall_s + (1.0 - speed) * absent_s
+    fallback = (fallback_recovery_s + (tau + delta) / 2) / fallback_mtbf_s
+    return max(0.0, tau / (tau + delta) * (1.0 - per_loss / mtbf_s - fallback))
+
+
+def cross_group_allreduce(shape: ModelShape, net: Network, group: Mesh, n_groups: int,
+                          n_syncs: int, total_gpus: int) -> tuple[float, float]:
+    """(bytes each GPU sends, seconds) per step for the average over the replica groups.
+
+    torchft's all-reduce hook (parallel/replicate.py) averages every FSDP unit's reduce-scattered
+    fp32 gradient shard, 4 * P_tp / dp_shard bytes per GPU in all, over the N groups at each
+    gradient sync: a ring all-reduce, 2 (N-1)/N of it per GPU. Every GPU of a group is in its own
+    ring (one per position in the group), so across nodes the rings of a node's GPUs share its
+    NICs. One latency per unit (L blocks and the root) per sync.
+    """
+    if n_groups <= 1:
+        return 0.0, 0.0
+    shard = FP32 * shape.local_params(group.tp) / group.dp_shard
+    per_sync = 2 * ring_bytes(shard, n_groups)
+    sharing = min(group.world, net.gpus_per_node)
+    seconds = net.ring_s(per_sync, across_nodes=total_gpus > net.gpus_per_node,
+                         nic_sharing=sharing) + shape.cfg.n_layer * net.latency_s
+    return n_syncs * per_sync, n_syncs * seconds
+
+
+@dataclass
+class ReplicaLayout:
+    """`elastic.replica_groups: N`: N groups of `group_gpus` GPUs, each its own FSDP2 (and tp,
+    and HSDP if it spans nodes) mesh holding the full sharded state, with the settings that
+    fit a group; what does not depend on the market."""
+
+    n_groups: int
+    group_gpus: int
+    candidate: LayoutCandidate
+    """One group's mesh and settings (micro-batch, checkpointing, grad sync, resharding), its
+    memory per GPU and its own step (FSDP2 and TP over group_gpus GPUs)."""
+    groups_lost: int
+    """Groups a node failure takes: 1 when a group is one or more whole nodes, else the groups
+    sharing the node."""
+    in_group_step_s: float
+    """The step inside a group: candidate's, or with --achieved-tflops the measured one."""
+    allreduce_bytes: float
+    """Cross-group gradient all-reduce, per GPU per step."""
+    allreduce_s: float
+    """Counted as exposed: the hook's `dist.all_reduce` on torchft's managed process group waits
+    for each unit's result before FSDP2's post-backward returns, so the rest of the backward does
+    not run under it."""
+    degraded_step_s: float
+    """The step while groups_lost groups are away: the survivors take the whole global batch
+    (more micro-batches per rank, C1's ceil included)."""
+    ckpt_write_s: float
+    """The leading group writes the whole checkpoint through its own nodes; the others wait for
+    it at the next quorum. (torchft's join timeout, two heartbeats, may let them go on without it,
+    which then rejoins by healing: not modelled, so long writes are counted pessimistically.)"""
+    ckpt_read_s: float
+    """A restarted group reads the newest checkpoint before it heals (the lost groups of one node
+    read through that node)."""
+    heal_bytes: float
+    """Per GPU: its shard of fp32 params + Adam moments (12 B/param), from a live peer."""
+    heal_s: float
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.candidate.mesh
+
+    @property
+    def memory(self) -> Memory:
+        return self.candidate.memory
+
+    @property
+    def step_s(self) -> float:
+        return self.in_group_step_s + self.allreduce_s
+
+    @property
+    def degraded_speed(self) -> float:
+        """Throughput while groups are away, relative to all N."""
+        return self.step_s / self.degraded_step_s
+
+
+@dataclass
+class ReplicaReliability:
+    """A ReplicaLayout's goodput on one market (its node MTBF)."""
+
+    layout: ReplicaLayout
+    mtbf_s: float
+    """Cluster MTBF: one group loss per node failure."""
+    fallback_mtbf_s: float
+    """The driver's node: losing it is the restart path."""
+    stall_s: float
+    """Per loss, every live group: heartbeat timeout + the discarded step in flight + heal."""
+    absent_s: float
+    """Per loss, the lost groups: restart + checkpoint read (the heal is in stall_s)."""
+    fallback_recovery_s: float
+    interval_s: float
+    every_steps: int
+    young_interval_s: float
+    goodput: float
+
+
+def replica_reliability(layout: ReplicaLayout, node_mtbf_h: float, nodes: int,
+                        heartbeat_s: float, restart_s: float, every_steps: int | None = None,
+                        max_steps: int | None = None) -> ReplicaReliability:
+    """Goodput of `layout` on a market. Per group loss the survivors stall the heartbeat timeout
+    (the Lighthouse drops the silent group from the next quorum) plus the attempt in flight,
+    whose work is discarded (it runs into the gone peer and is not committed): at most one step
+    (half of one on average; the bound is counted). Its redo is not counted again: it is a step
+    at the survivors' speed, which the absence term already charges. Then the heal: torchft's
+    quorum is synchronous (use_async_quorum=False), so the peer sending the state is inside its
+    quorum call until the copy is done, and the others wait for it at the step's first
+    cross-group all-reduce. The lost group is away for its restart and its read of the newest
+    checkpoint (it restores that, then heals to the live step).
+
+    Checkpoints are for the fallback only, so their interval is Young's for the fallback's MTBF
+    and the leading group's write time."""
+    mtbf, fallback_mtbf = node_mtbf_h * HOUR / nodes, node_mtbf_h * HOUR
+    step = layout.step_s
+    young = young_interval_s(layout.ckpt_write_s, fallback_mtbf)
+    if every_steps is None:
+        every_steps = max(1, round(young / step))
+        if max_steps is not None:
+            every_steps = min(every_steps, max_steps)
+    interval = every_steps * step
+    stall = heartbeat_s + step + layout.heal_s
+    absent = restart_s + layout.ckpt_read_s
+    # every group restarts and reads at once, the groups of a node through it, as lost ones do
+    fallback_recovery = restart_s + layout.ckpt_read_s
+    g = replica_goodput(interval, layout.ckpt_write_s, mtbf, stall_s=stall, absent_s=absent,
+                        n_groups=layout.n_groups, groups_lost=layout.groups_lost,
+                        degraded_speed=layout.degraded_speed, fallback_mtbf_s=fallback_mtbf,
+                        fallback_recovery_s=fallback_recovery)
+    return ReplicaReliability(layout, mtbf, fallback_mtbf, stall, absent, fallback_recovery,
+                              interval, every_steps, young, g)
+
+
+def replica_groups_problem(n_groups: int, n_gpus: int, tp: int, gpus_per_node: int) -> str | None:
+    """Why N groups cannot split these GPUs (one line), or None: the launcher's rule (N divides
+    the workers into groups of whole TP groups) and the planner's, that groups line up with nodes
+    (a group is whole nodes, or a node holds whole groups) and a node failure leaves a survivor."""
+    if n_gpus <= gpus_per_node:
+        return (f"--gpus={n_gpus} is one node: a node failure takes every replica group, so "
+                "none is left to keep training")
+    if n_groups < 2:
+        return (f"--replica-groups={n_groups}: one group is the restart path with torchft's "
+                "overhead; use 2 or more, or off")
+    if n_gpus % n_groups or (n_gpus // n_groups) % tp:
+        return (f"--replica-groups={n_groups} must divide --gpus={n_gpus} into groups of a "
+                f"multiple of tp={tp} GPUs (the launcher's rule)")
+    g = n_gpus // n_groups
+    if g % gpus_per_node and gpus_per_node % g:
+        return (f"--replica-groups={n_groups} gives groups of {g} GPUs, which straddle the "
+                f"{gpus_per_node}-GPU nodes: one node failure would take two groups")
+    return None
+
+
+def _replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G: int,
+                     usable: float, ckpt_bytes: float) -> tuple[list[ReplicaLayout], list[str]]:
+    """Every N whose groups fit, each with the fastest settings that fit a group (steady state
+    and while a group is away), searched as for the whole mesh over the group's own tp x HSDP x
+    micro-batch x checkpointing x grad sync x resharding (what is forced stays forced); and why
+    the others are not offered (one line for all that do not fit, naming the closest miss; N
+    that do not line up with nodes are left out). With a measured throughput (--achieved-tflops)
+    the in-group step is the measured one: per GPU a group does the whole mesh's work."""
+    gpn, W = net.gpus_per_node, p.n_gpus
+    forced = isinstance(p.replica_groups, int)
+    if p.replica_groups == "off":
+        return [], ["replica groups, by --replica-groups off"]
+    if W <= gpn and not forced:
+        return [], ["replica groups on one node: a node failure takes every group"]
+    ns = [p.replica_groups] if forced else [n for n in range(2, W + 1) if W % n == 0]
+    layouts, why_not, too_big = [], [], []
+    for n in ns:
+        problem = replica_groups_problem(n, W, p.tp or 1, gpn)
+        if problem and forced:
+            raise PlanError(problem)
+        if problem:
+            continue
+        g = W // n
+        lost = max(1, gpn // g)
+        try:
+            meshes = _meshes(dataclasses.replace(p, n_gpus=g), shape.cfg, net, g)
+        except PlanError as e:  # a forced tp or HSDP the group's size cannot take
+            if forced:
+                raise PlanError(f"--replica-groups={n} gives groups of {g} GPUs: {e}") from None
+            continue
+        best = _fastest_group_settings(p, shape, gpu, net, meshes, n, lost, G, usable)
+        if best is None:
+            floors = [_mesh_floor_memory(p, shape, m).total for m in meshes]
+            too_big.append((n, g, min(floors, default=math.inf)))
+            continue
+        c, k_away, ar_bytes, ar_s = best
+        mesh, steady_s = c.mesh, c.step.step_s
+        if p.achieved_flops_per_gpu:
+            hw_fpt = training_flops_per_token(shape, c.activation_checkpointing)
+            steady_s = time_to_train_s(G * shape.cfg.seq_len, hw_fpt, W,
+                                       p.achieved_flops_per_gpu)
+            away_s = steady_s * k_away / c.micro_batches_per_rank
+        else:
+            away_s = step_time(shape, gpu, net, g, c.micro_batch, k_away,
+                               activation_checkpointing=c.activation_checkpointing,
+                               dtype=p.dtype, grad_sync=c.grad_sync, efficiency=p.efficiency,
+                               reshard_after_forward=c.reshard_after_forward, tp=c.tp,
+                               hsdp=c.hsdp).step_s
+        _, ar_away_s = cross_group_allreduce(shape, net, mesh, n - lost,
+                                             _syncs(c.grad_sync, k_away), W)
+        group_nodes = net.nodes(g)
+        # A given --ckpt-write-s is for every node writing its part: one group's nodes write all
+        write_s = (p.ckpt_write_s * net.nodes(W) / group_nodes if p.ckpt_write_s is not None
+                   else ckpt_bytes / (group_nodes * p.ckpt_gbps * GB))
+        read_s = lost * ckpt_bytes / (group_nodes * p.ckpt_gbps * GB)
+        heal_bytes = CHECKPOINT_BYTES_PER_PARAM * shape.local_params(mesh.tp) / mesh.dp_shard
+        # the peer's node sends, the new node receives: every GPU's shard through its NICs
+        heal_s = max(heal_bytes / (net.intra_node_gbps * GB),
+                     min(g, gpn) * heal_bytes / (net.inter_node_gbps * GB)) + net.latency_s
+        layouts.append(ReplicaLayout(
+            n_groups=n, group_gpus=g, candidate=c, groups_lost=lost, in_group_step_s=steady_s,
+            allreduce_bytes=ar_bytes, allreduce_s=ar_s, degraded_step_s=away_s + ar_away_s,
+            ckpt_write_s=write_s, ckpt_read_s=read_s, heal_bytes=heal_bytes, heal_s=heal_s))
+    if too_big:
+        # the fewest groups that do not fit are the largest groups that do not: the closest miss
+        n, g, need = too_big[0]
+        size = (f"groups of {g} GPU{'s' if g > 1 else ''} need {need / GiB:.1f} GiB per GPU even "
+                f"at micro-batch 1 with checkpointing, {usable / GiB:.1f} usable")
+        if forced:
+            raise PlanError(f"--replica-groups={n}: {size}; use fewer groups")
+        why_not.append(f"N={', '.join(str(t[0]) for t in too_big)} "
+                       f"{'do not' if len(too_big) > 1 else 'does not'} fit: at N={n} {size}"
+                       + ("" if layouts else "; no group smaller than the whole cluster fits"))
+    if not layouts and not why_not:
+        why_not.append(f"no N splits {W} GPUs into groups of whole nodes (or whole groups per "
+                       "node) of whole tensor-parallel groups")
+    return layouts, why_not
+
+
+def _syncs(grad_sync: str, micro_batches: int) -> int:
+    """Gradient syncs per step: the cross-group all-reduce hook runs at each."""
+    return micro_batches if grad_sync == "microbatch" else 1
+
+
+def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
+                            meshes: list[Mesh], n: int, lost: int, G: int, usable: float
+                            ) -> tuple[LayoutCandidate, int, float, float] | None:
+    """One group's fastest candidate of n, by its step plus the cross-group all-reduce (grad
+    sync per step does it once), that also fits while `lost` groups are away (the survivors then
+    run more micro-batches per rank, and with grad sync per step accumulate unsharded grads).
+    Returns (candidate, micro-batches per rank while away, all-reduce bytes and seconds per
+    step). C1 is over every group's data-parallel ranks: n x the group's."""
+    ckpts = [False, True] if p.activation_checkpointing is None else [p.activation_checkpointing]
+    syncs = ["microbatch", "step"] if p.grad_sync == "auto" else [p.grad_sync]
+    best, best_key = None, None
+    for mesh in meshes:
+        for mb in _micro_batch_sizes(p, G, n * mesh.dp):
+            k = BatchPlan(G, mb).slots(n * mesh.dp)
+            k_away = BatchPlan(G, mb).slots((n - lost) * mesh.dp)
+            for ckpt, sync, reshard in itertools.product(ckpts, syncs, _reshard_choices(p)):
+                kw = dict(activation_checkpointing=ckpt, dtype=p.dtype, grad_sync=sync,
+                          reshard_after_forward=reshard, context_bytes=p.context_gib * GiB,
+                          fragmentation=p.fragmentation, tp=mesh.tp, dp_shard=mesh.dp_shard)
+                mem = memory_per_gpu(shape, mesh.world, mb, micro_batches_per_rank=k, **kw)
+                if mem.total > usable or memory_per_gpu(
+                        shape, mesh.world, mb, micro_batches_per_rank=k_away, **kw).total > usable:
+                    continue
+                st = step_time(shape, gpu, net, mesh.world, mb, k, activation_checkpointing=ckpt,
+                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                               reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp)
+                c = LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh)
+                ar_bytes, ar_s = cross_group_allreduce(shape, net, mesh, n, _syncs(sync, k),
+                                                       p.n_gpus)
+                key = (st.step_s + ar_s, *_choice_key(c)[1:])
+                if best_key is None or key < best_key:
+                    best, best_key = (c, k_away, ar_bytes, ar_s), key
+    return best
+
+
+@dataclass
+class FaultTolerance:
+    """The restart path against the best replica-group count on one market, by effective
+    throughput (steady-state tokens/s x goodput): same GPUs, so also by wall time and cost."""
+
+    market: str
+    restart: Reliability
+    restart_tokens_per_s: float
+    replica: list[ReplicaReliability]
+    """Every N that fits, highest effective throughput first."""
+    tokens_per_step: int
+    not_offered: list[str] = field(default_factory=list)
+    """Why replica groups (or some N) are not weighed, one line each."""
+    forced: bool = False
+    """--replica-groups N: the written config uses N whatever the comparison says."""
+
+    @property
+    def best(self) -> ReplicaReliability | None:
+        return self.replica[0] if self.replica else None
+
+    @property
+    def restart_effective(self) -> float:
+        return self.restart_tokens_per_s * self.restart.goodput
+
+    def replica_tokens_per_s(self, r: ReplicaReliability) -> float:
+        return self.tokens_per_step / r.layout.step_s
+
+    def replica_effective(self, r: ReplicaReliability) -> float:
+        return self.replica_tokens_per_s(r) * r.goodput
+
+    @property
+    def use_replica_groups(self) -> bool:
+        """Only when strictly better: the restart path needs neither torchft nor a Lighthouse."""
+        b = self.best
+        return b is not None and (self.forced
+                                  or self.replica_effective(b) > self.restart_effective)
+
+    def why(self) -> str:
+        """One line: which mode, and the two losses that decided it."""
+        b = self.best
+        lost_restart = 1 - self.restart.goodput
+        if b is None:
+            return "restart path (not offered: " + "; ".join(self.not_offered[:1]) + ")"
+        slower = b.layout.step_s * self.restart_tokens_per_s / self.tokens_per_step - 1
+        ratio = self.replica_effective(b) / max(self.restart_effective, 1e-12)
+        if self.use_replica_groups:
+            mode = (f"replica groups (N={b.layout.n_groups}"
+                    + (", as --replica-groups asks" if self.forced else "")
+                    + f"), {ratio:.3f}x the restart path's effective throughput")
+        else:
+            mode = (f"restart path, {1 / max(ratio, 1e-12):.3f}x replica groups' (N="
+                    f"{b.layout.n_groups}) effective throughput")
+        restart_step = self.tokens_per_step / self.restart_tokens_per_s
+        return (f"{mode}: the restart path loses {100 * lost_restart:.1f}% of wall time to "
+                f"failures and checkpoints, replica groups {100 * (1 - b.goodput):.1f}%, at a "
+                f"step time {100 * slower:+.1f}% (in the group "
+                f"{b.layout.in_group_step_s - restart_step:+.3f} s, cross-group all-reduce "
+                f"+{b.layout.allreduce_s:.3f} s)")
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -636,8 +1008,15 @@ class PlanInputs:
     """Restart after a failure before reloading (Ray Train's defaults: over a minute, docs/design.md)."""
     ckpt_every_steps: int | None = None
     market: str = "spot"
-    """Which price/MTBF the written config's checkpoint interval is tuned for: spot or on-demand."""
+    """Which price/MTBF the written config's checkpoint interval (and fault-tolerance mode) is
+    tuned for: spot or on-demand."""
     min_workers: int | None = None
+    replica_groups: str | int = "auto"
+    """auto: weigh every replica-group count N against the restart path and write the better;
+    off: the restart path only; N: plan and write N groups."""
+    replica_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_S
+    """What the written elastic.replica_heartbeat_timeout_s will be: each group loss stalls the
+    survivors this long."""
 
 
 @dataclass
@@ -709,6 +1088,20 @@ class Plan:
     layouts: list[tuple[Mesh, LayoutCandidate | None, Memory]] = field(default_factory=list)
     """Each mesh weighed: its fastest fitting candidate (None: nothing fits) and its smallest
     footprint (micro-batch 1, checkpointing, ZeRO-3)."""
+    fault_tolerance_by_market: dict[str, FaultTolerance] = field(default_factory=dict)
+    """The restart path against replica groups, keyed by "on-demand" and "spot"."""
+    replica_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_S
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance:
+        """The market the config is written for."""
+        return self.fault_tolerance_by_market[self.market]
+
+    @property
+    def chosen_replica_groups(self) -> ReplicaReliability | None:
+        """The replica groups the written config asks for, or None: the restart path."""
+        ft = self.fault_tolerance_by_market.get(self.market)
+        return ft.best if ft is not None and ft.use_replica_groups else None
 
     @property
     def runner_up(self) -> LayoutCandidate | None:
@@ -751,6 +1144,11 @@ def plan_training(inputs: PlanInputs) -> Plan:
         raise PlanError(f"--gpus={p.n_gpus} must be at least 1")
     if not 0 < p.efficiency <= 1:
         raise PlanError(f"--efficiency={p.efficiency} must be in (0, 1]")
+    if p.replica_groups not in ("auto", "off") and not isinstance(p.replica_groups, int):
+        raise PlanError(f"--replica-groups={p.replica_groups!r} must be auto, off or a count")
+    if not p.replica_heartbeat_timeout_s >= MIN_HEARTBEAT_S:
+        raise PlanError(f"--replica-heartbeat-timeout-s={p.replica_heartbeat_timeout_s} must be "
+                        f"at least {MIN_HEARTBEAT_S} (the trainer's config refuses less)")
     G = p.global_batch_size or default_global_batch(shape)
     meshes = _meshes(p, cfg, net, p.n_gpus)
     if G < min(m.dp for m in meshes):
@@ -808,6 +1206,18 @@ def plan_training(inputs: PlanInputs) -> Plan:
                             p.ckpt_every_steps, max_steps)
     spot = reliability(p.spot_node_mtbf_h, nodes, write_s, recovery_s, step_s,
                        p.ckpt_every_steps, max_steps)
+    replica_layouts, not_offered = _replica_layouts(p, shape, gpu, net, G, usable, ckpt_bytes)
+    fault_tolerance = {}
+    for market, restart, node_mtbf_h in (("on-demand", on_demand, p.node_mtbf_h),
+                                         ("spot", spot, p.spot_node_mtbf_h)):
+        ft = FaultTolerance(market, restart, tokens_per_s, [], tokens_per_step,
+                            list(not_offered), forced=isinstance(p.replica_groups, int))
+        ft.replica = sorted((replica_reliability(lay, node_mtbf_h, nodes,
+                                                 p.replica_heartbeat_timeout_s, p.restart_s,
+                                                 p.ckpt_every_steps, max_steps)
+                             for lay in replica_layouts),
+                            key=lambda r, ft=ft: (-ft.replica_effective(r), r.layout.n_groups))
+        fault_tolerance[market] = ft
 
     notes = []
     if name != "custom" and shape.params < 10e6:
@@ -856,7 +1266,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
         warmup_steps=max(1, min(math.ceil(375e6 / tokens_per_step), max_steps // 10)),
         min_workers=p.min_workers or _min_workers(p, shape, chosen, usable, G, net),
         dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
-        notes=notes, layouts=layouts)
+        notes=notes, layouts=layouts, fault_tolerance_by_market=fault_tolerance,
+        replica_heartbeat_timeout_s=p.replica_heartbeat_timeout_s)
     if plan.warmup_steps > max_steps:
         plan.warmup_steps = max_steps
     return plan
@@ -1152,7 +1563,9 @@ def training_config(plan: Plan) -> dict:
     else:
         model = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                  "seq_len": cfg.seq_len}
-    c = plan.chosen
+    rg = plan.chosen_replica_groups
+    # replica groups run the settings that fit a group, in groups of a fixed size
+    c = rg.layout.candidate if rg else plan.chosen
     return {
         "model": model,
         "train": {"global_batch_size": plan.global_batch_size, "micro_batch_size": c.micro_batch,
@@ -1160,8 +1573,12 @@ def training_config(plan: Plan) -> dict:
                   "activation_checkpointing": c.activation_checkpointing,
                   "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
                   "dtype": "float32" if _dtype_bytes(plan.dtype) == 4 else "bfloat16"},
-        "scaling": {"min_workers": plan.min_workers, "max_workers": plan.n_gpus, "use_gpu": True},
-        "checkpoint": {"every_steps": plan.reliability.every_steps},
+        "scaling": {"min_workers": plan.n_gpus if rg else plan.min_workers,
+                    "max_workers": plan.n_gpus, "use_gpu": True},
+        "checkpoint": {"every_steps": rg.every_steps if rg else plan.reliability.every_steps},
+        "elastic": ({"replica_groups": rg.layout.n_groups,
+                     "replica_heartbeat_timeout_s": plan.replica_heartbeat_timeout_s}
+                    if rg else {"replica_groups": "off"}),
     } | _parallel_keys(c)
 
 
@@ -1277,6 +1694,7 @@ def format_report(plan: Plan) -> str:
             f"{rel.every_steps} steps ({_duration(rel.interval_s)}, Young/Daly "
             f"sqrt(2*delta*MTBF) = {_duration(rel.young_interval_s)}): goodput "
             f"{100 * rel.goodput:.1f}%")
+    lines += ["", *_fault_tolerance_lines(plan)]
     lines += [
         "",
         f"cost (prices {PRICES_AS_OF}, $/GPU-hour; wall time = training time / goodput)",
@@ -1291,6 +1709,60 @@ def format_report(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _fault_tolerance_lines(plan: Plan) -> list[str]:
+    """The restart path and the best replica groups side by side, per market, and which one the
+    written config takes."""
+    ft = plan.fault_tolerance
+    lines = ["fault tolerance: the restart path or replica groups (elastic.replica_groups, "
+             "docs/replica-groups.md)"]
+    rg = ft.best
+    if rg is not None:
+        lay = rg.layout
+        lines += [
+            f"  replica groups N={lay.n_groups}: {lay.n_groups} x {lay.group_gpus} GPUs, each "
+            f"{lay.mesh.label()}, {lay.candidate.settings()}, {lay.memory.total / GiB:.1f} GiB "
+            "per GPU; step "
+            f"{lay.step_s:.3f} s = {lay.in_group_step_s:.3f} s in the group + cross-group "
+            f"all-reduce {lay.allreduce_s:.3f} s ({lay.allreduce_bytes / GB:.2f} GB per GPU, not "
+            "overlapped)",
+            f"  a lost group: the others stall {plan.replica_heartbeat_timeout_s:g} s (heartbeat) "
+            f"+ 1 step (the one in flight, discarded) + {_seconds(lay.heal_s)} healing it "
+            f"({lay.heal_bytes / GB:.2f} GB of state per GPU from a peer) = {rg.stall_s:.1f} s; "
+            f"it is away {rg.absent_s:.1f} s (restart + checkpoint read) while "
+            f"{lay.n_groups - lay.groups_lost} of {lay.n_groups} groups train at "
+            f"{100 * lay.degraded_speed:.0f}% speed (step {lay.degraded_step_s:.3f} s)",
+            f"  checkpoints only for the fallback (the driver's node, with the Lighthouse, "
+            f"lost: the restart path): the leading group writes them in {lay.ckpt_write_s:.1f} s",
+        ]
+        others = [r for r in ft.replica if r is not rg]
+        if others:
+            best = ft.replica_effective(rg)
+            lines.append(f"  also weighed ({ft.market}, effective throughput against N="
+                         f"{lay.n_groups}'s): " + ", ".join(
+                             f"N={r.layout.n_groups} {ft.replica_effective(r) / best:.2f}x"
+                             for r in others))
+    lines += [f"  not offered: {n}" for n in ft.not_offered]
+    lines.append(f"  {'market':9s}  {'mode':15s} {'goodput':>7s} {'tokens/s x goodput':>19s} "
+                 f"{'wall time':>11s} {'cost':>12s}  checkpoint every")
+    for label in ("on-demand", "spot"):
+        m = plan.fault_tolerance_by_market[label]
+        price = plan.spot_usd if label == "spot" else plan.on_demand_usd
+        rows = [("restart path", m.restart.goodput, m.restart_effective,
+                 plan.time_to_train_s, m.restart.every_steps)]
+        if m.best is not None:
+            b = m.best
+            rows.append((f"replica N={b.layout.n_groups}", b.goodput, m.replica_effective(b),
+                         plan.max_steps * b.layout.step_s, b.every_steps))
+        for i, (mode, g, effective, train_s, every) in enumerate(rows):
+            wall = train_s / max(g, 1e-9)
+            lines.append(f"  {label if i == 0 else '':9s}  {mode:15s} {100 * g:6.1f}% "
+                         f"{effective:19,.0f} {_duration(wall):>11s} "
+                         f"{'$' + format(wall / HOUR * plan.n_gpus * price, ',.0f'):>12s}  "
+                         f"{every} steps")
+    lines.append(f"  written config ({ft.market}): {ft.why()}")
+    return lines
+
+
 def _why(chosen: LayoutCandidate, other: LayoutCandidate) -> str:
     """One line: what the chosen layout saves over the runner-up, by where the time goes."""
     a, b = chosen.step, other.step
@@ -1303,6 +1775,11 @@ def _why(chosen: LayoutCandidate, other: LayoutCandidate) -> str:
     return (f"{chosen.mesh.label()}, {b.step_s - a.step_s:.3f} s/step faster than the runner-up "
             f"{other.mesh.label()} ({other.settings()}; runner-up minus chosen: "
             f"{', '.join(parts) or 'equal'})")
+
+
+def _seconds(s: float) -> str:
+    """A short time with the digits that matter (healing takes milliseconds to minutes)."""
+    return f"{s:.3f} s" if s < 1 else _duration(s)
 
 
 def _duration(s: float) -> str:
@@ -1325,6 +1802,32 @@ def parse_count(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 300B, 1.5T, 3e11)") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive count (e.g. 300B, 1.5T, 3e11)")
+    return value
+
+
+def parse_replica_groups(text: str) -> str | int:
+    """'auto', 'off' or a group count of at least 2."""
+    t = str(text).strip().lower()
+    if t in ("auto", "off"):
+        return t
+    try:
+        n = int(t)
+    except ValueError:
+        n = 0
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, off or a group count >= 2")
+    return n
+
+
+def heartbeat_timeout(text: str) -> float:
+    """A heartbeat timeout the trainer's config accepts: at least MIN_HEARTBEAT_S seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= MIN_HEARTBEAT_S):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= "
+                                         f"{MIN_HEARTBEAT_S}")
     return value
 
 
@@ -1382,7 +1885,14 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--ckpt-every-steps", type=positive_int, help="evaluate this interval instead of "
                    "the Young/Daly one")
     r.add_argument("--market", choices=["spot", "on-demand"], default="spot",
-                   help="capacity the written config's checkpoint interval is tuned for")
+                   help="capacity the written config's checkpoint interval and fault-tolerance "
+                   "mode are tuned for")
+    r.add_argument("--replica-groups", type=parse_replica_groups, default="auto",
+                   help="auto: weigh replica groups (elastic.replica_groups) against the restart "
+                   "path and write the better; off: the restart path; N: plan N groups")
+    r.add_argument("--replica-heartbeat-timeout-s", type=heartbeat_timeout,
+                   default=DEFAULT_HEARTBEAT_S, help="elastic.replica_heartbeat_timeout_s: each "
+                   f"lost group stalls the others this long (default {DEFAULT_HEARTBEAT_S:g})")
     o = parser.add_argument_group("output")
     o.add_argument("--min-workers", type=positive_int, help="elastic floor for --write-config")
     o.add_argument("--write-config", metavar="FILE", help="write a ready training config YAML")
@@ -1409,7 +1919,9 @@ def inputs_from_args(args) -> PlanInputs:
         on_demand_usd=args.on_demand_price, spot_usd=args.spot_price, hardware=hardware,
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,
-        ckpt_every_steps=args.ckpt_every_steps, market=args.market, min_workers=args.min_workers)
+        ckpt_every_steps=args.ckpt_every_steps, market=args.market, min_workers=args.min_workers,
+        replica_groups=args.replica_groups,
+        replica_heartbeat_timeout_s=args.replica_heartbeat_timeout_s)
 
 
 def run_from_args(args) -> int:
@@ -1429,8 +1941,28 @@ def run_from_args(args) -> int:
     return 0
 
 
+def _fault_tolerance_summary(ft: FaultTolerance) -> dict:
+    b = ft.best
+    replica = None if b is None else {
+        "n_groups": b.layout.n_groups, "group_gpus": b.layout.group_gpus,
+        "groups_lost_per_node_failure": b.layout.groups_lost,
+        "memory_bytes": b.layout.memory.total, "step_s": b.layout.step_s,
+        "in_group_step_s": b.layout.in_group_step_s, "allreduce_s": b.layout.allreduce_s,
+        "allreduce_bytes": b.layout.allreduce_bytes, "degraded_step_s": b.layout.degraded_step_s,
+        "heal_s": b.layout.heal_s, "stall_s": b.stall_s, "absent_s": b.absent_s,
+        "ckpt_write_s": b.layout.ckpt_write_s, "ckpt_every_steps": b.every_steps,
+        "goodput": b.goodput, "effective_tokens_per_s": ft.replica_effective(b),
+        "weighed": {r.layout.n_groups: ft.replica_effective(r) for r in ft.replica}}
+    return {"mode": "replica_groups" if ft.use_replica_groups else "restart",
+            "restart": {"goodput": ft.restart.goodput, "step_s":
+                        ft.tokens_per_step / ft.restart_tokens_per_s,
+                        "effective_tokens_per_s": ft.restart_effective,
+                        "ckpt_every_steps": ft.restart.every_steps},
+            "replica_groups": replica, "not_offered": ft.not_offered, "why": ft.why()}
+
+
 def plan_summary(plan: Plan) -> dict:
-    c = plan.chosen
+    c, rg = plan.chosen, plan.chosen_replica_groups
     return {
         "model": plan.model_name, "params": plan.shape.params, "gpu": plan.gpu.name,
         "n_gpus": plan.n_gpus, "nodes": plan.nodes,
@@ -1450,6 +1982,9 @@ def plan_summary(plan: Plan) -> dict:
         "max_steps": plan.max_steps, "time_to_train_s": plan.time_to_train_s,
         "goodput_on_demand": plan.on_demand.goodput, "goodput_spot": plan.spot.goodput,
         "ckpt_every_steps": plan.reliability.every_steps,
+        "replica_groups": rg.layout.n_groups if rg else "off",
+        "fault_tolerance": {market: _fault_tolerance_summary(ft)
+                            for market, ft in plan.fault_tolerance_by_market.items()},
         "cost_on_demand_usd": plan.cost_usd(spot=False), "cost_spot_usd": plan.cost_usd(spot=True),
         "layouts": [{"tp": m.tp, "hsdp": m.hsdp, "fits": best is not None,
                      "step_s": best.step.step_s if best else None,
