@@ -884,6 +884,9 @@ def test_a_long_heartbeat_timeout_makes_the_restart_path_win():
         pytest.approx(3598.0, rel=1e-3)
     assert slow.spot.goodput == quick.spot.goodput  # the restart path does not have one
     assert training_config(slow)["elastic"] == {"replica_groups": "off"}
+    # an hour's stall per loss, with a loss every 11 minutes, leaves no goodput: still reported
+    assert slow.fault_tolerance.best.goodput == 0.0
+    assert "written config (spot): restart path" in format_report(slow)
 
 
 def test_groups_smaller_than_a_node_are_all_lost_with_it():

@@ -936,9 +936,11 @@ class FaultTolerance:
             mode = (f"replica groups (N={b.layout.n_groups}"
                     + (", as --replica-groups asks" if self.forced else "")
                     + f"), {ratio:.3f}x the restart path's effective throughput")
-        else:
-            mode = (f"restart path, {1 / max(ratio, 1e-12):.3f}x replica groups' (N="
+        elif ratio > 0:
+            mode = (f"restart path, {1 / ratio:.3f}x replica groups' (N="
                     f"{b.layout.n_groups}) effective throughput")
+        else:
+            mode = f"restart path, where replica groups (N={b.layout.n_groups}) keep no goodput"
         restart_step = self.tokens_per_step / self.restart_tokens_per_s
         return (f"{mode}: the restart path loses {100 * lost_restart:.1f}% of wall time to "
                 f"failures and checkpoints, replica groups {100 * (1 - b.goodput):.1f}%, at a "
@@ -1735,12 +1737,15 @@ def _fault_tolerance_lines(plan: Plan) -> list[str]:
             f"lost: the restart path): the leading group writes them in {lay.ckpt_write_s:.1f} s",
         ]
         others = [r for r in ft.replica if r is not rg]
-        if others:
-            best = ft.replica_effective(rg)
+        best = ft.replica_effective(rg)
+        if others and best > 0:
             lines.append(f"  also weighed ({ft.market}, effective throughput against N="
                          f"{lay.n_groups}'s): " + ", ".join(
                              f"N={r.layout.n_groups} {ft.replica_effective(r) / best:.2f}x"
                              for r in others))
+        elif others:  # no goodput left at any N (stalls longer than the time between losses)
+            lines.append(f"  also weighed ({ft.market}): " + ", ".join(
+                f"N={r.layout.n_groups}" for r in others) + ", all at goodput 0")
     lines += [f"  not offered: {n}" for n in ft.not_offered]
     lines.append(f"  {'market':9s}  {'mode':15s} {'goodput':>7s} {'tokens/s x goodput':>19s} "
                  f"{'wall time':>11s} {'cost':>12s}  checkpoint every")
@@ -1754,11 +1759,11 @@ def _fault_tolerance_lines(plan: Plan) -> list[str]:
             rows.append((f"replica N={b.layout.n_groups}", b.goodput, m.replica_effective(b),
                          plan.max_steps * b.layout.step_s, b.every_steps))
         for i, (mode, g, effective, train_s, every) in enumerate(rows):
-            wall = train_s / max(g, 1e-9)
+            wall = train_s / g if g > 0 else math.inf
+            cost = (f"${wall / HOUR * plan.n_gpus * price:,.0f}" if g > 0 else "never ends")
             lines.append(f"  {label if i == 0 else '':9s}  {mode:15s} {100 * g:6.1f}% "
-                         f"{effective:19,.0f} {_duration(wall):>11s} "
-                         f"{'$' + format(wall / HOUR * plan.n_gpus * price, ',.0f'):>12s}  "
-                         f"{every} steps")
+                         f"{effective:19,.0f} {_duration(wall) if g > 0 else '-':>11s} "
+                         f"{cost:>12s}  {every} steps")
     lines.append(f"  written config ({ft.market}): {ft.why()}")
     return lines
 
