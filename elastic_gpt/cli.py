@@ -30,8 +30,13 @@ def _train(args) -> int:
     say(f"[elastic-gpt] goodput {g['goodput']:.1%}: productive {g['productive_s']:.0f}s, "
         f"recovery {g['recovery_s']:.0f}s, checkpoint {g['checkpoint_s']:.0f}s, "
         f"evaluation {g.get('eval_s', 0):.0f}s, lost "
-        f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)")
+        f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)"
+        + (f"; {g['degraded_s']:.0f}s of the productive time with fewer replica groups"
+           if g.get("degraded_s") else ""))
     for e in summary["events"]:
+        if "from_groups" in e:  # replica groups (C7): the run went on
+            say(f"[elastic-gpt]   {e['kind']} at step {e['step']}: {e['detail']}")
+            continue
         say(f"[elastic-gpt]   {e['kind']}: W {e['from_world_size']} -> {e['to_world_size']} "
             f"at step {e['resumed_from_step']}, recovered in {e.get('recovery_s', 0):.1f}s, "
             f"{e['lost_steps']} step(s) re-done ({e['detail'][:80]})")

@@ -210,6 +210,11 @@ class ElasticSection:
     """Failure budget over a sliding hour; restarts stop once it is spent."""
     worker_start_timeout_s: float = 20.0
     """How long to wait for a worker group's resources before retrying at the live size."""
+    hang_timeout_s: Annotated[float, Range(1)] = 300.0
+    """A hung rank (a stuck process, a peer that vanished without closing its connections) is a
+    failure after this long: the bound on every collective, on torchft's quorum, and on a worker
+    not answering Ray Train's health check. Above the longest legitimate wait of a step (a
+    checkpoint write, the first NCCL connection of a large group)."""
     replica_groups: Literal["off"] | Annotated[int, Range(1)] = "off"
     """off: one worker group, restarted from the newest checkpoint on any membership change.
     N: N replica groups (docs/replica-groups.md): each its own Ray Train run of

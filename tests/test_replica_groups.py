@@ -2,7 +2,9 @@
 model, each its own Ray Train run. A worker of group 1 is SIGKILLed mid-run: group 0 keeps
 stepping (no restart, no checkpoint read), Ray restarts group 1's run, which heals from group 0 to
 identical parameters and optimizer state, and every committed step has the data and (within
-float noise) the loss of an uninterrupted single-process run."""
+float noise) the loss of an uninterrupted single-process run. Then the Lighthouse is SIGKILLed:
+the run falls back to the restart path (a new Lighthouse, every group restored from the newest
+checkpoint, bit-identical to the live state it saved) and finishes on the same trajectory."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ import pytest
 
 from elastic_gpt.config import load_config
 from elastic_gpt.data.fingerprint import join_fingerprint
+from elastic_gpt.tracking import metric_names as mn
 
 pytestmark = pytest.mark.slow
 
 # The survivor must still be stepping when Ray has restarted the killed group's run (~10-30 s
 # on 2 loaded cores), so the run is long in steps; a tiny-model step is ~0.1-0.3 s here.
-STEPS = 120
-KILL_AT = 8
+STEPS = 150
+CHECKPOINT_EVERY = 10  # the fallback's restart point
+KILL_AT = 12  # between two checkpoint steps: the stall measured is the failure's alone
 WORKERS = 2  # per group: FSDP2 shards inside each group, and the heal goes shard by shard
 HEARTBEAT_S = 1.0
 # 6 micro-batches over 2 groups x 2 ranks: blocks of 1 and 2, so the cross-group average must
@@ -30,7 +34,7 @@ HEARTBEAT_S = 1.0
 ARGS = ["model.preset=tiny", "train.global_batch_size=6", "train.micro_batch_size=1",
         f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=8",
         "train.dtype=float32", "data.prefetch_steps=2", "eval.samples=0",
-        "scaling.cpus_per_worker=1", "checkpoint.every_steps=1000", "checkpoint.keep=1",
+        "scaling.cpus_per_worker=1", f"checkpoint.every_steps={CHECKPOINT_EVERY}", "checkpoint.keep=2",
         f"elastic.replica_heartbeat_timeout_s={HEARTBEAT_S}", "elastic.max_failures_per_hour=3"]
 
 
@@ -82,20 +86,43 @@ def _records(folder: str) -> list[dict]:
     return sorted(out, key=lambda r: r["t"])
 
 
-def _kill_group_1_at(folder: str, step: int, timeout_s: float = 150.0) -> dict:
-    """SIGKILL group 1's rank-0 worker once it has committed `step` together with group 0."""
+def _wait_records(folder: str, found, timeout_s: float = 150.0, what: str = ""):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         recs = _records(folder)
-        done = [r for r in recs if r["group"] == 1 and r.get("event") == "step" and r["committed"]
-                and r["step"] >= step and r["groups"] == 2]
-        if done:
-            start = [r for r in recs if r["group"] == 1 and r["rank"] == 0
-                     and r["event"] == "start"][-1]
-            os.kill(start["pid"], signal.SIGKILL)
-            return {"t": time.time(), "pid": start["pid"]}
-        time.sleep(0.05)
-    raise TimeoutError("group 1 never reached the kill step")
+        hit = found(recs)
+        if hit:
+            return recs, hit
+        time.sleep(0.1)
+    raise TimeoutError(f"never saw {what}")
+
+
+def _faults(folder: str) -> dict:
+    """SIGKILL group 1's rank-0 worker once it has committed KILL_AT together with group 0; once
+    its replacement has healed and both groups have committed a few steps and a checkpoint
+    together, SIGKILL the Lighthouse."""
+    recs, _ = _wait_records(folder, lambda recs: [
+        r for r in recs if r["group"] == 1 and r.get("event") == "step" and r["committed"]
+        and r["step"] >= KILL_AT and r["groups"] == 2], what="group 1 at the kill step")
+    start = [r for r in recs if r["group"] == 1 and r["rank"] == 0 and r["event"] == "start"][-1]
+    os.kill(start["pid"], signal.SIGKILL)
+    worker_kill = time.time()
+
+    def rejoined(recs):
+        healed = [r for r in recs if r["group"] == 1 and r["event"] == "join"
+                  and r["t"] > worker_kill]
+        together = [r for r in recs if r.get("event") == "step" and r["committed"]
+                    and r["t"] > worker_kill and r["groups"] == 2]
+        return healed and len(together) >= 4 * 2 * WORKERS and together
+    _, together = _wait_records(folder, rejoined, what="group 1 healed and stepping")
+    # Past a checkpoint step, so the fallback re-does some steps (C4 + C7).
+    at = together[-1]["step"] // CHECKPOINT_EVERY * CHECKPOINT_EVERY + 3
+    recs, _ = _wait_records(folder, lambda recs: [
+        r for r in recs if r.get("event") == "step" and r["committed"] and r["step"] >= at],
+        what=f"step {at}")
+    lighthouse = [r for r in recs if r.get("event") == "lighthouse"][-1]
+    os.kill(lighthouse["pid"], signal.SIGKILL)
+    return {"t": worker_kill, "pid": start["pid"], "lighthouse_t": time.time()}
 
 
 def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset, reference,
@@ -110,8 +137,11 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
     cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg", [
         "elastic.replica_groups=2", f"scaling.min_workers={2 * WORKERS}",
         f"scaling.max_workers={2 * WORKERS}"]))
-    summary, kill = train_in_background(cfg, lambda: _kill_group_1_at(records, KILL_AT), timeout_s=400)
-    recs = _records(records)
+    summary, kill = train_in_background(cfg, lambda: _faults(records), timeout_s=500)
+    everything = _records(records)
+    # Until the Lighthouse died: one torchft run of replica groups.
+    recs = [r for r in everything if r["t"] < kill["lighthouse_t"]]
+    after = [r for r in everything if r["t"] >= kill["lighthouse_t"]]
     steps = [r for r in recs if r.get("event") == "step"]
     committed = [r for r in steps if r["committed"]]
 
@@ -124,7 +154,7 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
     g0 = [r for r in committed if r["group"] == 0 and r["rank"] == 0]
     assert len([r for r in recs if r["group"] == 0 and r["event"] == "start"]) == WORKERS
     # (Group 0 may have been the later of the two to start, and healed at its first quorum.)
-    assert [r["step"] for r in g0] == list(range(g0[0]["step"], STEPS))
+    assert [r["step"] for r in g0] == list(range(g0[0]["step"], g0[-1]["step"] + 1))
     gaps = [b["t"] - a["t"] for a, b in zip(g0, g0[1:])]
     steady = sorted(gaps)[len(gaps) // 2]
     stall = max(b["t"] - a["t"] for a, b in zip(g0, g0[1:]) if b["t"] >= kill["t"] - steady)
@@ -144,10 +174,30 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
     state = {(r["group"], r["rank"], r["step"]): r["hash"] for r in recs if r["event"] == "state"}
     for rank in range(WORKERS):
         assert state[(1, rank, healed_step)] == state[(0, rank, healed_step)]
-        assert state[(1, rank, STEPS - 1)] == state[(0, rank, STEPS - 1)]
+
+    # (g) The Lighthouse lost: every group restarted once more and restored the newest
+    # checkpoint, whose state is the live state of that step (C3), and the groups went on
+    # together to the end, equal to each other.
+    restarts = [r for r in after if r["event"] == "start"]
+    assert sorted((r["group"], r["rank"]) for r in restarts) == [
+        (g, rank) for g in range(2) for rank in range(WORKERS)], restarts
+    resumed = min(r["step"] for r in after if r["event"] == "state")
+    assert resumed % CHECKPOINT_EVERY == 0 and resumed < max(r["step"] for r in g0)
+    restored = {(r["group"], r["rank"]): r["hash"] for r in after
+                if r["event"] == "state" and r["step"] == resumed}
+    live = {(r["group"], r["rank"]): r["hash"] for r in recs
+            if r["event"] == "state" and r["step"] == resumed}
+    common = restored.keys() & live.keys()  # group 1 may not have been live at that step
+    assert common and all(restored[k] == live[k] for k in common), (restored, live)
+    final = {(r["group"], r["rank"]): r["hash"] for r in after
+             if r["event"] == "state" and r["step"] == STEPS - 1}
+    for rank in range(WORKERS):
+        assert final[(1, rank)] == final[(0, rank)]
+    steps += [r for r in after if r.get("event") == "step"]
+    committed += [r for r in after if r.get("event") == "step" and r["committed"]]
 
     # (c), (d) C7 with C1/C2: every step committed exactly once per live group, on the data of
-    # the uninterrupted run, with its loss within float noise.
+    # the uninterrupted run, with its loss within float noise (before and after the fallback).
     ref_loss, ref_fp, tokens = reference
     for s in range(STEPS):
         at = [r for r in committed if r["step"] == s and r["rank"] == 0]
@@ -156,6 +206,16 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
             lo, hi = r["fp"]
             assert join_fingerprint(lo, hi) == ref_fp[s], f"step {s} trained other samples (C2)"
             assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=2e-3), s
+    # One run for the user (C5): the ledger counts the degraded time, the groups lost and
+    # joined and the fallback; MLflow has the live groups per step.
+    import mlflow
+    events = [e["kind"] for e in summary["events"]]
+    assert "replica group lost" in events and "replica group joined" in events, events
+    assert "failure" in events, events  # the fallback, with the steps it re-did
+    assert summary["goodput"]["degraded_s"] > 0 and summary["goodput"]["lost_steps"] > 0
+    live = [m.value for m in mlflow.tracking.MlflowClient(cfg.tracking.uri).get_metric_history(
+        summary["run_id"], mn.TRAIN_REPLICA_GROUPS)]
+    assert set(live) == {1, 2}, set(live)
     redone = len([r for r in steps if not r["committed"] and r["rank"] == 0])
     print(f"\n[replica groups] stall {stall:.2f} s (steady step {steady:.2f} s, heartbeat "
           f"{HEARTBEAT_S} s), {len(alone)} step(s) alone, heal {heal_s:.2f} s at step "

@@ -232,7 +232,8 @@ def build_trainer_factory(cfg: Config):
                                "run_key": run_key(cfg)},
             scaling_config=scaling,
             run_config=run_config,
-            torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=600),
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo",
+                                     timeout_s=cfg.elastic.hang_timeout_s),
         )
     return make
 
@@ -255,6 +256,9 @@ def _tune_ray_train_env(cfg: Config) -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
                           str(cfg.elastic.worker_start_timeout_s))
+    # A stopped worker answers no health check: a hung rank is a failure after the same bound as
+    # a collective that waits for it.
+    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.elastic.hang_timeout_s)
 
 
 def fatal_cause(error: BaseException) -> BaseException | None:

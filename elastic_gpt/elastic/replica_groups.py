@@ -1,11 +1,19 @@
 """Driver side of `elastic.replica_groups: N` (C7, docs/replica-groups.md).
 
-One torchft Lighthouse, held by a Ray actor on the driver's node, and one public-API Ray Train
-run (`TorchTrainer`) per replica group, each driven from a Ray task on the driver's node. Ray
-restarts only a failed group's run (its `FailureConfig`); the other groups keep stepping, and the
-restarted group heals from a live peer (`elastic_gpt/parallel/replicate.py`). Ray 2.60's own
-`TorchftConfig` is not used: it supports groups of exactly one worker (no FSDP inside a group)
-and its example deadlocked here (a `ray.train.report` barrier against torchft's quorum rule).
+One torchft Lighthouse, held by a Ray actor on the driver's node, and one Ray Train run per
+replica group, each driven from a Ray task on the driver's node. Each group's run is an
+`ElasticTorchTrainer` of a fixed size with the run's own policies: Ray restarts only that group
+after a failure (charged to its sliding-hour budget), for free after a drain (the group leaves at a
+step boundary, elastic/membership.py), and waits for live capacity rather than a placement group
+that cannot be placed. The other groups keep stepping; the restarted group heals from a live peer
+(`elastic_gpt/parallel/replicate.py`). Ray 2.60's own `TorchftConfig` is not used: it supports
+groups of exactly one worker (no FSDP inside a group) and its example deadlocked here (a
+`ray.train.report` barrier against torchft's quorum rule).
+
+**Fallback.** Without a Lighthouse no group can form a quorum, and with every group gone there is
+no peer to heal from: in both cases the driver stops what is left and starts a new Lighthouse and
+every group again, which restore the newest committed checkpoint (still written, C4): the restart
+path. Each fallback is charged to the same sliding-hour budget.
 
 Worker side: `member_of` gives the Trainer its `ReplicaGroup` and a metric sink that logs only
 while the group leads the quorum, so the one MLflow run gets each step once (C5).
@@ -21,11 +29,13 @@ import ray
 
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
+from elastic_gpt.tracking import metric_names as mn
 
 RECORD_DIR_ENV = "ELASTIC_GPT_REPLICA_RECORDS"
 """Diagnostics for tests and bench: a folder where every rank appends its step attempts."""
 STATE_HASH_ENV = "ELASTIC_GPT_REPLICA_STATE_HASH"
 """With RECORD_DIR_ENV: also a hash of each rank's state shards at every step (costs a pass)."""
+FAILURE_WINDOW_S = 3600.0
 
 
 def group_size(cfg: Config) -> int:
@@ -39,19 +49,33 @@ def group_size(cfg: Config) -> int:
     return s.max_workers // n
 
 
+def group_run_key(run_key: str, group: int) -> str:
+    """Each group's own GCS records (its failures, drains, progress): `membership.RunRecords`."""
+    return f"{run_key}/g{group}"
+
+
 def replica_group_factory(cfg: Config):
     """`make(run_id)` -> a job whose `fit()` runs every group to the end, like the factory of
     `launcher.build_trainer_factory` (checks first, before an MLflow run exists)."""
-    from elastic_gpt.elastic.launcher import _worker_env, use_gpu
+    from elastic_gpt.elastic.launcher import _tune_ray_train_env, _worker_env, use_gpu
+    from elastic_gpt.elastic.ray_internals import check_ray_internals
     from elastic_gpt.parallel.replicate import import_torchft
 
     import_torchft()  # the missing-extra error now, on the driver, not in every worker
     size = group_size(cfg)
     gpu = use_gpu(cfg)
+    check_ray_internals()  # each group's run is an ElasticTorchTrainer
+    _tune_ray_train_env(cfg)
+    # The group runs' controllers read RAY_TRAIN_* from their driver, the run_group task.
+    env = {**_worker_env(), **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}}
 
     def make(run_id: str | None) -> ReplicaGroupsJob:
-        return ReplicaGroupsJob(cfg, run_id, size, gpu, _worker_env())
+        return ReplicaGroupsJob(cfg, run_id, size, gpu, env)
     return make
+
+
+class FallbackBudgetSpent(RuntimeError):
+    pass
 
 
 @dataclass
@@ -62,8 +86,31 @@ class ReplicaGroupsJob:
     gpu: bool
     env: dict
     metrics: dict = field(default_factory=dict)
+    fallbacks: list[float] = field(default_factory=list)
+    """When each fallback to the restart path happened (the sliding-hour budget)."""
 
     def fit(self) -> ReplicaGroupsJob:
+        while True:
+            outcome = self._attempt()
+            if outcome.finished:
+                self.metrics = outcome.metrics
+                return self
+            now = time.monotonic()
+            self.fallbacks = [t for t in self.fallbacks if now - t <= FAILURE_WINDOW_S] + [now]
+            budget = self.cfg.elastic.max_failures_per_hour
+            if outcome.error is not None and _is_fatal(outcome.error):
+                raise outcome.error
+            if len(self.fallbacks) > budget:
+                if outcome.error is not None:
+                    raise outcome.error
+                raise FallbackBudgetSpent(
+                    f"{outcome.reason}, and {len(self.fallbacks)} fallbacks in the last hour "
+                    f"exceed elastic.max_failures_per_hour={budget:g}")
+            self._record_fallback(outcome.reason)
+            say(f"[elastic-gpt] replica groups: {outcome.reason}; falling back to the restart "
+                "path: a new Lighthouse, every group restored from the newest checkpoint")
+
+    def _attempt(self) -> _Outcome:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         cfg, n = self.cfg, self.cfg.elastic.replica_groups
@@ -71,27 +118,129 @@ class ReplicaGroupsJob:
         heartbeat_ms = int(cfg.elastic.replica_heartbeat_timeout_s * 1000)
         lighthouse = Lighthouse.options(scheduling_strategy=here).remote(heartbeat_ms)
         address = ray.get(lighthouse.address.remote())
+        lighthouse_alive = lighthouse.wait_stopped.remote()  # fails when the actor dies
+        if os.environ.get(RECORD_DIR_ENV):  # the fault tests kill it by this pid
+            _append_record(os.environ[RECORD_DIR_ENV], event="lighthouse", address=address,
+                           pid=ray.get(lighthouse.pid.remote()))
         say(f"[elastic-gpt] replica groups: {n} x {self.size} worker(s), torchft Lighthouse at "
             f"{address} (heartbeat timeout {cfg.elastic.replica_heartbeat_timeout_s:g} s)")
-        env = {**self.env, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
         diagnostics = {"record_dir": os.environ.get(RECORD_DIR_ENV),
                        "state_hash": os.environ.get(STATE_HASH_ENV) == "1"}
-        runs = [run_group.options(scheduling_strategy=here, runtime_env={"env_vars": env}).remote(
-                    cfg.to_dict(), self.run_id, g, address, self.size, self.gpu, diagnostics)
-                for g in range(n)]
+        runs = {run_group.options(scheduling_strategy=here,
+                                  runtime_env={"env_vars": self.env}).remote(
+                    cfg.to_dict(), self.run_id, g, address, self.size, self.gpu, diagnostics): g
+                for g in range(n)}
+        outcomes: dict[int, dict] = {}
         try:
-            outcomes = ray.get(runs)
+            while len(outcomes) < n:
+                ready, _ = ray.wait([lighthouse_alive, *[r for r, g in runs.items()
+                                                         if g not in outcomes]], num_returns=1)
+                if ready[0] == lighthouse_alive:
+                    return _Outcome(False, reason=_lighthouse_end(lighthouse_alive))
+                outcome = ray.get(ready[0])
+                outcomes[outcome["group"]] = outcome
+                if outcome.get("error") is not None and _is_fatal(outcome["error"]):
+                    return _Outcome(False, reason=f"group {outcome['group']} failed",
+                                    error=outcome["error"])
+                if outcome.get("error") is None:
+                    continue
+                say(f"[elastic-gpt] replica groups: group {outcome['group']} ended after "
+                    f"spending its restarts: {_first_line(outcome['error'])}")
+            finished = [o for o in outcomes.values() if o.get("error") is None]
+            say(f"[elastic-gpt] replica groups: {len(finished)} of {n} finished")
+            if finished:  # a group that ran out of restarts is fine while another one finished
+                return _Outcome(True, metrics=finished[0].get("metrics") or {})
+            return _Outcome(False, reason="every replica group was lost",
+                            error=next(iter(outcomes.values()))["error"])
         finally:
+            left = [ref for ref, g in runs.items() if g not in outcomes]
+            for ref in left:  # a group's run owns its controller, and so its workers
+                ray.cancel(ref, force=True)
+            ray.wait(left, num_returns=len(left), timeout=30)
+            # A dead controller's placement group outlives it: Ray Train's detached cleaner
+            # frees it only where the State API answers, and the next attempt needs its room.
+            for g in {runs[ref] for ref in left}:
+                _remove_group_placement_group(self.cfg, g)
             ray.kill(lighthouse)
-        finished = [o for o in outcomes if o.get("error") is None]
-        say(f"[elastic-gpt] replica groups: {len(finished)} of {n} finished")
-        if not finished:  # a group that ran out of restarts is fine while another one finished
-            raise outcomes[0]["error"]
-        self.metrics = finished[0].get("metrics") or {}
-        return self
+
+    def _record_fallback(self, reason: str) -> None:
+        """Tell every group's next attempt why it restarts (the goodput ledger's event, C5);
+        uncommitted checkpoint folders are leftovers now that no group runs (C4)."""
+        from elastic_gpt.checkpoint.store import CheckpointStore
+        from elastic_gpt.elastic.launcher import run_key
+        from elastic_gpt.elastic.membership import RunRecords, best_effort
+
+        for g in range(self.cfg.elastic.replica_groups):
+            best_effort(RunRecords(group_run_key(run_key(self.cfg), g)).put, "last_failure",
+                        {"kind": "failure", "at": time.time(), "error": reason})
+        CheckpointStore(self.cfg.checkpoint.path).remove_uncommitted()
 
 
-@ray.remote(num_cpus=0)
+@dataclass
+class _Outcome:
+    finished: bool
+    reason: str = ""
+    error: BaseException | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+PLACEMENT_GROUP_RECORD = "placement_group"
+"""The group's current placement group, published by its rank 0 (`note_placement_group`)."""
+
+
+def note_placement_group(run_key: str) -> None:
+    """Worker side: publish this group's placement group, which the driver removes when it
+    stops the group's run for a fallback."""
+    from ray.util import get_current_placement_group
+
+    from elastic_gpt.elastic.membership import RunRecords, best_effort
+    pg = get_current_placement_group()
+    if pg is not None:
+        best_effort(RunRecords(run_key).put, PLACEMENT_GROUP_RECORD, {"id": pg.id.hex()})
+
+
+def _remove_group_placement_group(cfg: Config, group: int) -> None:
+    from ray.util import remove_placement_group
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    from elastic_gpt.elastic.launcher import run_key
+    from elastic_gpt.elastic.membership import RunRecords, best_effort
+    records = RunRecords(group_run_key(run_key(cfg), group))
+    rec = best_effort(records.get, PLACEMENT_GROUP_RECORD)
+    if not rec:
+        return
+    pg = PlacementGroup(ray.PlacementGroupID.from_hex(rec["id"]))
+    if placement_group_table(pg).get("state") not in (None, "REMOVED"):
+        remove_placement_group(pg)
+    best_effort(records.delete, PLACEMENT_GROUP_RECORD)
+
+
+def _append_record(folder: str, **record) -> None:
+    import json
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "driver.jsonl"), "a") as f:
+        f.write(json.dumps({"t": round(time.time(), 4), "group": None, **record}) + "\n")
+
+
+def _is_fatal(error: BaseException) -> bool:
+    from elastic_gpt.elastic.launcher import fatal_cause
+    return fatal_cause(error) is not None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:200]
+
+
+def _lighthouse_end(ref) -> str:
+    try:
+        ray.get(ref)
+    except Exception as e:
+        return f"the torchft Lighthouse was lost ({type(e).__name__})"
+    return "the torchft Lighthouse stopped"
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
 class Lighthouse:
     """torchft's Lighthouse: forms each step's quorum of replica groups. A group whose
     heartbeats stop for `heartbeat_ms` drops out of the next quorum; that is the survivors' stall
@@ -102,37 +251,52 @@ class Lighthouse:
         self.server = LighthouseServer(bind="[::]:0", min_replicas=1,
                                        join_timeout_ms=2 * heartbeat_ms,
                                        heartbeat_timeout_ms=heartbeat_ms)
+        self._stopped = False
 
     def address(self) -> str:
         return self.server.address()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def wait_stopped(self) -> None:
+        """Returns never while the server runs: the driver watches this call to learn at once
+        that the actor (and its server) died."""
+        while not self._stopped:
+            time.sleep(1.0)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
 def run_group(config: dict, run_id: str | None, group: int, lighthouse: str, size: int,
               gpu: bool, diagnostics: dict) -> dict:
-    """Group `group`'s own Ray Train run; Ray restarts its workers after a failure, up to the
-    failure budget, while the other groups' runs go on."""
+    """Group `group`'s own Ray Train run; Ray restarts its workers after a failure (within the
+    group's budget) or a drain, while the other groups' runs go on."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from elastic_gpt.config import config_from_dict
+    from elastic_gpt.elastic.controller import ElasticTorchTrainer
     from elastic_gpt.elastic.launcher import _worker_env, run_key
     from elastic_gpt.elastic.worker import train_loop_per_worker
 
     cfg = config_from_dict(config)
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if gpu else {})}
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"config": config, "mlflow_run_id": run_id, "run_key": run_key(cfg),
+    key = group_run_key(run_key(cfg), group)
+    trainer = ElasticTorchTrainer(
+        train_loop_per_worker, run_key=key,
+        max_failures_per_hour=cfg.elastic.max_failures_per_hour, tp=cfg.parallel.tp,
+        hsdp=cfg.parallel.hsdp,
+        train_loop_config={"config": config, "mlflow_run_id": run_id, "run_key": key,
                            "replica_group": {"group": group, "lighthouse": lighthouse,
                                              **diagnostics}},
         scaling_config=ScalingConfig(num_workers=size, use_gpu=gpu, resources_per_worker=resources,
                                      accelerator_type=s.accelerator_type),
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=600),
+        torch_config=TorchConfig(backend="nccl" if gpu else "gloo",
+                                 timeout_s=cfg.elastic.hang_timeout_s),
         run_config=RunConfig(
             name=f"{cfg.run.name}-g{group}-{int(time.time())}", storage_path=cfg.run.storage_path,
-            failure_config=FailureConfig(max_failures=max(1, int(cfg.elastic.max_failures_per_hour))),
+            failure_config=FailureConfig(max_failures=-1),  # the policy's budget decides
             worker_runtime_env={"env_vars": _worker_env()}))
     try:
         result = trainer.fit()
@@ -153,7 +317,8 @@ class LeaderMetrics:
 
     def log(self, metrics: dict, step: int) -> None:
         if self.replication.leads:
-            self.sink.log({**metrics, "replica_groups_live": self.replication.live_groups}, step)
+            self.sink.log({**metrics, mn.TRAIN_REPLICA_GROUPS: self.replication.live_groups},
+                          step)
 
     def flush(self, timeout_s: float) -> bool:
         return self.sink.flush(timeout_s)
@@ -168,6 +333,6 @@ def member_of(spec: dict, rank: int, world: int, metrics, cfg: Config):
 
     replication = ReplicaGroup(
         lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
-        timeout_s=max(15.0, 5 * cfg.elastic.replica_heartbeat_timeout_s),
+        groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,
         record_dir=spec.get("record_dir"), state_hash=bool(spec.get("state_hash")))
     return replication, LeaderMetrics(metrics, replication)

@@ -32,15 +32,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Trainer keeps tensor-parallel groups inside them.
     nodes = [None] * world
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    # Replica groups (elastic/replica_groups.py): no group restarts for a drain or a resize,
-    # the quorum handles membership.
+    # With replica groups (elastic/replica_groups.py) `run_key` is the group's own: a drain
+    # makes only this group leave (and come back when capacity does), its failures are its own.
     replica = loop_config.get("replica_group")
     membership: Membership = (WorkerMembership(loop_config["run_key"], nodes, world)
-                              if rank == 0 and replica is None else NullMembership())
+                              if rank == 0 else NullMembership())
     replication = None
     if replica is not None:
-        from elastic_gpt.elastic.replica_groups import member_of
+        from elastic_gpt.elastic.replica_groups import member_of, note_placement_group
         replication, metrics = member_of(replica, rank, world, metrics, cfg)
+        if rank == 0:
+            note_placement_group(loop_config["run_key"])
     # The layout groups ranks by these node ids, not by Ray Train's local/node ranks, which Ray
     # derives from node IPs (all equal on a one-machine test cluster).
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,

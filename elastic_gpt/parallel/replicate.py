@@ -53,13 +53,20 @@ class NoReplication:
 
     leads = True
     """This group writes checkpoints and logs metrics at this step."""
+    groups = 1
+    """Groups the run was configured with; fewer live is "degraded" time in the ledger."""
     live_groups = 1
     cleans_at_start = True
     """Whether uncommitted checkpoint directories at start are leftovers (C4): not while other
     replica groups may be writing one."""
 
-    def attach(self, model, optimizer, device: torch.device) -> None:
-        pass
+    def attach(self, model, optimizer, device: torch.device, run_state=None) -> None:
+        """`run_state`: (get, set) of state that belongs to the run, not to a group (the
+        goodput ledger): a healed group adopts its peer's."""
+
+    def membership_change(self) -> tuple[int, int] | None:
+        """(live groups before, after) when this step's quorum changed them."""
+        return None
 
     def set_step(self, step: int) -> None:
         """The step this group restored (0 for a fresh run)."""
@@ -87,7 +94,8 @@ class ReplicaGroup(NoReplication):
     its shards of the parameters and optimizer state) - what the tests and the benchmark read."""
 
     def __init__(self, *, lighthouse: str, group: int, group_rank: int, group_size: int,
-                 timeout_s: float = 30.0, record_dir: str | None = None, state_hash: bool = False):
+                 groups: int, timeout_s: float = 30.0, record_dir: str | None = None,
+                 state_hash: bool = False):
         self.torchft, self._managed_pg, self._transport = import_torchft()
         self.lighthouse, self.group = lighthouse, group
         self.group_rank, self.group_size = group_rank, group_size
@@ -96,20 +104,25 @@ class ReplicaGroup(NoReplication):
         self.manager = None
         self.leads = group == 0
         self.cleans_at_start = False
+        self.groups = groups
         self.live_groups = 1
+        self._change: tuple[int, int] | None = None
+        self._run_state = None
         self._record = None
         self._healed_at: int | None = None
         self._first = True
         self._quorum_s = 0.0
+        self._begun = time.perf_counter()
+        self._phases: dict[str, float] = {}
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def attach(self, model, optimizer, device: torch.device) -> None:
+    def attach(self, model, optimizer, device: torch.device, run_state=None) -> None:
         """Make the Manager and route every FSDP module's gradient through the managed group."""
         from torch.distributed.fsdp import FSDPModule
 
         torchft = self.torchft
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self._run_state = model, optimizer, run_state
         backend = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         pg = backend(timeout=self.timeout)
         self.manager = torchft.Manager(
@@ -141,11 +154,16 @@ class ReplicaGroup(NoReplication):
             self._write(event="start", pid=os.getpid())
 
     def _state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        if self._run_state is not None:
+            state["run"] = self._run_state[0]()
+        return state
 
     def _load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
+        if self._run_state is not None and "run" in state:
+            self._run_state[1](state["run"])
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -154,6 +172,7 @@ class ReplicaGroup(NoReplication):
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self._quorum_s = time.perf_counter() - t0
+        self._phases["quorum"] = time.perf_counter()
         if self.manager.current_step() != before:
             self._healed_at = self.manager.current_step()
             log.info("replica group %d healed from a live peer to step %d in %.2f s", self.group,
@@ -172,6 +191,8 @@ class ReplicaGroup(NoReplication):
         # Each step's quorum is the first thing every group does for it: a group that joins
         # forms its first quorum with the others' quorum of their next step, and is healed in it.
         self._healed_at = None
+        self._begun = time.perf_counter()
+        self._phases = {}
         first = self._first
         self._first = False
         self._quorum()
@@ -179,7 +200,9 @@ class ReplicaGroup(NoReplication):
             self._write(event="join", step=self.manager.current_step(), quorum_s=self._quorum_s,
                         healed=self._healed_at is not None)
         replica_rank = self.manager.participating_rank()
-        self.live_groups = self.manager.num_participants()
+        before, self.live_groups = self.live_groups, self.manager.num_participants()
+        self._change = None if first or before == self.live_groups else (before,
+                                                                            self.live_groups)
         if replica_rank is None:  # only in torchft's FIXED_WITH_SPARES mode, which is not used
             raise RuntimeError(f"replica group {self.group} is not in the quorum it formed")
         self.leads = replica_rank == 0
@@ -188,17 +211,28 @@ class ReplicaGroup(NoReplication):
             self._write(event="state", step=step, hash=self.local_state_hash())
         return step, replica_rank * dp_degree + dp_rank, self.live_groups * dp_degree
 
+    def membership_change(self) -> tuple[int, int] | None:
+        return self._change
+
     def reduce_stats(self, stats: torch.Tensor) -> None:
-        """Sum the step's statistics (loss, fingerprint, flags) over the live groups; each
-        group's are already summed over its ranks."""
-        self.manager.allreduce(stats, reduce_op=dist.ReduceOp.SUM).wait()
+        """Sum the step's loss and data fingerprint over the live groups; each group's are
+        already summed over its ranks. The flags after them stay the group's own: a drain
+        makes only the drained group leave."""
+        self._phases["backward"] = time.perf_counter()
+        shared = stats[:3].clone()
+        self.manager.allreduce(shared, reduce_op=dist.ReduceOp.SUM).wait()
+        stats[:3] = shared
+        self._phases["stats"] = time.perf_counter()
 
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         ok = self.manager.should_commit()
+        self._phases["commit"] = time.perf_counter()
         if self._record is not None:
             loss_sum, lo, hi = stats[:3].tolist()
             self._write(event="step", step=step, committed=ok, groups=self.live_groups,
                         leads=self.leads, quorum_s=round(self._quorum_s, 4),
+                        attempt_s=round(time.perf_counter() - self._begun, 4),
+                        phases={k: round(v - self._begun, 4) for k, v in self._phases.items()},
                         healed=self._healed_at is not None, loss_sum=loss_sum, fp=[lo, hi])
         return ok
 

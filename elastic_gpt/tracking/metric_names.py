@@ -28,6 +28,7 @@ TRAIN_STEP_TIME_S = "train/step_time_s"
 TRAIN_WORLD_SIZE = "train/world_size"      # workers in the group (elastic runs change it)
 TRAIN_GRAD_ACCUM = "train/grad_accum"      # micro-batches per data-parallel rank
 TRAIN_SAMPLES_SEEN = "train/samples_seen"  # the resume cursor: steps * global batch (C2)
+TRAIN_REPLICA_GROUPS = "train/replica_groups_live"  # groups in the step's quorum (C7 only)
 
 VAL_LOSS = "val/loss"
 VAL_PERPLEXITY = "val/perplexity"
@@ -82,9 +83,10 @@ STEP_METRICS = (TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN
                 TRAIN_STEP_TIME_S, TRAIN_WORLD_SIZE, TRAIN_GRAD_ACCUM, TRAIN_SAMPLES_SEEN,
                 DATA_WAIT_S, DATA_FINGERPRINT)
 VAL_METRICS = (VAL_LOSS, VAL_PERPLEXITY, VAL_BITS_PER_BYTE)
-FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, GOODPUT, GOODPUT_EVENTS, GOODPUT_LOST_STEPS,
-                         GOODPUT_WALL_S, EVENT_RECOVERY_S, EVENT_LOST_STEPS, SYSTEM_CPU_PERCENT,
-                         SYSTEM_MEMORY_MB, SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
+FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, TRAIN_REPLICA_GROUPS, GOODPUT,
+                         GOODPUT_EVENTS, GOODPUT_LOST_STEPS, GOODPUT_WALL_S, EVENT_RECOVERY_S,
+                         EVENT_LOST_STEPS, SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
+                         SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
 # Families whose last part is a ledger key, a cluster resource, a source or a GPU index.
 FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_")
 

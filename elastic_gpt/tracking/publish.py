@@ -38,7 +38,8 @@ def goodput_metrics(ledger: dict) -> dict[str, float]:
         out[mn.GOODPUT_EVENTS] = float(events)
     elif isinstance(events, list):
         out[mn.GOODPUT_EVENTS] = float(len(events))
-    wall = sum(seconds.values())
+    # degraded_s is a part of productive_s (replica groups), not a share of its own.
+    wall = sum(v for k, v in seconds.items() if k != "degraded_s")
     useful = seconds.get("productive_s", seconds.get("training_s", 0.0))
     out[mn.GOODPUT_WALL_S] = wall
     out[mn.GOODPUT] = float(ledger["goodput"]) \

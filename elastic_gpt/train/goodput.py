@@ -6,6 +6,11 @@
     recovery_s     from a failure/preemption/resize (or process start) to the first step after it
     eval_s         held-out evaluations (useful, but not training)
 
+and, with replica groups (C7), where the run went on with fewer of them:
+
+    degraded_s     the part of productive_s stepped with fewer live replica groups than configured
+                   (the steps count, the throughput was lower): not a sixth total
+
 goodput = productive_s / (productive_s + lost_s + checkpoint_s + recovery_s + eval_s). The ledger travels
 with the run: rank 0 publishes it with its progress (GCS KV, every poll) and in every checkpoint's
 trainer state, so it survives worker, node and driver failures.
@@ -27,6 +32,7 @@ class GoodputLedger:
     recovery_s: float = 0.0
     eval_s: float = 0.0
     lost_steps: int = 0
+    degraded_s: float = 0.0
     events: list[dict] = field(default_factory=list)
     _open_event: dict | None = None
     _attempt_started: float = field(default_factory=time.time)
@@ -34,7 +40,8 @@ class GoodputLedger:
     @classmethod
     def from_dict(cls, d: dict | None) -> GoodputLedger:
         d = dict(d or {})
-        return cls(**{k: d[k] for k in (*TOTALS, "lost_steps", "events") if k in d})
+        return cls(**{k: d[k] for k in (*TOTALS, "lost_steps", "degraded_s", "events")
+                      if k in d})
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -42,8 +49,24 @@ class GoodputLedger:
         d.pop("_attempt_started")
         return d
 
-    def on_step(self, seconds: float) -> None:
+    def on_step(self, seconds: float, degraded: bool = False) -> None:
         self.productive_s += seconds
+        if degraded:
+            self.degraded_s += seconds
+
+    def on_lost_attempt(self, seconds: float) -> None:
+        """A replica groups' step attempt that did not commit: it is re-done (C7)."""
+        self.lost_s += seconds
+        self.lost_steps += 1
+
+    def on_membership(self, before: int, after: int, groups: int, step: int) -> dict:
+        """Replica groups left or joined the quorum at `step`; the run did not stop (C7)."""
+        event = {"kind": "replica group lost" if after < before else "replica group joined",
+                 "detail": f"{before} -> {after} of {groups} replica groups live",
+                 "at": time.time(), "from_groups": before, "to_groups": after, "step": step,
+                 "lost_steps": 0, "recovery_s": 0.0}
+        self.events.append(event)
+        return event
 
     def on_checkpoint(self, seconds: float) -> None:
         self.checkpoint_s += seconds
@@ -89,5 +112,6 @@ class GoodputLedger:
     def summary(self) -> dict:
         wall = sum(getattr(self, k) for k in TOTALS)
         return {**{k: round(getattr(self, k), 3) for k in TOTALS}, "lost_steps": self.lost_steps,
+                "degraded_s": round(self.degraded_s, 3),
                 "goodput": round(self.productive_s / wall, 4) if wall else 1.0,
                 "events": len(self.events)}

@@ -167,10 +167,14 @@ class Trainer:
         self.model = self._build_model()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
-        self.replication.attach(self.model, self.optimizer, self.device)
         self.store = CheckpointStore(cfg.checkpoint.path)
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
+        # The ledger is the run's, not a group's: a replica group healed from a peer adopts the
+        # peer's, so it stays one account whichever group leads (C5, C7).
+        self.replication.attach(self.model, self.optimizer, self.device, run_state=(
+            lambda: self.ledger.to_dict(),
+            lambda d: setattr(self, "ledger", GoodputLedger.from_dict(d))))
         self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = peak_flops(self.device, threads) * 1  # per worker
@@ -472,7 +476,11 @@ class Trainer:
                 restored_step=self.step, world_size=self.world_size,
                 previous=self.membership.previous, cause=self.membership.cause,
                 attempt_started=self.started)
-            if event:
+            if event and not self.replication.cleans_at_start:  # a replica group (C7)
+                say(f"[elastic-gpt] replica group restarted ({event['kind']}: "
+                    f"{event['detail'][:120]}); restored step {self.step}, healing from a live "
+                    "peer at its first quorum if the others are ahead")
+            elif event:
                 say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
                     f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
                     f"{self.step} ({event['lost_steps']} step(s) to redo)")
@@ -505,6 +513,7 @@ class Trainer:
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
                 if not result.committed:  # re-done from its own batch, prefetched ones are ahead
+                    self.ledger.on_lost_attempt(step_time)
                     if self.rank == 0:
                         say(f"[elastic-gpt] step {self.step + 1} not committed by the replica "
                             "groups' quorum; re-doing it")
@@ -512,7 +521,9 @@ class Trainer:
                     stream = self._open_stream()
                     continue
                 self.step += 1
-                self.ledger.on_step(step_time)
+                self._note_membership_change()
+                self.ledger.on_step(step_time, degraded=self.replication.live_groups <
+                                    self.replication.groups)
                 tokens_per_s = tokens_per_step / step_time
                 metrics = {
                     mn.TRAIN_LOSS: result.loss, mn.TRAIN_LR: result.metrics["lr"],
@@ -520,7 +531,9 @@ class Trainer:
                     mn.TRAIN_MFU: tokens_per_s * self.flops_per_token /
                     (self.peak * self.world_size),
                     mn.TRAIN_WORLD_SIZE: self.world_size,
-                    mn.TRAIN_GRAD_ACCUM: self.plan.slots(self.dp_degree),
+                    # Micro-batches per rank of this step's split (over every live replica
+                    # group's ranks with replica groups, C7).
+                    mn.TRAIN_GRAD_ACCUM: self.plan.slots(self.batch_degree),
                     mn.TRAIN_SAMPLES_SEEN: self.step * self.plan.global_batch_size,
                     mn.TRAIN_STEP_TIME_S: step_time, mn.DATA_WAIT_S: t_data,
                     mn.DATA_FINGERPRINT: result.fingerprint,
@@ -555,6 +568,18 @@ class Trainer:
             self.replication.shutdown()
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
+
+
+    def _note_membership_change(self) -> None:
+        """Replica groups (C7): a group left or joined at this step's quorum; the run went on."""
+        change = self.replication.membership_change()
+        if change is None:
+            return
+        before, after = change
+        event = self.ledger.on_membership(before, after, self.replication.groups, self.step)
+        if self.rank == 0 and self.replication.leads:
+            say(f"[elastic-gpt] {event['kind']}: {before} -> {after} of "
+                f"{self.replication.groups} replica groups live at step {self.step}")
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:
