@@ -1,7 +1,16 @@
-"""Recovery and scale-up time, lost steps and goodput under node loss: elastic-gpt vs a plain Ray
-Train elastic job with Ray's defaults, side by side on one multi-node Ray cluster on this machine.
+"""Recovery and scale-up time, lost steps and goodput under node loss: elastic-gpt's restart path,
+elastic-gpt's replica groups (C7) and a plain Ray Train elastic job with Ray's defaults, side by
+side on one multi-node Ray cluster on this machine.
 
     .venv/bin/python bench/bench_recovery.py [--trials 5] [--goodput-s 200] [--skip-baseline]
+        [--systems elastic-gpt,replica-groups,ray-train-defaults]
+
+The replica-group run trains the same job on the same two 1-CPU nodes as 2 groups of 1 worker
+(the restart path: one group of 2): a lost node takes one group, the other steps on alone. Its
+"size" is the number of live groups; its steady tokens/s next to the restart path's at full size
+is the cost of torchft's cross-group all-reduce against one FSDP group of the same size, and its
+per-step records (`ELASTIC_GPT_REPLICA_RECORDS`) give the survivors' stall and the step attempts
+re-done per failure.
 
 Each trial: hard-kill a node hosting a training worker (SIGKILL of its raylet and workers), time
 until the first step completes at the smaller size; then add a node, time until the first step
@@ -13,6 +22,7 @@ per-step JSONL for the baseline). The cluster uses the same fast node health che
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -38,18 +48,25 @@ class ElasticGPTRun:
 
     name = "elastic-gpt"
 
+    size_metric = mn.TRAIN_WORLD_SIZE
+    extra: list[str] = []
+
     def __init__(self, cluster, data: str, root: str, tag: str):
+        tag = f"{self.name}-{tag}"
         self.uri = f"sqlite:///{root}/mlflow-{tag}.db"
         self.ckpt = f"{root}/ckpt-{tag}"
+        self.records = f"{root}/records-{tag}"
         args = [sys.executable, "-m", "elastic_gpt.cli", "train", "--config",
                 os.path.join(ROOT, "jobs/configs/mini.yaml"), "model.preset=tiny",
                 f"data.path={data}", "train.global_batch_size=12", "train.micro_batch_size=2",
                 "train.max_steps=100000", "train.warmup_steps=2", "checkpoint.every_steps=10",
                 f"checkpoint.path={self.ckpt}", f"run.name=bench-{tag}", f"tracking.uri={self.uri}",
                 f"run.storage_path={root}/ray", "scaling.min_workers=1", "scaling.max_workers=2",
-                "elastic.max_failures_per_hour=1000", "train.log_every=1000"]
+                "elastic.max_failures_per_hour=1000", "train.log_every=1000", *self.extra]
         self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ,
-                                                          "RAY_ADDRESS": cluster.address},
+                                                          "RAY_ADDRESS": cluster.address,
+                                                          "ELASTIC_GPT_REPLICA_RECORDS":
+                                                          self.records},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
 
@@ -62,8 +79,20 @@ class ElasticGPTRun:
         runs = client.search_runs(experiment.experiment_id) if experiment else []
         if not runs:
             return []
-        hist = client.get_metric_history(runs[0].info.run_id, mn.TRAIN_WORLD_SIZE)
+        hist = client.get_metric_history(runs[0].info.run_id, self.size_metric)
         return sorted((m.timestamp / 1000, m.step, int(m.value)) for m in hist)
+
+    def tokens_per_s(self, after: float) -> float:
+        """Median train/tokens_per_s of the steps logged after `after` at full size."""
+        import mlflow
+
+        client = mlflow.MlflowClient(self.uri)
+        run = client.search_runs(client.get_experiment_by_name("elastic-gpt").experiment_id)[0]
+        full = {m.step for m in client.get_metric_history(run.info.run_id, self.size_metric)
+                if m.value == 2}
+        return statistics.median(m.value for m in client.get_metric_history(
+            run.info.run_id, mn.TRAIN_TOKENS_PER_S) if m.timestamp / 1000 > after
+            and m.step in full)
 
     def lost_steps(self) -> list[int]:
         """Steps re-done per failure, from the goodput ledger in the newest checkpoint (the
@@ -130,6 +159,39 @@ TorchTrainer(train_fn, train_loop_config={"log": sys.argv[1]},
              run_config=RunConfig(name="baseline", storage_path=sys.argv[2],
                                   failure_config=FailureConfig(max_failures=-1))).fit()
 '''
+
+
+class ReplicaGroupsRun(ElasticGPTRun):
+    """`elastic-gpt train` with elastic.replica_groups=2: a group per 1-CPU node."""
+
+    name = "replica-groups"
+    size_metric = mn.TRAIN_REPLICA_GROUPS
+    extra = ["elastic.replica_groups=2", "scaling.min_workers=2",
+             "elastic.replica_heartbeat_timeout_s=1.5"]
+
+    def lost_steps(self) -> list[int]:
+        return []  # counted from the records in `failures`
+
+    def failures(self, kills: list[float]) -> dict:
+        """Per kill: the survivors' stall (the largest gap between the leader's committed steps
+        around it) and the step attempts that did not commit (re-done)."""
+        recs = []
+        for path in glob.glob(os.path.join(self.records, "*.jsonl")):
+            with open(path) as f:
+                recs += [json.loads(line) for line in f if line.strip()]
+        steps = sorted((r for r in recs if r.get("event") == "step" and r["rank"] == 0),
+                       key=lambda r: r["t"])
+        stalls, redone = [], []
+        for t in kills:
+            near = [r for r in steps if t - 5 < r["t"] < t + 10]
+            done = [r["t"] for r in near if r["committed"]]
+            before = [x for x in done if x <= t]
+            after = [x for x in done if x > t]
+            if before and after:
+                stalls.append(after[0] - before[-1])
+            redone.append(len([r for r in near if not r["committed"] and r["t"] > t]))
+        return {"stall_s": _stats(stalls or [float("nan")]),
+                "redone_attempts": _stats(redone or [0])}
 
 
 class RayTrainBaseline:
@@ -211,9 +273,10 @@ def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_afte
     first_step_at(run, 2, 0, timeout_s=300)
     t0 = time.time()
     next_kill = t0 + every_s
+    kills = []
     while time.time() < t0 + duration_s:
         if time.time() >= next_kill:
-            cluster.kill_node(cluster.node_hosting_a_worker())
+            kills.append(cluster.kill_node(cluster.node_hosting_a_worker()))
             time.sleep(replace_after_s)
             cluster.nodes.append(cluster.add_node())
             next_kill += every_s
@@ -224,9 +287,12 @@ def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_afte
     gaps = sorted(b - a for a, b in zip(times, times[1:]) if b - a < 5)
     undisturbed = statistics.median(gaps) if gaps else float("nan")
     progress = max(s for _, s, _ in steps) - min(s for _, s, _ in steps)
-    return {"wall_s": round(wall, 1), "net_steps": progress,
-            "median_step_s": round(undisturbed, 3),
-            "goodput": round(progress * undisturbed / wall, 3)}
+    out = {"wall_s": round(wall, 1), "net_steps": progress, "kills": len(kills),
+           "median_step_s": round(undisturbed, 3),
+           "goodput": round(progress * undisturbed / wall, 3)}
+    if isinstance(run, ReplicaGroupsRun):
+        out.update(run.failures(kills))
+    return out
 
 
 def _stats(xs: list[float]) -> dict:
@@ -242,6 +308,8 @@ def main() -> int:
                         "waits out the ~60 s placement timeout, so fewer keep a run short)")
     p.add_argument("--goodput-s", type=float, default=200.0, help="0 skips the goodput runs")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--systems", default="elastic-gpt,replica-groups,ray-train-defaults",
+                   help="which systems, comma-separated")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "recovery.json"))
     args = p.parse_args()
 
@@ -255,33 +323,51 @@ def main() -> int:
     prepare_data(files, data, tokenizer="bytes", seq_len=64, engine="local", progress=False,
                  max_bytes=500_000)
     results = {}
-    systems = [ElasticGPTRun] + ([] if args.skip_baseline else [RayTrainBaseline])
+    wanted = args.systems.split(",")
+    systems = [s for s in (ElasticGPTRun, ReplicaGroupsRun, RayTrainBaseline)
+               if s.name in wanted and not (args.skip_baseline and s is RayTrainBaseline)]
     for system in systems:
         cluster = LocalCluster(workers=2)
         try:
-            run = system(cluster, data, root, "trials")
-            n = args.trials if system is ElasticGPTRun or args.baseline_trials is None \
+            results[system.name] = {}
+            n = args.trials if system is not RayTrainBaseline or args.baseline_trials is None \
                 else args.baseline_trials
-            print(f"{system.name}: {n} trials of node kill + node add", flush=True)
-            results[system.name] = trials(cluster, run, n)
-            run.stop()
-            wait_for(lambda: not training_workers(), timeout_s=60)
+            if n:
+                run = system(cluster, data, root, "trials")
+                print(f"{system.name}: {n} trials of node kill + node add", flush=True)
+                results[system.name] = trials(cluster, run, n)
+                run.stop()
+                wait_for(lambda: not training_workers(), timeout_s=60)
             if args.goodput_s:
                 print(f"{system.name}: goodput with a node lost every 60 s for "
                       f"{args.goodput_s:.0f} s", flush=True)
                 run = system(cluster, data, root, "goodput")
                 results[system.name]["goodput"] = goodput(cluster, run, args.goodput_s)
+                if isinstance(run, ElasticGPTRun):
+                    results[system.name]["tokens_per_s"] = run.tokens_per_s(0)
                 run.stop()
         finally:
             cluster.shutdown()
     print("\n| system | recovery median / max (s) | scale-up median / max (s) | steps re-done "
-          "median | goodput (node lost / 60 s) |")
-    print("|---|---|---|---|---|")
+          "median | goodput (node lost / 60 s) | tokens/s at full size |")
+    print("|---|---|---|---|---|---|")
+    dash = {"median": "-", "max": "-"}
     for name, r in results.items():
         g = r.get("goodput", {}).get("goodput", "-")
-        print(f"| {name} | {r['recovery_s']['median']} / {r['recovery_s']['max']} | "
-              f"{r['scale_up_s']['median']} / {r['scale_up_s']['max']} | "
-              f"{r['lost_steps']['median']} | {g} |")
+        rec, up = r.get("recovery_s", dash), r.get("scale_up_s", dash)
+        print(f"| {name} | {rec['median']} / {rec['max']} | {up['median']} / {up['max']} | "
+              f"{r.get('lost_steps', dash)['median']} | {g} | "
+              f"{r.get('tokens_per_s', float('nan')):,.0f} |")
+    rg = results.get("replica-groups", {}).get("goodput", {})
+    if "stall_s" in rg:
+        print(f"\nreplica groups, per node lost: survivors' stall median "
+              f"{rg['stall_s']['median']} s / max {rg['stall_s']['max']} s (heartbeat 1.5 s, "
+              f"step {rg['median_step_s']} s), step attempts re-done median "
+              f"{rg['redone_attempts']['median']} / max {rg['redone_attempts']['max']}")
+    if "tokens_per_s" in results.get("replica-groups", {}) and \
+            "tokens_per_s" in results.get("elastic-gpt", {}):
+        print(f"steady state, 2 groups x 1 worker vs 1 FSDP group of 2: tokens/s ratio "
+              f"{results['replica-groups']['tokens_per_s'] / results['elastic-gpt']['tokens_per_s']:.3f}")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwrote {args.out}")

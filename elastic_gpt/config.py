@@ -210,7 +210,7 @@ class ElasticSection:
     """Failure budget over a sliding hour; restarts stop once it is spent."""
     worker_start_timeout_s: float = 20.0
     """How long to wait for a worker group's resources before retrying at the live size."""
-    hang_timeout_s: Annotated[float, Range(1)] = 300.0
+    hang_timeout_s: Annotated[float, Range(1)] = 600.0
     """A hung rank (a stuck process, a peer that vanished without closing its connections) is a
     failure after this long: the bound on every collective, on torchft's quorum, and on a worker
     not answering Ray Train's health check. Above the longest legitimate wait of a step (a

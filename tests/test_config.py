@@ -171,9 +171,11 @@ def test_a_config_dict_written_by_old_main_loads():
     assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto"},
                              "data": {**OLD_MAIN_DICT["data"], "sources": None},
                              "eval": {"path": "", "every_steps": 0, "samples": 64},
-                             # Replica groups off: one worker group, as old main ran.
+                             # Replica groups off: one worker group, as old main ran; and
+                             # the hang bound is old main's collective timeout.
                              "elastic": {**OLD_MAIN_DICT["elastic"], "replica_groups": "off",
-                                         "replica_heartbeat_timeout_s": 2.0}}
+                                         "replica_heartbeat_timeout_s": 2.0,
+                                         "hang_timeout_s": 600.0}}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"
     # And today's dicts round-trip: what the launcher sends is what the worker rebuilds.

@@ -58,18 +58,21 @@ def ray_local(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(stdlib_dataset, tmp_path_factory):
+    return _reference(stdlib_dataset, str(tmp_path_factory.mktemp("reference")), STEPS)
+
+
+def _reference(data: str, root: str, steps: int):
     """Every step's loss and data fingerprint of an uninterrupted run: one process, no Ray."""
     from elastic_gpt.testing.gloo import gloo_group
     from elastic_gpt.train.trainer import Trainer
 
-    root = str(tmp_path_factory.mktemp("reference"))
-    cfg = load_config(None, _overrides(stdlib_dataset, root, "reference",
-                                       ["tracking.enabled=false"]))
+    cfg = load_config(None, _overrides(data, root, "reference",
+                                       ["tracking.enabled=false", f"train.max_steps={steps}"]))
     with gloo_group():
         trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
         stream = trainer._open_stream()
         losses, fingerprints = {}, {}
-        for step in range(STEPS):
+        for step in range(steps):
             result = trainer.train_step(next(stream))
             losses[step], fingerprints[step] = result.loss, result.fingerprint
             trainer.step += 1
@@ -221,3 +224,113 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
           f"{HEARTBEAT_S} s), {len(alone)} step(s) alone, heal {heal_s:.2f} s at step "
           f"{healed_step}, {redone} step attempt(s) not committed")
     assert stall <= HEARTBEAT_S + 3 * steady + 5.0, stall
+
+
+# ---- (e) a whole node lost and re-added, (f) a drain: a multi-node cluster ------------------------
+
+NODE_STEPS = 500  # the faults' timeline (two absences of a Ray restart each) fits inside it
+
+
+def _node_of(group: int, recs: list[dict]) -> str:
+    """The node hosting replica group `group`'s current rank 0 (GCS actor table)."""
+    from elastic_gpt.testing.cluster import training_workers
+
+    pid = [r for r in recs if r["group"] == group and r["rank"] == 0 and r["event"] == "start"][-1]
+    return next(a.node_id for a in training_workers() if a.pid == pid["pid"])
+
+
+def _steps_together_after(t: float, n: int):
+    def found(recs):
+        together = [r for r in recs if r.get("event") == "step" and r["committed"]
+                    and r["t"] > t and r["groups"] == 2]
+        return len(together) >= n * 2 * WORKERS and together
+    return found
+
+
+def _node_faults(cluster, folder: str) -> dict:
+    """(f) drain group 1's node: group 1 leaves at a step boundary; the cloud then takes the node
+    and a new one joins, where group 1 comes back and heals. (e) hard-kill group 0's node: group 1
+    goes on alone; a node is added back, where group 0 comes back and heals."""
+    from elastic_gpt.elastic import preemption
+
+    recs, _ = _wait_records(folder, _steps_together_after(0, 5), what="both groups stepping")
+    drained = _node_of(1, recs)
+    t_drain = time.time()
+    assert preemption.drain_node(drained, 60, "preemption", "replica group test",
+                                 cluster.address)
+    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                        and r["t"] > t_drain and r["groups"] == 1],
+                  what="group 0 alone after the drain")
+    node = next(n for n in cluster.cluster.worker_nodes if n.node_id == drained)
+    cluster.nodes.remove(node)
+    cluster.cluster.remove_node(node, allow_graceful=False)  # the cloud takes it
+    cluster.nodes.append(cluster.add_node())
+    recs, _ = _wait_records(folder, _steps_together_after(t_drain, 3),
+                            what="group 1 back after the drain")
+    t_back = time.time()
+    killed = _node_of(0, recs)
+    t_kill = cluster.kill_node(next(n for n in cluster.cluster.worker_nodes
+                                    if n.node_id == killed))
+    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                        and r["t"] > t_kill and r["groups"] == 1],
+                  what="group 1 alone after the node kill")
+    cluster.nodes.append(cluster.add_node())
+    _wait_records(folder, _steps_together_after(t_kill, 3), what="group 0 back after the kill")
+    return {"drain": t_drain, "back": t_back, "kill": t_kill}
+
+
+def test_drained_and_lost_nodes_leave_and_their_groups_come_back(stdlib_dataset, tmp_path,
+                                                                  monkeypatch):
+    from elastic_gpt.elastic.replica_groups import RECORD_DIR_ENV, STATE_HASH_ENV
+    from elastic_gpt.testing.cluster import LocalCluster, train_in_background
+
+    reference = _reference(stdlib_dataset, str(tmp_path / "reference"), NODE_STEPS)
+    records = str(tmp_path / "records")
+    monkeypatch.setenv(RECORD_DIR_ENV, records)
+    monkeypatch.setenv(STATE_HASH_ENV, "1")
+    cluster = LocalCluster(workers=2, cpus_per_node=WORKERS)  # a node per group
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg-nodes", [
+            "elastic.replica_groups=2", f"scaling.min_workers={2 * WORKERS}",
+            f"scaling.max_workers={2 * WORKERS}", f"train.max_steps={NODE_STEPS}",
+            "checkpoint.every_steps=100", "train.log_every=100"]))
+        summary, at = train_in_background(cfg, lambda: _node_faults(cluster, records),
+                                          timeout_s=500)
+    finally:
+        cluster.shutdown()
+    recs = _records(records)
+    steps = [r for r in recs if r.get("event") == "step" and r["rank"] == 0]
+    assert summary["step"] == NODE_STEPS
+
+    # (f) The drained group left at a step boundary: its last step was committed by both
+    # groups, and group 0 re-did nothing for it (no failed collective, no timeout of a step).
+    g1_before = [r for r in steps if r["group"] == 1 and at["drain"] < r["t"] < at["back"]]
+    g0_drain = [r for r in steps if r["group"] == 0 and at["drain"] < r["t"] < at["back"]]
+    assert g1_before and all(r["committed"] for r in g1_before)
+    assert all(r["committed"] for r in g0_drain), [r for r in g0_drain if not r["committed"]]
+    assert {r["groups"] for r in g0_drain} == {1, 2}
+    # (e) The lost node's group: group 1 went on alone, re-doing at most the step in flight.
+    g1_kill = [r for r in steps if r["group"] == 1 and r["t"] > at["kill"]]
+    assert len([r for r in g1_kill if not r["committed"]]) <= 1
+    assert [r["step"] for r in g1_kill if r["committed"]] == list(
+        range(g1_kill[0]["step"], NODE_STEPS))
+
+    # Both comebacks healed from the live peer to its state, rank by rank.
+    joins = [r for r in recs if r["event"] == "join" and r["t"] > at["drain"]]
+    assert {r["group"] for r in joins if r["healed"]} == {0, 1}, joins
+    state = {(r["group"], r["rank"], r["step"]): r["hash"] for r in recs if r["event"] == "state"}
+    for j in joins:
+        peer = 1 - j["group"]
+        assert state[(j["group"], j["rank"], j["step"])] == state[(peer, j["rank"], j["step"])]
+
+    # Every committed step trained the uninterrupted run's samples, to its loss (C1, C2, C7).
+    ref_loss, ref_fp, tokens = reference
+    for s in range(NODE_STEPS):
+        at_s = [r for r in steps if r["step"] == s and r["committed"]]
+        assert at_s, f"step {s} never committed"
+        for r in at_s:
+            assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
+            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=2e-3), s
+    kinds = [e["kind"] for e in summary["events"]]
+    assert kinds.count("replica group lost") >= 2 and kinds.count("replica group joined") >= 2
