@@ -56,9 +56,11 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         # Until the controller removes the old group's placement group, its bundles still hold
         # resources on the surviving nodes: count them as ours, or a group that lost a node would
         # see no room for its own replacement.
+        # Where its bundles are now, not where its workers were: Ray re-places the bundles of a
+        # dead node elsewhere, onto the very capacity a replacement node brings.
         held = {}
         if self.last_group_pg is not None and not _pg_removed(self.last_group_pg):
-            held = self.last_group_nodes
+            held = _pg_nodes(self.last_group_pg) or self.last_group_nodes
         per_node = live_capacity(resources_per_worker(self.scaling_config), held)
         return group_size(per_node, self.scaling_config.max_workers, self.tp, self.hsdp)
 
@@ -159,6 +161,16 @@ class ElasticFailurePolicy(FailurePolicy):
 def _short(error: Exception) -> str:
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
     return " | ".join(lines[:3])[:300]
+
+
+def _pg_nodes(pg) -> dict[str, int]:
+    """Bundles of placement group `pg` per node they are placed on now ({} if unknown)."""
+    try:
+        from ray.util.placement_group import placement_group_table
+        placed = placement_group_table(pg).get("bundles_to_node_id") or {}
+    except Exception:
+        return {}
+    return dict(collections.Counter(n for n in placed.values() if n))
 
 
 def _pg_removed(pg) -> bool:

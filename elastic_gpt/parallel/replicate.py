@@ -201,8 +201,13 @@ class ReplicaGroup(NoReplication):
                         healed=self._healed_at is not None)
         replica_rank = self.manager.participating_rank()
         before, self.live_groups = self.live_groups, self.manager.num_participants()
-        self._change = None if first or before == self.live_groups else (before,
-                                                                            self.live_groups)
+        if first:
+            # A group healed at its first quorum has joined the others (it adopted their
+            # ledger as it was before they noted it); one that started with them has not.
+            joined = self._healed_at is not None and self.live_groups > 1
+            self._change = (self.live_groups - 1, self.live_groups) if joined else None
+        else:
+            self._change = None if before == self.live_groups else (before, self.live_groups)
         if replica_rank is None:  # only in torchft's FIXED_WITH_SPARES mode, which is not used
             raise RuntimeError(f"replica group {self.group} is not in the quorum it formed")
         self.leads = replica_rank == 0
