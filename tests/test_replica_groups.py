@@ -228,7 +228,7 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
 
 # ---- (e) a whole node lost and re-added, (f) a drain: a multi-node cluster ------------------------
 
-NODE_STEPS = 800  # the faults' timeline (two absences of a Ray restart each) fits inside it
+NODE_STEPS = 360  # the faults (two absences of a Ray restart each) end near step 160 here
 
 
 def _node_of(group: int, recs: list[dict]) -> str:
