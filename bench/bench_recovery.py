@@ -184,12 +184,17 @@ class ReplicaGroupsRun(ElasticGPTRun):
         stalls, redone = [], []
         for t in kills:
             near = [r for r in steps if t - 5 < r["t"] < t + 10]
-            done = [r["t"] for r in near if r["committed"]]
+            # The survivor: the group that committed a step alone after the kill.
+            alone = [r for r in near if r["t"] > t and r["committed"] and r["groups"] == 1]
+            if not alone:
+                continue
+            mine = [r for r in near if r["group"] == alone[0]["group"]]
+            done = [r["t"] for r in mine if r["committed"]]
             before = [x for x in done if x <= t]
             after = [x for x in done if x > t]
             if before and after:
                 stalls.append(after[0] - before[-1])
-            redone.append(len([r for r in near if not r["committed"] and r["t"] > t]))
+            redone.append(len([r for r in mine if not r["committed"] and r["t"] > t]))
         return {"stall_s": _stats(stalls or [float("nan")]),
                 "redone_attempts": _stats(redone or [0])}
 

@@ -228,7 +228,19 @@ def test_survivor_keeps_training_and_replacement_heals(ray_local, stdlib_dataset
 
 # ---- (e) a whole node lost and re-added, (f) a drain: a multi-node cluster ------------------------
 
-NODE_STEPS = 360  # the faults (two absences of a Ray restart each) end near step 160 here
+NODE_STEPS = 700  # the faults (three absences of a Ray restart each) end well inside it
+
+
+HANG_TIMEOUT_S = 10.0
+
+
+def _stopped_alive(pid: int) -> bool:
+    """Whether `pid` is still a live process (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 def _node_of(group: int, recs: list[dict]) -> str:
@@ -248,9 +260,10 @@ def _steps_together_after(t: float, n: int):
 
 
 def _node_faults(cluster, folder: str) -> dict:
-    """(f) drain group 1's node: group 1 leaves at a step boundary; the cloud then takes the node
-    and a new one joins, where group 1 comes back and heals. (e) hard-kill group 0's node: group 1
-    goes on alone; a node is added back, where group 0 comes back and heals."""
+    """(f) drain group 1's node and add a replacement: group 1 leaves at a step boundary and
+    comes back on the new node, healing; the cloud then takes the drained node. (e) hard-kill
+    group 0's node and add one back: group 1 goes on alone, group 0 comes back and heals. Then a
+    hung rank (SIGSTOP) in group 1."""
     from elastic_gpt.elastic import preemption
 
     recs, _ = _wait_records(folder, _steps_together_after(0, 5), what="both groups stepping")
@@ -278,7 +291,18 @@ def _node_faults(cluster, folder: str) -> dict:
                                         and r["t"] > t_kill and r["groups"] == 1],
                   what="group 1 alone after the node kill")
     _wait_records(folder, _steps_together_after(t_kill, 3), what="group 0 back after the kill")
-    return {"drain": t_drain, "back": t_back, "kill": t_kill}
+    # A hung rank: group 1's rank 1 stopped (SIGSTOP) inside its collectives. Its group fails
+    # after elastic.hang_timeout_s and Ray restarts it; group 0 goes on alone meanwhile.
+    recs = _records(folder)
+    hung = [r for r in recs if r["group"] == 1 and r["rank"] == 1 and r["event"] == "start"][-1]
+    t_stop = time.time()
+    os.kill(hung["pid"], signal.SIGSTOP)
+    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                        and r["t"] > t_stop and r["groups"] == 1
+                                        and r["committed"]], what="group 0 alone after the hang")
+    _wait_records(folder, _steps_together_after(time.time(), 3), what="group 1 back after the hang")
+    return {"drain": t_drain, "back": t_back, "kill": t_kill, "stop": t_stop,
+            "hung_pid": hung["pid"]}
 
 
 def test_drained_and_lost_nodes_leave_and_their_groups_come_back(stdlib_dataset, tmp_path,
@@ -296,7 +320,8 @@ def test_drained_and_lost_nodes_leave_and_their_groups_come_back(stdlib_dataset,
         cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg-nodes", [
             "elastic.replica_groups=2", f"scaling.min_workers={2 * WORKERS}",
             f"scaling.max_workers={2 * WORKERS}", f"train.max_steps={NODE_STEPS}",
-            "checkpoint.every_steps=100", "train.log_every=100"]))
+            "checkpoint.every_steps=100", "train.log_every=100",
+            f"elastic.hang_timeout_s={HANG_TIMEOUT_S}"]))
         summary, at = train_in_background(cfg, lambda: _node_faults(cluster, records),
                                           timeout_s=500)
     finally:
@@ -313,10 +338,19 @@ def test_drained_and_lost_nodes_leave_and_their_groups_come_back(stdlib_dataset,
     assert all(r["committed"] for r in g0_drain), [r for r in g0_drain if not r["committed"]]
     assert {r["groups"] for r in g0_drain} == {1, 2}
     # (e) The lost node's group: group 1 went on alone, re-doing at most the step in flight.
-    g1_kill = [r for r in steps if r["group"] == 1 and r["t"] > at["kill"]]
+    g1_kill = [r for r in steps if r["group"] == 1 and at["kill"] < r["t"] < at["stop"]]
     assert len([r for r in g1_kill if not r["committed"]]) <= 1
     assert [r["step"] for r in g1_kill if r["committed"]] == list(
-        range(g1_kill[0]["step"], NODE_STEPS))
+        range(g1_kill[0]["step"], g1_kill[-1]["step"] + 1))
+    # The hung rank: group 0 went on alone within the hang bound (plus a heartbeat and a few
+    # steps), and the stopped process was killed with its group.
+    g0 = [r for r in steps if r["group"] == 0 and r["committed"]]
+    before = max(r["t"] for r in g0 if r["t"] < at["stop"])
+    alone = min(r["t"] for r in g0 if r["t"] > at["stop"] and r["groups"] == 1)
+    assert alone - before <= HANG_TIMEOUT_S + HEARTBEAT_S + 5.0, alone - before
+    assert _stopped_alive(at["hung_pid"]) is False
+    print(f"\n[replica groups] hung rank: group 0 alone {alone - at['stop']:.1f} s after the "
+          f"SIGSTOP (hang timeout {HANG_TIMEOUT_S} s)")
 
     # Both comebacks healed from the live peer to its state, rank by rank.
     joins = [r for r in recs if r["event"] == "join" and r["t"] > at["drain"]]

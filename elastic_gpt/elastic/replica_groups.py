@@ -66,8 +66,12 @@ def replica_group_factory(cfg: Config):
     gpu = use_gpu(cfg)
     check_ray_internals()  # each group's run is an ElasticTorchTrainer
     _tune_ray_train_env(cfg)
-    # The group runs' controllers read RAY_TRAIN_* from their driver, the run_group task.
-    env = {**_worker_env(), **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")}}
+    # The group runs' controllers read RAY_TRAIN_* from their driver, the run_group task. A
+    # hung worker answers no process-group shutdown either: wait for it no longer than for a
+    # collective (Ray Train's default is 30 s).
+    env = {**_worker_env(), **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
+           "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(int(min(
+               30, max(1, cfg.elastic.hang_timeout_s))))}
 
     def make(run_id: str | None) -> ReplicaGroupsJob:
         return ReplicaGroupsJob(cfg, run_id, size, gpu, env)
