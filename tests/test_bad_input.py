@@ -157,6 +157,9 @@ CASES = [
          "is a file, not a folder", "a sqlite store under a regular file"),
     Case("tracking-is-folder", train("tracking.uri=sqlite:///{w.root}"), "names a folder",
          "a sqlite store that is a folder"),
+    Case("replica-groups-uneven", train("elastic.replica_groups=3", "scaling.max_workers=4"),
+         "elastic.replica_groups=3 must divide scaling.max_workers=4 into groups",
+         "replica groups that do not divide the workers"),
     Case("ray-address-not-a-host", train(), "RAY_ADDRESS=notahost",
          "`RAY_ADDRESS=notahost`", env=(("RAY_ADDRESS", "notahost"),)),
     Case("ray-address-closed-port", train(), "cannot reach the Ray cluster at RAY_ADDRESS",
@@ -442,6 +445,25 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, world, monkeypat
     assert "Traceback" not in output, output
     assert world.runs() == runs_before
     assert world.digest() == before, "the case changed a file of the world"
+
+
+def test_replica_groups_without_torchft_is_one_line(world, monkeypatch, capsys):
+    """The ft extra missing: `import torchft` fails (a None entry in sys.modules is how the
+    import system says a module is absent), and train says what to install, before Ray starts."""
+    import sys
+
+    from elastic_gpt.parallel.replicate import FT_MISSING
+
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    case = Case("replica-groups-without-torchft", train("elastic.replica_groups=2",
+                                                        "scaling.max_workers=2"),
+                FT_MISSING, "replica groups without torchft")
+    before, runs_before = world.digest(), world.runs()
+    code, output = run_case(case, world, monkeypatch, capsys)
+    lines = [ln for ln in output.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, output
+    assert lines[0] == f"elastic-gpt train: error: {FT_MISSING}", output
+    assert world.runs() == runs_before and world.digest() == before
 
 
 def test_there_are_at_least_fifty_cases_over_every_subcommand():

@@ -47,6 +47,11 @@ def preflight(cfg: Config):
         if val is not None:
             check_shard_sizes(val)
     gpt_cfg = model_config_for(cfg, manifest)
+    if cfg.elastic.replica_groups != "off":  # C7: groups that fit the workers, and torchft
+        from elastic_gpt.elastic.replica_groups import group_size
+        from elastic_gpt.parallel.replicate import import_torchft
+        group_size(cfg)
+        import_torchft()
     store = CheckpointStore(cfg.checkpoint.path)
     try:
         latest = store.latest()
