@@ -59,10 +59,8 @@ def replica_group_factory(cfg: Config):
     `launcher.build_trainer_factory` (checks first, before an MLflow run exists)."""
     from elastic_gpt.elastic.launcher import _tune_ray_train_env, _worker_env, use_gpu
     from elastic_gpt.elastic.ray_internals import check_ray_internals
-    from elastic_gpt.parallel.replicate import import_torchft
 
-    import_torchft()  # the missing-extra error now, on the driver, not in every worker
-    size = group_size(cfg)
+    size = group_size(cfg)  # preflight has checked it, and that torchft is installed
     gpu = use_gpu(cfg)
     check_ray_internals()  # each group's run is an ElasticTorchTrainer
     _tune_ray_train_env(cfg)

@@ -569,7 +569,6 @@ class Trainer:
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
 
-
     def _note_membership_change(self) -> None:
         """Replica groups (C7): a group left or joined at this step's quorum; the run went on."""
         change = self.replication.membership_change()
