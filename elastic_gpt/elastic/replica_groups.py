@@ -97,11 +97,11 @@ class ReplicaGroupsJob:
             if outcome.finished:
                 self.metrics = outcome.metrics
                 return self
+            if outcome.fatal:
+                raise outcome.error
             now = time.monotonic()
             self.fallbacks = [t for t in self.fallbacks if now - t <= FAILURE_WINDOW_S] + [now]
             budget = self.cfg.elastic.max_failures_per_hour
-            if outcome.error is not None and _is_fatal(outcome.error):
-                raise outcome.error
             if len(self.fallbacks) > budget:
                 if outcome.error is not None:
                     raise outcome.error
@@ -143,7 +143,7 @@ class ReplicaGroupsJob:
                 outcomes[outcome["group"]] = outcome
                 if outcome.get("error") is not None and _is_fatal(outcome["error"]):
                     return _Outcome(False, reason=f"group {outcome['group']} failed",
-                                    error=outcome["error"])
+                                    error=outcome["error"], fatal=True)
                 if outcome.get("error") is None:
                     continue
                 say(f"[elastic-gpt] replica groups: group {outcome['group']} ended after "
@@ -183,6 +183,8 @@ class _Outcome:
     finished: bool
     reason: str = ""
     error: BaseException | None = None
+    fatal: bool = False
+    """The error is permanent (`launcher.fatal_cause`): no fallback."""
     metrics: dict = field(default_factory=dict)
 
 
@@ -253,7 +255,6 @@ class Lighthouse:
         self.server = LighthouseServer(bind="[::]:0", min_replicas=1,
                                        join_timeout_ms=2 * heartbeat_ms,
                                        heartbeat_timeout_ms=heartbeat_ms)
-        self._stopped = False
 
     def address(self) -> str:
         return self.server.address()
@@ -264,8 +265,8 @@ class Lighthouse:
     def wait_stopped(self) -> None:
         """Returns never while the server runs: the driver watches this call to learn at once
         that the actor (and its server) died."""
-        while not self._stopped:
-            time.sleep(1.0)
+        while True:
+            time.sleep(3600)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
