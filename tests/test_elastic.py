@@ -150,3 +150,33 @@ def test_goodput_ledger_moves_redone_work_from_productive_to_lost():
     assert ledger.events[0]["recovery_s"] == 10.0
     restored = GoodputLedger.from_dict(ledger.to_dict())
     assert restored.summary() == s
+
+
+def test_a_resumed_ledger_keeps_what_happened_after_the_checkpoint_it_restored():
+    # What a restart really hands the next attempt: the checkpoint's ledger (step 8), and the
+    # ledger the dead attempt published at step 10, which alone has steps 9-10, the checkpoint
+    # write and the event after step 8.
+    live = GoodputLedger(_attempt_started=100.0)
+    live.on_first_step_started(now=101.0)
+    for _ in range(8):
+        live.on_step(1.0)
+    checkpointed = live.to_dict()
+    live.on_membership(1, 2, 2, step=9)
+    for _ in range(2):
+        live.on_step(1.0)
+    live.on_checkpoint(0.5)
+    ledger = GoodputLedger.from_dict(checkpointed)  # Trainer.restore
+    ledger.on_resume(restored_step=8, world_size=2, attempt_started=130.0,
+                     previous={"step": 10, "world_size": 2, "avg_step_s": 1.0, "at": 120.0,
+                               "ledger": live.to_dict()},
+                     cause={"kind": "failure", "error": "lighthouse lost", "at": 121.0})
+    ledger.on_first_step_started(now=131.0)
+    s = ledger.summary()
+    assert s["productive_s"] == 8.0 and s["lost_s"] == 2.0 and s["checkpoint_s"] == 0.5
+    assert [e["kind"] for e in ledger.events] == ["replica group joined", "failure"]
+    # A progress record older than the checkpoint adds nothing the checkpoint lacks.
+    stale = GoodputLedger.from_dict(checkpointed)
+    stale.on_resume(restored_step=8, world_size=2, attempt_started=130.0,
+                    previous={"step": 6, "world_size": 2, "avg_step_s": 1.0, "at": 110.0,
+                              "ledger": {"productive_s": 6.0}}, cause=None)
+    assert stale.productive_s == 8.0 and stale.lost_steps == 0

@@ -80,6 +80,14 @@ class GoodputLedger:
         self._attempt_started = attempt_started
         if previous is None and cause is None:
             return None
+        newer = (previous or {}).get("ledger")
+        if newer is not None and previous.get("step", -1) >= restored_step:
+            # The previous attempt published its ledger as it went: it has the time and the
+            # events after the checkpoint this attempt restored (whose ledger ends at its step),
+            # and the work since then is moved from productive to lost below.
+            for name, value in vars(GoodputLedger.from_dict(newer)).items():
+                if not name.startswith("_"):
+                    setattr(self, name, value)
         lost_steps = max(0, (previous or {}).get("step", restored_step) - restored_step)
         lost_s = lost_steps * (previous or {}).get("avg_step_s", 0.0)
         # The previous attempt counted those steps as productive; they are being re-done.
