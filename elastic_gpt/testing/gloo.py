@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,9 +43,20 @@ def _rank_main(rank: int, fn: Callable[..., Any], world: int, port: int, out: st
                             world_size=world)
     try:
         result = fn(rank, world, *args)
+        try:  # no rank tears the group down while a peer is still in a collective on it
+            dist.barrier()
+        except RuntimeError:  # a peer failed: its error is the one start_processes reports
+            pass
     finally:
         dist.destroy_process_group()
     torch.save(result, os.path.join(out, f"{rank}.pt"))
+    # The result is on disk: leave without the interpreter's teardown. C++ objects that outlive
+    # destroy_process_group (the device mesh's sub-groups, a compiled graph's) are freed at exit in
+    # no set order, and a background thread freed while still joinable aborts the process
+    # (SIGABRT, "terminate called without an active exception") after the work has succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
