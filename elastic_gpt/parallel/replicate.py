@@ -114,6 +114,7 @@ class ReplicaGroup(NoReplication):
         self._quorum_s = 0.0
         self._begun = time.perf_counter()
         self._phases: dict[str, float] = {}
+        self._cross_s = 0.0
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -142,7 +143,10 @@ class ReplicaGroup(NoReplication):
         replicate.register(f"replica_groups_{self.group}")
 
         def average_over_groups(grad: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            self._phases.setdefault("first_grad", t0)
             dist.all_reduce(grad, group=replicate, op=dist.ReduceOp.AVG)
+            self._cross_s += time.perf_counter() - t0
 
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -193,6 +197,7 @@ class ReplicaGroup(NoReplication):
         self._healed_at = None
         self._begun = time.perf_counter()
         self._phases = {}
+        self._cross_s = 0.0
         first = self._first
         self._first = False
         self._quorum()
@@ -238,6 +243,7 @@ class ReplicaGroup(NoReplication):
                         leads=self.leads, quorum_s=round(self._quorum_s, 4),
                         attempt_s=round(time.perf_counter() - self._begun, 4),
                         phases={k: round(v - self._begun, 4) for k, v in self._phases.items()},
+                        cross_s=round(self._cross_s, 4),
                         healed=self._healed_at is not None, loss_sum=loss_sum, fp=[lo, hi])
         return ok
 
