@@ -3,7 +3,9 @@
 An error the user can fix (config, paths, permissions, credentials, unreachable services, corrupt
 data, bad arguments: `errors.user_error_line` decides) prints one line
 `elastic-gpt <cmd>: error: <what>; <how to fix>` and exits 2, with the traceback only under
--v/--verbose. Any other exception is a bug in elastic-gpt: its traceback is shown, exit 1.
+-v/--verbose. A run that failed more often than its failure budget allows
+(`errors.FailureBudgetSpent`) prints `elastic-gpt train: failed: ...` and exits 1. Any other
+exception is a bug in elastic-gpt: its traceback is shown, exit 1.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import sys
 import traceback
 
 from elastic_gpt.arguments import non_negative_float, positive_int
-from elastic_gpt.console import say, setup_logging
-from elastic_gpt.errors import user_error_line
+from elastic_gpt.console import first_line, say, setup_logging
+from elastic_gpt.errors import FailureBudgetSpent, user_error_line
 
 
 def _train(args) -> int:
@@ -134,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; resume by running the same command again", file=sys.stderr)
         return 130
+    except FailureBudgetSpent as e:  # the run stopped as configured: no traceback, not exit 2
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prog}: failed: {first_line(e)}", file=sys.stderr)
+        return 1
     except Exception as e:
         line = user_error_line(e)
         if line is None:  # not an error any check of ours names: a bug, so show where it is

@@ -31,6 +31,12 @@ class CheckpointMismatchError(FatalTrainingError, ValueError):
     pass
 
 
+class FailureBudgetSpent(Exception):
+    """The run failed more often within an hour than `elastic.max_failures_per_hour` allows, and
+    stopped; its newest checkpoint is intact. Not bad input and not a bug: the CLI prints this one
+    line and exits 1 (the failures' own errors are in the log above it)."""
+
+
 class ElasticRestart(Exception):
     """Raised by every rank after a just-in-time checkpoint: a planned restart, not a failure."""
 

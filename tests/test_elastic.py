@@ -174,6 +174,17 @@ def test_a_resumed_ledger_keeps_what_happened_after_the_checkpoint_it_restored()
     s = ledger.summary()
     assert s["productive_s"] == 8.0 and s["lost_s"] == 2.0 and s["checkpoint_s"] == 0.5
     assert [e["kind"] for e in ledger.events] == ["replica group joined", "failure"]
+    # An attempt that dies before its first step has published what it restored (step 8, the
+    # re-done steps already counted): the next one does not count them again.
+    dying = GoodputLedger.from_dict(checkpointed)
+    dying.on_resume(restored_step=8, world_size=2, attempt_started=130.0,
+                    previous={"step": 10, "world_size": 2, "avg_step_s": 1.0, "at": 120.0,
+                              "ledger": live.to_dict()}, cause=None)
+    third = GoodputLedger.from_dict(checkpointed)
+    third.on_resume(restored_step=8, world_size=2, attempt_started=140.0,
+                    previous={"step": 8, "world_size": 2, "avg_step_s": 1.0, "at": 131.0,
+                              "ledger": dying.to_dict()}, cause=None)
+    assert third.lost_steps == 2 and third.productive_s == 8.0 and third.lost_s == 2.0
     # A progress record older than the checkpoint adds nothing the checkpoint lacks.
     stale = GoodputLedger.from_dict(checkpointed)
     stale.on_resume(restored_step=8, world_size=2, attempt_started=130.0,

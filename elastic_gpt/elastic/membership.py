@@ -138,12 +138,20 @@ class WorkerMembership:
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
         self._thread.start()
 
-    def publish(self, step: int, step_time_s: float, ledger: dict) -> None:
+    def publish(self, step: int, step_time_s: float | None, ledger: dict) -> None:
+        """This attempt's progress after `step` (None: restored, no step taken yet: published
+        at once, so an attempt that dies before its first step hands on what it restored, and
+        the steps lost before it are not counted again)."""
         a = 0.2  # moving average of the step time: the cost of a step that must be re-done
-        self._avg_step_s = step_time_s if not self._avg_step_s else \
-            (1 - a) * self._avg_step_s + a * step_time_s
+        if step_time_s is None:
+            self._avg_step_s = self._avg_step_s or (self.previous or {}).get("avg_step_s", 0.0)
+        else:
+            self._avg_step_s = step_time_s if not self._avg_step_s else \
+                (1 - a) * self._avg_step_s + a * step_time_s
         self._progress = {"step": step, "world_size": self.world_size, "at": time.time(),
                           "avg_step_s": self._avg_step_s, "ledger": ledger}
+        if step_time_s is None:
+            self._flush()
 
     def record_restart(self, reason: str, step: int) -> None:
         kind = reason.split(":", 1)[0] if reason.startswith(("preemption", "resize")) else "resize"

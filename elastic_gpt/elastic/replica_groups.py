@@ -29,6 +29,7 @@ import ray
 
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
+from elastic_gpt.errors import FailureBudgetSpent
 from elastic_gpt.tracking import metric_names as mn
 
 RECORD_DIR_ENV = "ELASTIC_GPT_REPLICA_RECORDS"
@@ -76,10 +77,6 @@ def replica_group_factory(cfg: Config):
     return make
 
 
-class FallbackBudgetSpent(RuntimeError):
-    pass
-
-
 @dataclass
 class ReplicaGroupsJob:
     cfg: Config
@@ -92,6 +89,8 @@ class ReplicaGroupsJob:
     """When each fallback to the restart path happened (the sliding-hour budget)."""
 
     def fit(self) -> ReplicaGroupsJob:
+        from elastic_gpt.elastic.launcher import budget_spent_line
+
         while True:
             outcome = self._attempt()
             if outcome.finished:
@@ -103,11 +102,9 @@ class ReplicaGroupsJob:
             self.fallbacks = [t for t in self.fallbacks if now - t <= FAILURE_WINDOW_S] + [now]
             budget = self.cfg.elastic.max_failures_per_hour
             if len(self.fallbacks) > budget:
-                if outcome.error is not None:
-                    raise outcome.error
-                raise FallbackBudgetSpent(
-                    f"{outcome.reason}, and {len(self.fallbacks)} fallbacks in the last hour "
-                    f"exceed elastic.max_failures_per_hour={budget:g}")
+                raise FailureBudgetSpent(budget_spent_line(
+                    self.cfg, outcome.error or RuntimeError(outcome.reason),
+                    what=f"the replica groups fell back to the restart path ({outcome.reason})"))
             self._record_fallback(outcome.reason)
             say(f"[elastic-gpt] replica groups: {outcome.reason}; falling back to the restart "
                 "path: a new Lighthouse, every group restored from the newest checkpoint")

@@ -12,8 +12,9 @@ and, with replica groups (C7), where the run went on with fewer of them:
                    (the steps count, the throughput was lower): not a sixth total
 
 goodput = productive_s / (productive_s + lost_s + checkpoint_s + recovery_s + eval_s). The ledger travels
-with the run: rank 0 publishes it with its progress (GCS KV, every poll) and in every checkpoint's
-trainer state, so it survives worker, node and driver failures.
+with the run: rank 0 publishes it with its progress (GCS KV, at each attempt's start and every
+poll) and in every checkpoint's trainer state, so it survives worker, node and driver failures; a
+resumed attempt starts from the newer of the two (the checkpoint's ends at its step).
 """
 
 from __future__ import annotations

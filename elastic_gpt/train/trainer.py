@@ -91,7 +91,7 @@ class Membership(Protocol):
     cause: dict | None
     """Why the previous attempt ended, if it did."""
 
-    def publish(self, step: int, step_time_s: float, ledger: dict) -> None: ...
+    def publish(self, step: int, step_time_s: float | None, ledger: dict) -> None: ...
 
     def record_restart(self, reason: str, step: int) -> None: ...
 
@@ -106,7 +106,7 @@ class NullMembership:
     previous = None
     cause = None
 
-    def publish(self, step: int, step_time_s: float, ledger: dict) -> None:
+    def publish(self, step: int, step_time_s: float | None, ledger: dict) -> None:
         pass
 
     def record_restart(self, reason: str, step: int) -> None:
@@ -484,6 +484,9 @@ class Trainer:
                 say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
                     f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
                     f"{self.step} ({event['lost_steps']} step(s) to redo)")
+            # At once: an attempt that dies before its first step hands the next one what it
+            # restored, and the steps lost before it are not counted twice.
+            self.membership.publish(self.step, None, self.ledger.to_dict())
         stream = self._open_stream()
         split = (self.batch_rank, self.batch_degree)
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
