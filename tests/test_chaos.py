@@ -263,3 +263,33 @@ def test_failures_beyond_the_budget_stop_the_run_with_one_line(cluster):
     assert latest is not None and latest.step < STEPS and store.verify(latest.step) is None
     run = mlflow.MlflowClient(env["uri"]).get_run(store.read_run_info()["mlflow_run_id"])
     assert run.info.status == "FAILED"
+
+
+def test_a_group_that_lost_a_node_gives_back_its_placement_group_while_it_waits(cluster):
+    """The scaling policy, waiting for capacity to restart a group that lost a node, removes that
+    group's placement group at once: left to Ray until the next group starts, the GCS re-places
+    its lost bundle in a busy loop (a whole core, taken from the survivors on a small cluster)."""
+    import ray
+    from ray.train import ScalingConfig
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from elastic_gpt.elastic.membership import RunRecords
+    from elastic_gpt.elastic.policies import LiveCapacityScalingPolicy
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
+    ray.get(pg.ready(), timeout=60)
+    policy = LiveCapacityScalingPolicy(ScalingConfig(num_workers=(2, 2)),
+                                       RunRecords("test-release"))
+    policy.last_group_pg = pg  # what the controller's last poll of the running group left
+    node = placement_group_table(pg)["bundles_to_node_id"][0]
+    try:
+        cluster.kill_node(next(n for n in cluster.nodes if n.node_id == node))
+        wait_for(lambda: placement_group_table(pg)["state"] == "RESCHEDULING", timeout_s=30)
+        # (What make_decision_for_non_running_worker_group does first, before sizing the group.)
+        policy._release_group_that_lost_a_node()
+        assert placement_group_table(pg)["state"] == "REMOVED"
+        assert policy.last_group_pg is None
+        # The survivor's bundle is free again: the next group may have that node.
+        wait_for(lambda: policy._fit() == 1, timeout_s=30)
+    finally:
+        cluster.nodes.append(cluster.add_node())

@@ -67,6 +67,7 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
     def make_decision_for_non_running_worker_group(self):
         self._maybe_send_resource_request()
         self.records.delete("resize")
+        self._release_group_that_lost_a_node()
         n = self._fit()
         if n < self.scaling_config.min_workers:
             now = time.monotonic()
@@ -80,6 +81,18 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         log.info("elastic-gpt: starting %d workers (live capacity)", n)
         return ResizeDecision(num_workers=n,
                               resources_per_worker=resources_per_worker(self.scaling_config))
+
+    def _release_group_that_lost_a_node(self) -> None:
+        """Remove the failed group's placement group once a node of it is dead. The controller
+        keeps it until the next group starts, and meanwhile the GCS re-places the lost bundles
+        in a busy loop (Ray 2.60: a core of the head node at 100% until capacity returns, which on
+        a small cluster is the survivors' CPU); the group is restarted whole either way."""
+        pg = self.last_group_pg
+        if pg is not None and _pg_state(pg) == "RESCHEDULING":
+            from ray.util import remove_placement_group
+            log.info("elastic-gpt: the failed group lost a node; releasing its placement group")
+            best_effort(remove_placement_group, pg)
+            self.last_group_pg, self.last_group_nodes = None, {}
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self._maybe_send_resource_request()
@@ -173,9 +186,14 @@ def _pg_nodes(pg) -> dict[str, int]:
     return dict(collections.Counter(n for n in placed.values() if n))
 
 
-def _pg_removed(pg) -> bool:
+def _pg_state(pg) -> str:
+    """CREATED, RESCHEDULING (a node of it died), REMOVED, ... ("REMOVED" if unknown)."""
     try:
         from ray.util.placement_group import placement_group_table
-        return placement_group_table(pg).get("state") == "REMOVED"
+        return placement_group_table(pg).get("state") or "REMOVED"
     except Exception:
-        return True
+        return "REMOVED"
+
+
+def _pg_removed(pg) -> bool:
+    return _pg_state(pg) == "REMOVED"
