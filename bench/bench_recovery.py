@@ -190,10 +190,12 @@ class ReplicaGroupsRun(ElasticGPTRun):
                 continue
             mine = [r for r in near if r["group"] == alone[0]["group"]]
             done = [r["t"] for r in mine if r["committed"]]
-            before = [x for x in done if x <= t]
-            after = [x for x in done if x > t]
-            if before and after:
-                stalls.append(after[0] - before[-1])
+            # The largest gap between its commits from the last one before the kill on: a step
+            # already past its collectives may still commit just after the kill, and the stall
+            # (the failed step, the heartbeat, the re-done step) comes after it.
+            start = max([i for i, x in enumerate(done) if x <= t], default=None)
+            if start is not None and start + 1 < len(done):
+                stalls.append(max(b - a for a, b in zip(done[start:], done[start + 1:])))
             redone.append(len([r for r in mine if not r["committed"] and r["t"] > t]))
         return {"stall_s": _stats(stalls or [float("nan")]),
                 "redone_attempts": _stats(redone or [0])}
