@@ -85,7 +85,7 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
     def _release_group_that_lost_a_node(self) -> None:
         """Remove the failed group's placement group once a node of it is dead. The controller
         keeps it until the next group starts, and meanwhile the GCS re-places the lost bundles
-        in a busy loop (Ray 2.60: a core of the head node at 100% until capacity returns, which on
+        in a busy loop (Ray 2.60: a whole core of the head node until capacity returns, which on
         a small cluster is the survivors' CPU); the group is restarted whole either way."""
         pg = self.last_group_pg
         if pg is not None and _pg_state(pg) == "RESCHEDULING":
