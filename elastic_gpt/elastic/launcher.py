@@ -14,7 +14,7 @@ import time
 
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config, resolve_paths
-from elastic_gpt.console import first_line, say
+from elastic_gpt.console import first_line, last_line, say
 from elastic_gpt.errors import FailureBudgetSpent, check_checkpoint_shape
 from elastic_gpt.train.goodput import GoodputLedger
 
@@ -281,17 +281,17 @@ def _is_training_failure(error: BaseException) -> bool:
     return isinstance(error, TrainingFailedError)
 
 
-def budget_spent_line(cfg: Config, error: BaseException, what: str = "the run failed") -> str:
-    """The one line for a run whose failures spent its budget; `error` is the last failure (a
-    Ray Train failure names each worker's own error: the first one is shown)."""
-    error = next(iter(getattr(error, "worker_failures", {}).values()), error)
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    last = f"{type(error).__name__}: {lines[-1] if lines else ''}"
-    if len(last) > 160:
-        last = last[:157] + "..."
-    return (f"{what} more often within an hour than elastic.max_failures_per_hour="
-            f"{cfg.elastic.max_failures_per_hour:g} allows (last: {last}); the newest checkpoint "
-            "is intact: fix the cause and run the same command again, or raise the budget")
+def budget_spent_line(cfg: Config, what: str, last: BaseException | None) -> str:
+    """The one line for a run whose failures spent its budget. `last` is the last failure; of a
+    Ray Train failure, which names each worker's own error, the first worker's is shown."""
+    line = (f"{what} more often within an hour than elastic.max_failures_per_hour="
+            f"{cfg.elastic.max_failures_per_hour:g} allows")
+    if last is not None:
+        last = next(iter(getattr(last, "worker_failures", {}).values()), last)
+        cause = f"{type(last).__name__}: {last_line(last)}"
+        line += f" (last: {cause if len(cause) <= 160 else cause[:157] + '...'})"
+    return (f"{line}; the newest checkpoint is intact: fix the cause and run the same command "
+            "again, or raise the budget")
 
 
 def run_training(cfg: Config, config_path: str | None = None) -> dict:
@@ -327,7 +327,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
             if cause is not None:  # bad input found by a worker: one line, exit 2 (C6)
                 raise ValueError(str(cause).strip().splitlines()[-1]) from None
             if _is_training_failure(e):  # the policy stopped retrying (policies.py)
-                raise FailureBudgetSpent(budget_spent_line(cfg, e)) from e
+                raise FailureBudgetSpent(budget_spent_line(cfg, "the run failed", e)) from e
             raise
     except KeyboardInterrupt:
         _close_stopped_run(cfg, run_id, "interrupted (Ctrl-C or SIGINT)", "KILLED")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import ray
 
 from elastic_gpt.config import Config
-from elastic_gpt.console import say
+from elastic_gpt.console import last_line, say
 from elastic_gpt.errors import FailureBudgetSpent
 from elastic_gpt.tracking import metric_names as mn
 
@@ -103,8 +103,8 @@ class ReplicaGroupsJob:
             budget = self.cfg.elastic.max_failures_per_hour
             if len(self.fallbacks) > budget:
                 raise FailureBudgetSpent(budget_spent_line(
-                    self.cfg, outcome.error or RuntimeError(outcome.reason),
-                    what=f"the replica groups fell back to the restart path ({outcome.reason})"))
+                    self.cfg, f"the replica groups fell back to the restart path "
+                    f"({outcome.reason})", outcome.error))
             self._record_fallback(outcome.reason)
             say(f"[elastic-gpt] replica groups: {outcome.reason}; falling back to the restart "
                 "path: a new Lighthouse, every group restored from the newest checkpoint")
@@ -144,7 +144,7 @@ class ReplicaGroupsJob:
                 if outcome.get("error") is None:
                     continue
                 say(f"[elastic-gpt] replica groups: group {outcome['group']} ended after "
-                    f"spending its restarts: {_first_line(outcome['error'])}")
+                    f"spending its restarts: {last_line(outcome['error'])[:200]}")
             finished = [o for o in outcomes.values() if o.get("error") is None]
             say(f"[elastic-gpt] replica groups: {len(finished)} of {n} finished")
             if finished:  # a group that ran out of restarts is fine while another one finished
@@ -226,11 +226,6 @@ def _append_record(folder: str, **record) -> None:
 def _is_fatal(error: BaseException) -> bool:
     from elastic_gpt.elastic.launcher import fatal_cause
     return fatal_cause(error) is not None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    return (lines[-1] if lines else type(error).__name__)[:200]
 
 
 def _lighthouse_end(ref) -> str:
