@@ -152,6 +152,17 @@ def test_goodput_ledger_moves_redone_work_from_productive_to_lost():
     assert restored.summary() == s
 
 
+def test_the_wait_for_a_membership_change_is_recovery_not_productive_time():
+    ledger = GoodputLedger(_attempt_started=10.0)
+    ledger.on_first_step_started(now=10.0)
+    ledger.on_step(1.0)
+    event = ledger.on_membership(2, 1, 2, step=2, waited_s=1.5)
+    ledger.on_step(0.25, degraded=True)  # the step's time less its quorum's wait (Trainer)
+    s = ledger.summary()
+    assert (s["productive_s"], s["recovery_s"], s["degraded_s"]) == (1.25, 1.5, 0.25)
+    assert event["recovery_s"] == 1.5 and s["goodput"] == round(1.25 / 2.75, 4)
+
+
 def test_a_resumed_ledger_keeps_what_happened_after_the_checkpoint_it_restored():
     # What a restart really hands the next attempt: the checkpoint's ledger (step 8), and the
     # ledger the dead attempt published at step 10, which alone has steps 9-10, the checkpoint

@@ -56,6 +56,8 @@ class NoReplication:
     groups = 1
     """Groups the run was configured with; fewer live is "degraded" time in the ledger."""
     live_groups = 1
+    quorum_s = 0.0
+    """How long this step's quorum took: with a membership change, the survivors' wait for it."""
     cleans_at_start = True
     """Whether uncommitted checkpoint directories at start are leftovers (C4): not while other
     replica groups may be writing one."""
@@ -111,7 +113,7 @@ class ReplicaGroup(NoReplication):
         self._record = None
         self._healed_at: int | None = None
         self._first = True
-        self._quorum_s = 0.0
+        self.quorum_s = 0.0
         self._begun = time.perf_counter()
         self._phases: dict[str, float] = {}
         self._cross_s = 0.0
@@ -175,12 +177,12 @@ class ReplicaGroup(NoReplication):
         before = self.manager.current_step()
         t0 = time.perf_counter()
         self.manager.start_quorum()
-        self._quorum_s = time.perf_counter() - t0
+        self.quorum_s = time.perf_counter() - t0
         self._phases["quorum"] = time.perf_counter()
         if self.manager.current_step() != before:
             self._healed_at = self.manager.current_step()
             log.info("replica group %d healed from a live peer to step %d in %.2f s", self.group,
-                     self._healed_at, self._quorum_s)
+                     self._healed_at, self.quorum_s)
         # A quorum that failed (a peer vanished while the process group was reconfigured)
         # leaves the manager errored: this step's collectives do nothing and should_commit says
         # no, so the step is re-done at the next quorum.
@@ -202,7 +204,7 @@ class ReplicaGroup(NoReplication):
         self._first = False
         self._quorum()
         if first:
-            self._write(event="join", step=self.manager.current_step(), quorum_s=self._quorum_s,
+            self._write(event="join", step=self.manager.current_step(), quorum_s=self.quorum_s,
                         healed=self._healed_at is not None)
         replica_rank = self.manager.participating_rank()
         before, self.live_groups = self.live_groups, self.manager.num_participants()
@@ -240,7 +242,7 @@ class ReplicaGroup(NoReplication):
         if self._record is not None:
             loss_sum, lo, hi = stats[:3].tolist()
             self._write(event="step", step=step, committed=ok, groups=self.live_groups,
-                        leads=self.leads, quorum_s=round(self._quorum_s, 4),
+                        leads=self.leads, quorum_s=round(self.quorum_s, 4),
                         attempt_s=round(time.perf_counter() - self._begun, 4),
                         phases={k: round(v - self._begun, 4) for k, v in self._phases.items()},
                         cross_s=round(self._cross_s, 4),

@@ -60,12 +60,16 @@ class GoodputLedger:
         self.lost_s += seconds
         self.lost_steps += 1
 
-    def on_membership(self, before: int, after: int, groups: int, step: int) -> dict:
-        """Replica groups left or joined the quorum at `step`; the run did not stop (C7)."""
+    def on_membership(self, before: int, after: int, groups: int, step: int,
+                      waited_s: float = 0.0) -> dict:
+        """Replica groups left or joined the quorum at `step`; the run did not stop (C7), but
+        it waited `waited_s` in that quorum (a lost group's heartbeat timing out, a joining
+        group's state being sent): recovery, not productive time."""
         event = {"kind": "replica group lost" if after < before else "replica group joined",
                  "detail": f"{before} -> {after} of {groups} replica groups live",
                  "at": time.time(), "from_groups": before, "to_groups": after, "step": step,
-                 "lost_steps": 0, "recovery_s": 0.0}
+                 "lost_steps": 0, "recovery_s": round(waited_s, 3)}
+        self.recovery_s += waited_s
         self.events.append(event)
         return event
 

@@ -524,8 +524,8 @@ class Trainer:
                     stream = self._open_stream()
                     continue
                 self.step += 1
-                self._note_membership_change()
-                self.ledger.on_step(step_time, degraded=self.replication.live_groups <
+                waited = self._note_membership_change()
+                self.ledger.on_step(step_time - waited, degraded=self.replication.live_groups <
                                     self.replication.groups)
                 tokens_per_s = tokens_per_step / step_time
                 metrics = {
@@ -572,16 +572,21 @@ class Trainer:
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
 
-    def _note_membership_change(self) -> None:
-        """Replica groups (C7): a group left or joined at this step's quorum; the run went on."""
+    def _note_membership_change(self) -> float:
+        """Replica groups (C7): a group left or joined at this step's quorum; the run went on.
+        Returns the seconds this step waited in that quorum (0 without a change)."""
         change = self.replication.membership_change()
         if change is None:
-            return
+            return 0.0
         before, after = change
-        event = self.ledger.on_membership(before, after, self.replication.groups, self.step)
+        waited = self.replication.quorum_s
+        event = self.ledger.on_membership(before, after, self.replication.groups, self.step,
+                                          waited_s=waited)
         if self.rank == 0 and self.replication.leads:
             say(f"[elastic-gpt] {event['kind']}: {before} -> {after} of "
-                f"{self.replication.groups} replica groups live at step {self.step}")
+                f"{self.replication.groups} replica groups live at step {self.step} (waited "
+                f"{waited:.2f} s in its quorum)")
+        return waited
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:
