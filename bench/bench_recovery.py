@@ -39,6 +39,7 @@ os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 from elastic_gpt.testing.cluster import LocalCluster, training_workers, wait_for  # noqa: E402
 from elastic_gpt.tracking import metric_names as mn  # noqa: E402
+from elastic_gpt.train.goodput import TOTALS  # noqa: E402
 
 # ---- the two systems under test ------------------------------------------------------------------
 
@@ -102,6 +103,13 @@ class ElasticGPTRun:
         latest = CheckpointStore(self.ckpt).latest()
         events = (latest.state.get("ledger") or {}).get("events", []) if latest else []
         return [e["lost_steps"] for e in events if e["kind"] == "failure"]
+
+    def ledger(self) -> dict:
+        """The run's goodput ledger as of its newest checkpoint (written every 10 steps)."""
+        from elastic_gpt.checkpoint.store import CheckpointStore
+
+        latest = CheckpointStore(self.ckpt).latest()
+        return (latest.state.get("ledger") or {}) if latest else {}
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -234,6 +242,13 @@ class RayTrainBaseline:
         step is in the log, written as it completes)."""
         return self._lost
 
+    def ledger(self) -> dict:
+        """The run's goodput ledger as of its newest checkpoint (written every 10 steps)."""
+        from elastic_gpt.checkpoint.store import CheckpointStore
+
+        latest = CheckpointStore(self.ckpt).latest()
+        return (latest.state.get("ledger") or {}) if latest else {}
+
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
@@ -275,9 +290,16 @@ def trials(cluster, run, n: int) -> dict:
 
 
 def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_after_s: float = 20.0):
-    """A node lost every `every_s` seconds, a replacement `replace_after_s` later. Goodput =
-    undisturbed step time x steps of the final trajectory / wall time."""
+    """A node lost every `every_s` seconds, a replacement `replace_after_s` later.
+
+    goodput: the ledger's (C5), over the window: productive / accounted wall time, where
+    productive is the committed steps' time at whatever size the run had (degraded_share: the
+    part of it with fewer replica groups), and recovery, re-done steps and checkpoint writes are
+    not. throughput: undisturbed step time x steps of the final trajectory / wall time, so a step
+    at half size counts half; capacity: the mean share of the nodes that were up, its ceiling."""
     first_step_at(run, 2, 0, timeout_s=300)
+    time.sleep(3)  # a checkpoint written at full size: the ledger's window starts there
+    start = run.ledger()
     t0 = time.time()
     next_kill = t0 + every_s
     kills = []
@@ -294,9 +316,19 @@ def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_afte
     gaps = sorted(b - a for a, b in zip(times, times[1:]) if b - a < 5)
     undisturbed = statistics.median(gaps) if gaps else float("nan")
     progress = max(s for _, s, _ in steps) - min(s for _, s, _ in steps)
+    end = run.ledger()
+    delta = {k: end.get(k, 0.0) - start.get(k, 0.0) for k in (*TOTALS, "degraded_s")}
+    accounted = sum(delta[k] for k in TOTALS)
+    node_down_s = len(kills) * replace_after_s - max(0.0, (kills[-1] + replace_after_s) -
+                                                     (t0 + wall)) if kills else 0.0
     out = {"wall_s": round(wall, 1), "net_steps": progress, "kills": len(kills),
            "median_step_s": round(undisturbed, 3),
-           "goodput": round(progress * undisturbed / wall, 3)}
+           "goodput": round(delta["productive_s"] / accounted, 3) if accounted else None,
+           "degraded_share": round(delta["degraded_s"] / delta["productive_s"], 3)
+           if delta["productive_s"] else None,
+           "ledger_s": {k: round(v, 1) for k, v in delta.items()},
+           "throughput": round(progress * undisturbed / wall, 3),
+           "capacity": round(1 - node_down_s / (2 * wall), 3)}
     if isinstance(run, ReplicaGroupsRun):
         out.update(run.failures(kills))
     return out
@@ -356,14 +388,16 @@ def main() -> int:
         finally:
             cluster.shutdown()
     print("\n| system | recovery median / max (s) | scale-up median / max (s) | steps re-done "
-          "median | goodput (node lost / 60 s) | tokens/s at full size |")
+          "median | goodput (node lost / 60 s): ledger / throughput / capacity | "
+          "tokens/s at full size |")
     print("|---|---|---|---|---|---|")
     dash = {"median": "-", "max": "-"}
     for name, r in results.items():
-        g = r.get("goodput", {}).get("goodput", "-")
+        g = r.get("goodput", {})
         rec, up = r.get("recovery_s", dash), r.get("scale_up_s", dash)
         print(f"| {name} | {rec['median']} / {rec['max']} | {up['median']} / {up['max']} | "
-              f"{r.get('lost_steps', dash)['median']} | {g} | "
+              f"{r.get('lost_steps', dash)['median']} | {g.get('goodput', '-')} / "
+              f"{g.get('throughput', '-')} / {g.get('capacity', '-')} | "
               f"{r.get('tokens_per_s', float('nan')):,.0f} |")
     rg = results.get("replica-groups", {}).get("goodput", {})
     if "stall_s" in rg:
