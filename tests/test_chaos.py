@@ -22,6 +22,7 @@ from elastic_gpt.elastic.launcher import run_key, run_training
 from elastic_gpt.testing.cluster import (
     LocalCluster,
     committed,
+    process_alive,
     progress,
     train_in_background,
     training_workers,
@@ -174,9 +175,13 @@ def test_spot_notice_from_the_metadata_endpoint(cluster, reference):
     cluster.nodes.append(cluster.add_node())
 
 
-def test_kill_while_a_checkpoint_is_written(cluster, reference):
-    """SIGKILL a worker while a step directory exists but is not committed: the run resumes from
-    the previous committed checkpoint, the torn directory is cleaned, losses are bit-identical."""
+def test_a_rank_stopped_while_a_checkpoint_is_written_is_a_failure_after_the_hang_timeout(
+        cluster, reference):
+    """SIGSTOP a worker while a step directory exists but is not committed: a hung rank (its
+    peers wait for it in a collective). Within elastic.hang_timeout_s the run treats it as a
+    failure: the stopped process is killed with its group, the run resumes from the previous
+    committed checkpoint, the torn directory is cleaned and losses are bit-identical."""
+    hang_s = 8.0  # above any wait of a healthy run here (group start, checkpoint writes)
 
     def fault(cfg):
         store = CheckpointStore(cfg.checkpoint.path)
@@ -186,16 +191,28 @@ def test_kill_while_a_checkpoint_is_written(cluster, reference):
             dirs = store.step_dirs()
             torn = [s for s in dirs if s > 4 and store.verify(s) == "not committed"]
             if torn:
-                os.kill(training_workers()[0].pid, signal.SIGKILL)
-                return torn[0]
+                pid = training_workers()[0].pid
+                os.kill(pid, signal.SIGSTOP)
+                return torn[0], pid, time.time()
             time.sleep(0.002)
         raise TimeoutError("never saw a checkpoint in flight")
 
-    summary, cfg, torn_step = train(cluster.env, "ckpt-kill", fault, min_workers=2)
+    cfg = load_config("jobs/configs/mini.yaml", [*overrides(cluster.env, "ckpt-hang", 2),
+                                                 f"elastic.hang_timeout_s={hang_s}"])
+    summary, (torn_step, pid, stopped_at) = train_in_background(cfg, lambda: fault(cfg))
     assert summary["step"] == STEPS
     assert_same_training(metrics(cluster.env, summary), reference, exact=True)
     store = CheckpointStore(cfg.checkpoint.path)
     assert all(store.verify(s) is None for s in store.step_dirs()), "no uncommitted leftovers"
+    failures = [e for e in events_of(summary) if e["kind"] == "failure"]
+    assert len(failures) == 1 and failures[0]["resumed_from_step"] < torn_step, failures
+    # Detected by a peer's collective or Ray Train's health check, each bounded by the key.
+    detected_s = failures[0]["at"] - stopped_at
+    print(f"\n[hang] restart path: failure noted {detected_s:.1f} s after the SIGSTOP "
+          f"(hang timeout {hang_s:g} s), first step again {failures[0]['recovery_s']:.1f} s "
+          "after it was noted")
+    assert detected_s <= hang_s + 5.0, detected_s
+    assert not process_alive(pid), "the stopped rank was killed with its group"
 
 
 def test_driver_killed_and_resubmitted(cluster, reference):

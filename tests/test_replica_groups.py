@@ -30,6 +30,7 @@ import pytest
 
 from elastic_gpt.config import load_config
 from elastic_gpt.data.fingerprint import join_fingerprint
+from elastic_gpt.testing.cluster import process_alive
 from elastic_gpt.tracking import metric_names as mn
 
 pytestmark = pytest.mark.slow
@@ -95,15 +96,6 @@ def _wait_records(folder: str, found, timeout_s: float = 150.0, what: str = ""):
             return recs, hit
         time.sleep(0.1)
     raise TimeoutError(f"never saw {what}")
-
-
-def _stopped_alive(pid: int) -> bool:
-    """Whether `pid` is still a live process (zombies count as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _node_of(group: int, recs: list[dict]) -> str:
@@ -289,7 +281,7 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     before = max(r["t"] for r in g0_end if r["t"] < at["stop"])
     hung_alone = min(r["t"] for r in g0_end if r["t"] > at["stop"] and r["groups"] == 1)
     assert hung_alone - before <= 6 * HANG_TIMEOUT_S + HEARTBEAT_S + 10.0, hung_alone - before
-    assert _stopped_alive(at["hung_pid"]) is False
+    assert process_alive(at["hung_pid"]) is False
 
     # (c), (d) C7 with C1/C2: every step committed by each live group, on the data of the
     # uninterrupted run, with its loss within float noise (through every fault).

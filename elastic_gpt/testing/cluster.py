@@ -85,6 +85,15 @@ def training_workers() -> list[Actor]:
     return [Actor(pid, node_id) for pid, node_id in live_actors("RayTrainWorker")]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is still a live process (zombies count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 def sigkill_a_worker() -> int:
     pid = training_workers()[0].pid
     os.kill(pid, signal.SIGKILL)
