@@ -250,6 +250,9 @@ def run_key(cfg: Config) -> str:
     return "run-" + hashlib.sha1(cfg.checkpoint.path.encode()).hexdigest()[:16]
 
 
+TORCH_PG_SHUTDOWN_TIMEOUT = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"  # ray.train.constants
+
+
 def _tune_ray_train_env(cfg: Config) -> None:
     """Ray Train reads these in the controller (it forwards RAY_TRAIN_* from the driver): poll
     workers often, and bound the wait for a placement group that cannot be placed (the policy
@@ -264,6 +267,14 @@ def _tune_ray_train_env(cfg: Config) -> None:
     # A stopped worker answers no health check: a hung rank is a failure after the same bound as
     # a collective that waits for it.
     os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.elastic.hang_timeout_s)
+    # A failed group's torch process group is destroyed before its workers are killed; a hung
+    # or dead rank never answers, and Ray waits this long for it (half a minute by default) before it
+    # starts the next group. Destroying a process group takes well under it; the workers are
+    # killed right after anyway.
+    from elastic_gpt.elastic.ray_internals import propagate_to_ray_train
+
+    os.environ.setdefault(TORCH_PG_SHUTDOWN_TIMEOUT, "5")
+    propagate_to_ray_train(TORCH_PG_SHUTDOWN_TIMEOUT)
 
 
 def fatal_cause(error: BaseException) -> BaseException | None:

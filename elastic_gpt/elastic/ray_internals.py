@@ -61,6 +61,8 @@ PRIVATE_APIS: tuple[Api, ...] = (
         params={"": ("key", "value", "overwrite", "namespace")}),
     Api("ray.experimental.internal_kv", "_internal_kv_get", params={"": ("key", "namespace")}),
     Api("ray.experimental.internal_kv", "_internal_kv_del", params={"": ("key", "namespace")}),
+    # The driver's settings Ray Train hands its controller and workers (a set: one is added).
+    Api("ray.train.v2._internal.constants", "ENV_VARS_TO_PROPAGATE", members=("add",)),
     Api(f"{_TRAIN}.failure_handling", "FailureDecision", members=("RETRY", "RAISE")),
     Api(f"{_TRAIN}.failure_handling", "FailurePolicy", members=("make_decision",),
         params={"__init__": ("failure_config",)}),
@@ -280,6 +282,13 @@ def zip_working_dir(path: str, excludes: list[str], output_path: str) -> None:
 
 
 # ---- the check -----------------------------------------------------------------------------------
+
+def propagate_to_ray_train(env_var: str) -> None:
+    """Have Ray Train hand the driver's `env_var` to its controller and workers, as it does its
+    own RAY_TRAIN_* settings: for a setting Ray reads in the controller but does not forward."""
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+    ENV_VARS_TO_PROPAGATE.add(env_var)
+
 
 def check_ray_internals() -> list[str]:
     """Fail loudly if a Ray API this package relies on is gone or changed shape. Returns the
