@@ -3,7 +3,7 @@ elastic-gpt's replica groups (C7) and a plain Ray Train elastic job with Ray's d
 side on one multi-node Ray cluster on this machine.
 
     .venv/bin/python bench/bench_recovery.py [--trials 5] [--goodput-s 200] [--skip-baseline]
-        [--systems elastic-gpt,replica-groups,ray-train-defaults]
+        [--systems elastic-gpt,replica-groups,ray-train-defaults] [--steady-rounds 2]
 
 The replica-group run trains the same job on the same two 1-CPU nodes as 2 groups of 1 worker
 (the restart path: one group of 2): a lost node takes one group, the other steps on alone. Its
@@ -52,15 +52,16 @@ class ElasticGPTRun:
     size_metric = mn.TRAIN_WORLD_SIZE
     extra: list[str] = []
 
-    def __init__(self, cluster, data: str, root: str, tag: str):
+    def __init__(self, cluster, data: str, root: str, tag: str, every_steps: int = 10):
         tag = f"{self.name}-{tag}"
+        self.every = every_steps
         self.uri = f"sqlite:///{root}/mlflow-{tag}.db"
         self.ckpt = f"{root}/ckpt-{tag}"
         self.records = f"{root}/records-{tag}"
         args = [sys.executable, "-m", "elastic_gpt.cli", "train", "--config",
                 os.path.join(ROOT, "jobs/configs/mini.yaml"), "model.preset=tiny",
                 f"data.path={data}", "train.global_batch_size=12", "train.micro_batch_size=2",
-                "train.max_steps=100000", "train.warmup_steps=2", "checkpoint.every_steps=10",
+                "train.max_steps=100000", "train.warmup_steps=2", f"checkpoint.every_steps={every_steps}",
                 f"checkpoint.path={self.ckpt}", f"run.name=bench-{tag}", f"tracking.uri={self.uri}",
                 f"run.storage_path={root}/ray", "scaling.min_workers=1", "scaling.max_workers=2",
                 "elastic.max_failures_per_hour=1000", "train.log_every=1000", *self.extra]
@@ -289,7 +290,25 @@ def trials(cluster, run, n: int) -> dict:
             "lost_steps": _stats(lost or [0])}
 
 
-def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_after_s: float = 20.0):
+KILL_EVERY_S = 60.0
+
+
+def checkpoint_every(system, args) -> int:
+    """Each mode's checkpoint interval as `elastic-gpt plan` sets it (Young/Daly,
+    `elastic_gpt.planner.plan`): the restart path's for the cluster's MTBF (`goodput` kills a
+    node every KILL_EVERY_S), replica groups' for their fallback's (the driver's node: the node MTBF, which is
+    the cluster's times its nodes), since their checkpoints serve only the fallback."""
+    from elastic_gpt.planner.plan import young_interval_s
+
+    mtbf = KILL_EVERY_S * (2 if system is ReplicaGroupsRun else 1)
+    every = max(1, round(young_interval_s(args.checkpoint_write_s, mtbf) / args.step_s))
+    print(f"  {system.name}: checkpoint every {every} steps (Young/Daly: write "
+          f"{args.checkpoint_write_s} s, MTBF {mtbf:.0f} s, step {args.step_s} s)", flush=True)
+    return every
+
+
+def goodput(cluster, run, duration_s: float, every_s: float = KILL_EVERY_S,
+            replace_after_s: float = 20.0):
     """A node lost every `every_s` seconds, a replacement `replace_after_s` later.
 
     goodput: the ledger's (C5), over the window: productive / accounted wall time, where
@@ -298,8 +317,8 @@ def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_afte
     not. throughput: undisturbed step time x steps of the final trajectory / wall time, so a step
     at half size counts half; capacity: the mean share of the nodes that were up, its ceiling."""
     first_step_at(run, 2, 0, timeout_s=300)
-    time.sleep(3)  # a checkpoint written at full size: the ledger's window starts there
-    start = run.ledger()
+    # The ledger's window starts at the first checkpoint (it has the start-up behind it).
+    start = wait_for(lambda: run.ledger() or None, timeout_s=120, interval_s=0.5)
     t0 = time.time()
     next_kill = t0 + every_s
     kills = []
@@ -327,11 +346,42 @@ def goodput(cluster, run, duration_s: float, every_s: float = 60.0, replace_afte
            "degraded_share": round(delta["degraded_s"] / delta["productive_s"], 3)
            if delta["productive_s"] else None,
            "ledger_s": {k: round(v, 1) for k, v in delta.items()},
+           "checkpoint_write_s": round(delta["checkpoint_s"] / max(1, progress // run.every), 3),
            "throughput": round(progress * undisturbed / wall, 3),
            "capacity": round(1 - node_down_s / (2 * wall), 3)}
     if isinstance(run, ReplicaGroupsRun):
         out.update(run.failures(kills))
     return out
+
+
+def steady(data: str, root: str, rounds: int, seconds: float) -> dict:
+    """Steady tokens/s at full size, one FSDP group of 2 (the restart path) against 2 replica
+    groups of 1, in short runs that alternate on one cluster: this machine's speed drifts over
+    minutes, so each round's ratio compares neighbours, not runs a quarter of an hour apart."""
+    cluster = LocalCluster(workers=2)
+    tokens: dict[str, list[float]] = {ElasticGPTRun.name: [], ReplicaGroupsRun.name: []}
+    ratios = []
+    try:
+        for i in range(rounds):
+            got = {}
+            for system in (ElasticGPTRun, ReplicaGroupsRun)[::1 if i % 2 == 0 else -1]:
+                run = system(cluster, data, root, f"steady{i}")
+                try:
+                    first_step_at(run, 2, 0, timeout_s=300)
+                    since = time.time()
+                    time.sleep(seconds)
+                    got[system.name] = run.tokens_per_s(since)
+                finally:
+                    run.stop()
+                wait_for(lambda: not training_workers(), timeout_s=60)
+                tokens[system.name].append(round(got[system.name]))
+            ratios.append(got[ReplicaGroupsRun.name] / got[ElasticGPTRun.name])
+            print(f"  steady round {i + 1}: tokens/s {got[ElasticGPTRun.name]:,.0f} (one group) "
+                  f"vs {got[ReplicaGroupsRun.name]:,.0f} (replica groups), ratio "
+                  f"{ratios[-1]:.3f}", flush=True)
+    finally:
+        cluster.shutdown()
+    return {"tokens_per_s": tokens, "ratio": _stats(ratios)}
 
 
 def _stats(xs: list[float]) -> dict:
@@ -346,6 +396,15 @@ def main() -> int:
                    help="trials for Ray Train's defaults (default: --trials; each of its events "
                         "waits out the ~60 s placement timeout, so fewer keep a run short)")
     p.add_argument("--goodput-s", type=float, default=200.0, help="0 skips the goodput runs")
+    p.add_argument("--steady-rounds", type=int, default=0,
+                   help="rounds of alternating steady runs (restart path, replica groups) for "
+                        "the tokens/s ratio; 0 skips them")
+    p.add_argument("--steady-s", type=float, default=30.0, help="seconds measured per steady run")
+    p.add_argument("--checkpoint-write-s", type=float, default=0.2,
+                   help="a checkpoint's blocking write time here, for the goodput runs' "
+                        "intervals (each run prints the one it measured)")
+    p.add_argument("--step-s", type=float, default=0.065,
+                   help="the step time here at full size, for the same")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--systems", default="elastic-gpt,replica-groups,ray-train-defaults",
                    help="which systems, comma-separated")
@@ -380,7 +439,8 @@ def main() -> int:
             if args.goodput_s:
                 print(f"{system.name}: goodput with a node lost every 60 s for "
                       f"{args.goodput_s:.0f} s", flush=True)
-                run = system(cluster, data, root, "goodput")
+                every = checkpoint_every(system, args)
+                run = system(cluster, data, root, "goodput", every_steps=every)
                 results[system.name]["goodput"] = goodput(cluster, run, args.goodput_s)
                 if isinstance(run, ElasticGPTRun):
                     results[system.name]["tokens_per_s"] = run.tokens_per_s(0)
@@ -409,6 +469,13 @@ def main() -> int:
             "tokens_per_s" in results.get("elastic-gpt", {}):
         print(f"steady state, 2 groups x 1 worker vs 1 FSDP group of 2: tokens/s ratio "
               f"{results['replica-groups']['tokens_per_s'] / results['elastic-gpt']['tokens_per_s']:.3f}")
+    if args.steady_rounds:
+        print(f"steady state: {args.steady_rounds} round(s) of alternating runs, "
+              f"{args.steady_s:.0f} s each", flush=True)
+        results["steady"] = steady(data, root, args.steady_rounds, args.steady_s)
+        r = results["steady"]["ratio"]
+        print(f"steady state, alternating runs, 2 groups x 1 worker vs 1 FSDP group of 2: "
+              f"tokens/s ratio median {r['median']} (rounds {r['all']})")
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwrote {args.out}")
