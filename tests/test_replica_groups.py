@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 # The run must outlast the faults, which take several Ray restarts of a group while the survivor
 # steps on: the test prints the step they ended at, to keep this about twice that.
-STEPS = 560
+STEPS = 480
 CHECKPOINT_EVERY = 20  # the fallback's restart point
 KILL_AT = 12  # between two checkpoint steps: the stall measured is the failure's alone
 WORKERS = 2  # per group: FSDP2 shards inside each group, and the heal goes shard by shard
