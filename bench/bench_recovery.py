@@ -368,12 +368,14 @@ def steady(data: str, root: str, rounds: int, seconds: float) -> dict:
                 run = system(cluster, data, root, f"steady{i}")
                 try:
                     first_step_at(run, 2, 0, timeout_s=300)
+                    time.sleep(5)  # past the first steps' warm-up
                     since = time.time()
                     time.sleep(seconds)
                     got[system.name] = run.tokens_per_s(since)
                 finally:
                     run.stop()
                 wait_for(lambda: not training_workers(), timeout_s=60)
+                time.sleep(10)  # the stopped job's actors and placement groups are cleaned up
                 tokens[system.name].append(round(got[system.name]))
             ratios.append(got[ReplicaGroupsRun.name] / got[ElasticGPTRun.name])
             print(f"  steady round {i + 1}: tokens/s {got[ElasticGPTRun.name]:,.0f} (one group) "

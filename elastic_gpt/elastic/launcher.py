@@ -268,9 +268,9 @@ def _tune_ray_train_env(cfg: Config) -> None:
     # a collective that waits for it.
     os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.elastic.hang_timeout_s)
     # A failed group's torch process group is destroyed before its workers are killed; a hung
-    # or dead rank never answers, and Ray waits this long for it (half a minute by default) before it
-    # starts the next group. Destroying a process group takes well under it; the workers are
-    # killed right after anyway.
+    # or dead rank never answers, and Ray waits this long for it (half a minute by default)
+    # before it starts the next group. Destroying a process group takes well under it; the
+    # workers are killed right after anyway.
     from elastic_gpt.elastic.ray_internals import propagate_to_ray_train
 
     os.environ.setdefault(TORCH_PG_SHUTDOWN_TIMEOUT, "5")

@@ -281,14 +281,14 @@ def zip_working_dir(path: str, excludes: list[str], output_path: str) -> None:
     _zip_files(path, excludes, output_path, include_gitignore=True)
 
 
-# ---- the check -----------------------------------------------------------------------------------
-
 def propagate_to_ray_train(env_var: str) -> None:
     """Have Ray Train hand the driver's `env_var` to its controller and workers, as it does its
     own RAY_TRAIN_* settings: for a setting Ray reads in the controller but does not forward."""
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
     ENV_VARS_TO_PROPAGATE.add(env_var)
 
+
+# ---- the check -----------------------------------------------------------------------------------
 
 def check_ray_internals() -> list[str]:
     """Fail loudly if a Ray API this package relies on is gone or changed shape. Returns the
