@@ -65,12 +65,11 @@ class ElasticGPTRun:
                 f"checkpoint.path={self.ckpt}", f"run.name=bench-{tag}", f"tracking.uri={self.uri}",
                 f"run.storage_path={root}/ray", "scaling.min_workers=1", "scaling.max_workers=2",
                 "elastic.max_failures_per_hour=1000", "train.log_every=1000", *self.extra]
-        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ,
-                                                          "RAY_ADDRESS": cluster.address,
-                                                          "ELASTIC_GPT_REPLICA_RECORDS":
-                                                          self.records},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        with open(f"{root}/{tag}.log", "w") as log:  # the driver's output, for a failed run
+            self.proc = subprocess.Popen(args, cwd=ROOT, env={
+                **os.environ, "RAY_ADDRESS": cluster.address,
+                "ELASTIC_GPT_REPLICA_RECORDS": self.records}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
 
     def steps(self) -> list[tuple[float, int, int]]:
         """(completion time, step, world size) of every logged step, in time order."""
@@ -106,11 +105,14 @@ class ElasticGPTRun:
         return [e["lost_steps"] for e in events if e["kind"] == "failure"]
 
     def ledger(self) -> dict:
-        """The run's goodput ledger as of its newest checkpoint (written every 10 steps)."""
+        """The run's goodput ledger as of its newest checkpoint, with `saved_at`: when that
+        checkpoint's trainer state was taken."""
         from elastic_gpt.checkpoint.store import CheckpointStore
 
         latest = CheckpointStore(self.ckpt).latest()
-        return (latest.state.get("ledger") or {}) if latest else {}
+        if latest is None or not latest.state.get("ledger"):
+            return {}
+        return {**latest.state["ledger"], "saved_at": latest.state["saved_at"]}
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -244,11 +246,14 @@ class RayTrainBaseline:
         return self._lost
 
     def ledger(self) -> dict:
-        """The run's goodput ledger as of its newest checkpoint (written every 10 steps)."""
+        """The run's goodput ledger as of its newest checkpoint, with `saved_at`: when that
+        checkpoint's trainer state was taken."""
         from elastic_gpt.checkpoint.store import CheckpointStore
 
         latest = CheckpointStore(self.ckpt).latest()
-        return (latest.state.get("ledger") or {}) if latest else {}
+        if latest is None or not latest.state.get("ledger"):
+            return {}
+        return {**latest.state["ledger"], "saved_at": latest.state["saved_at"]}
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -311,11 +316,13 @@ def goodput(cluster, run, duration_s: float, every_s: float = KILL_EVERY_S,
             replace_after_s: float = 20.0):
     """A node lost every `every_s` seconds, a replacement `replace_after_s` later.
 
-    goodput: the ledger's (C5), over the window: productive / accounted wall time, where
-    productive is the committed steps' time at whatever size the run had (degraded_share: the
-    part of it with fewer replica groups), and recovery, re-done steps and checkpoint writes are
-    not. throughput: undisturbed step time x steps of the final trajectory / wall time, so a step
-    at half size counts half; capacity: the mean share of the nodes that were up, its ceiling."""
+    goodput: the ledger's (C5) productive time over the wall time between two of its
+    checkpoints (the first after the start, the newest at the end), where productive is the
+    committed steps' time at whatever size the run had (degraded_share: the part of it with fewer
+    replica groups), and recovery, re-done steps and checkpoint writes are not (the ledger's own
+    productive / accounted time beside it). throughput: undisturbed step time x steps of the
+    final trajectory / wall time, so a step at half size counts half; capacity: the mean share
+    of the nodes that were up, its ceiling."""
     first_step_at(run, 2, 0, timeout_s=300)
     # The ledger's window starts at the first checkpoint (it has the start-up behind it).
     start = wait_for(lambda: run.ledger() or None, timeout_s=120, interval_s=0.5)
@@ -336,13 +343,16 @@ def goodput(cluster, run, duration_s: float, every_s: float = KILL_EVERY_S,
     undisturbed = statistics.median(gaps) if gaps else float("nan")
     progress = max(s for _, s, _ in steps) - min(s for _, s, _ in steps)
     end = run.ledger()
-    delta = {k: end.get(k, 0.0) - start.get(k, 0.0) for k in (*TOTALS, "degraded_s")}
+    delta = {k: end.get(k, 0.0) - start.get(k, 0.0) for k in (*TOTALS, "degraded_s", "saved_at")}
     accounted = sum(delta[k] for k in TOTALS)
     node_down_s = len(kills) * replace_after_s - max(0.0, (kills[-1] + replace_after_s) -
                                                      (t0 + wall)) if kills else 0.0
     out = {"wall_s": round(wall, 1), "net_steps": progress, "kills": len(kills),
            "median_step_s": round(undisturbed, 3),
-           "goodput": round(delta["productive_s"] / accounted, 3) if accounted else None,
+           "goodput": round(delta["productive_s"] / delta["saved_at"], 3)
+           if delta["saved_at"] else None,
+           "goodput_of_accounted": round(delta["productive_s"] / accounted, 3)
+           if accounted else None,
            "degraded_share": round(delta["degraded_s"] / delta["productive_s"], 3)
            if delta["productive_s"] else None,
            "ledger_s": {k: round(v, 1) for k, v in delta.items()},
