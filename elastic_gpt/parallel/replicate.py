@@ -7,8 +7,9 @@ default reads the state dict on its quorum thread while the forward runs, which 
 serving a peer's recovery under FSDP2), which says which groups take part and, for a group that
 is behind (a replacement), copies a live peer's state to it shard by shard before the step. Each
 FSDP module's gradient, once reduce-scattered (and all-reduced over in-group HSDP replicas), is
-averaged over the live groups through torchft's `ManagedProcessGroup`; `should_commit()` then
-decides for every group at once whether the optimizer steps, or the step is re-done.
+averaged over the live groups through torchft's `ManagedProcessGroup` (on CPU all of them in one
+call after the backward); `should_commit()` then decides for every group at once whether the
+optimizer steps, or the step is re-done.
 
 C1 across groups: the step's micro-batches are split over (live groups x data-parallel ranks of a
 group); group g of n takes data-parallel ranks g*D .. g*D + D-1 of n*D. The Trainer scales each
@@ -78,6 +79,10 @@ class NoReplication:
         Trainer's; this rank's data-parallel rank and the degree over all live groups)."""
         return None, dp_rank, dp_degree
 
+    def reduce_gradients(self) -> None:
+        """After the backward, before clipping: where the gradients are averaged over the live
+        groups in one go rather than module by module."""
+
     def reduce_stats(self, stats: torch.Tensor) -> None:
         pass
 
@@ -143,6 +148,7 @@ class ReplicaGroup(NoReplication):
             checkpoint_transport=self._transport(pg, timeout=self.timeout, device=device))
         replicate = self._managed_pg(self.manager)
         replicate.register(f"replica_groups_{self.group}")
+        self._replicate = replicate
 
         def average_over_groups(grad: torch.Tensor) -> None:
             t0 = time.perf_counter()
@@ -150,9 +156,15 @@ class ReplicaGroup(NoReplication):
             dist.all_reduce(grad, group=replicate, op=dist.ReduceOp.AVG)
             self._cross_s += time.perf_counter() - t0
 
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_all_reduce_hook(average_over_groups)
+        # On CUDA each FSDP module's gradient is averaged as soon as it is reduce-scattered, so
+        # the transfer overlaps the rest of the backward. On CPU nothing overlaps, and each
+        # managed collective has a fixed cost (torchft's error handling around a gloo call): one
+        # call per dtype after the backward (`reduce_gradients`) does the same sums.
+        self._bucketed = device.type != "cuda"
+        if not self._bucketed:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_all_reduce_hook(average_over_groups)
         if self.record_dir:
             os.makedirs(self.record_dir, exist_ok=True)
             path = os.path.join(self.record_dir, f"g{self.group}_r{self.group_rank}.jsonl")
@@ -225,6 +237,28 @@ class ReplicaGroup(NoReplication):
 
     def membership_change(self) -> tuple[int, int] | None:
         return self._change
+
+    def reduce_gradients(self) -> None:
+        """The live groups' mean of every gradient shard, one flat collective per dtype (the
+        CPU path; on CUDA the per-module hooks have done it during the backward)."""
+        if not self._bucketed:
+            return
+        t0 = time.perf_counter()
+        self._phases.setdefault("first_grad", t0)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.grad is not None:
+                # a DTensor's local shard is a view of its storage: written back in place
+                local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                by_dtype.setdefault(local.dtype, []).append(local)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self._replicate, op=dist.ReduceOp.AVG)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._cross_s += time.perf_counter() - t0
 
     def reduce_stats(self, stats: torch.Tensor) -> None:
         """Sum the step's loss and data fingerprint over the live groups; each group's are

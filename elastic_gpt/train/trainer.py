@@ -378,6 +378,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.forward_backward(batch)
+        self.replication.reduce_gradients()  # over the live replica groups, if any
         grad_norm = self.clip_gradients()
         # One collective and one host sync per step for the metrics, not one per micro-batch.
         lo, hi = split_fingerprint(batch.fingerprint)
