@@ -242,10 +242,16 @@ class Lighthouse:
     heartbeats stop for `heartbeat_ms` drops out of the next quorum; that is the survivors' stall
     per lost group. Joiners are waited for at most twice that."""
 
+    # A quorum that waits for a lost group's heartbeat to time out is formed at the next tick
+    # after it (no request arrives to trigger it): torchft's default tick adds up to a tenth of
+    # a second to every such stall; this one is cheap (a few groups to look at).
+    QUORUM_TICK_MS = 10
+
     def __init__(self, heartbeat_ms: int):
         from torchft.coordination import LighthouseServer
         self.server = LighthouseServer(bind="[::]:0", min_replicas=1,
                                        join_timeout_ms=2 * heartbeat_ms,
+                                       quorum_tick_ms=self.QUORUM_TICK_MS,
                                        heartbeat_timeout_ms=heartbeat_ms)
 
     def address(self) -> str:
