@@ -121,6 +121,13 @@ def _snapshot_job(rank: int, world: int) -> None:
         torch.save(expected, os.environ["OUT"])
 
 
+def _any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _fail_job(rank: int, world: int) -> None:
     from elastic_gpt.checkpoint.checkpointer import CheckpointWriteError
     model, opt = _toy_state()
@@ -136,7 +143,10 @@ def _fail_job(rank: int, world: int) -> None:
     _step(model, opt, seed=1)
     state["step"] = 2
     ckpt.save(2)
-    while ckpt.in_flight:  # training goes on; the next step boundary after the failure raises
+    # Training goes on while the write is in flight; the next step boundary after the failure
+    # raises. The ranks agree each step on whether to go on (the trainer's steps are in lock
+    # step): a rank leaving alone would take the other's next collective down with it.
+    while _any_rank(ckpt.in_flight):
         _step(model, opt, seed=2)
     try:
         ckpt.poll()
