@@ -49,16 +49,16 @@ def cluster(stdlib_dataset, tmp_path_factory):
     c.shutdown()
 
 
-def overrides(env, name: str, min_workers: int = 1) -> list[str]:
+def overrides(env, name: str, min_workers: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
     return [*ARGS, f"data.path={env['data']}", f"run.name={name}", f"tracking.uri={env['uri']}",
             f"run.storage_path={env['root']}/ray", f"checkpoint.path={env['root']}/{name}",
-            f"scaling.min_workers={min_workers}", "scaling.max_workers=2"]
+            f"scaling.min_workers={min_workers}", "scaling.max_workers=2", *extra]
 
 
-def train(env, name: str, fault=None, min_workers: int = 1):
+def train(env, name: str, fault=None, min_workers: int = 1, extra: tuple[str, ...] = ()):
     """Train in a thread while `fault(cfg)` runs here: Ray starts nodes only from the main
     thread. Returns (summary, cfg, what the fault returned)."""
-    cfg = load_config("jobs/configs/mini.yaml", overrides(env, name, min_workers))
+    cfg = load_config("jobs/configs/mini.yaml", overrides(env, name, min_workers, extra))
     if fault is None:
         return run_training(cfg), cfg, None
     summary, injected = train_in_background(cfg, lambda: fault(cfg))
@@ -197,9 +197,8 @@ def test_a_rank_stopped_while_a_checkpoint_is_written_is_a_failure_after_the_han
             time.sleep(0.002)
         raise TimeoutError("never saw a checkpoint in flight")
 
-    cfg = load_config("jobs/configs/mini.yaml", [*overrides(cluster.env, "ckpt-hang", 2),
-                                                 f"elastic.hang_timeout_s={hang_s}"])
-    summary, (torn_step, pid, stopped_at) = train_in_background(cfg, lambda: fault(cfg))
+    summary, cfg, (torn_step, pid, stopped_at) = train(
+        cluster.env, "ckpt-hang", fault, min_workers=2, extra=(f"elastic.hang_timeout_s={hang_s}",))
     assert summary["step"] == STEPS
     assert_same_training(metrics(cluster.env, summary), reference, exact=True)
     store = CheckpointStore(cfg.checkpoint.path)
