@@ -211,6 +211,9 @@ def test_a_rank_stopped_while_a_checkpoint_is_written_is_a_failure_after_the_han
           f"(hang timeout {hang_s:g} s), first step again {failures[0]['recovery_s']:.1f} s "
           "after it was noted")
     assert detected_s <= hang_s + 5.0, detected_s
+    # Ray's wait for the stopped rank's process group to shut down is bounded (the launcher's
+    # TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S); at Ray's default half minute this was above it.
+    assert failures[0]["recovery_s"] <= 40.0, failures[0]["recovery_s"]
     assert not process_alive(pid), "the stopped rank was killed with its group"
 
 
