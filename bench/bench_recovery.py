@@ -192,7 +192,8 @@ class ReplicaGroupsRun(ElasticGPTRun):
                 recs += [json.loads(line) for line in f if line.strip()]
         steps = sorted((r for r in recs if r.get("event") == "step" and r["rank"] == 0),
                        key=lambda r: r["t"])
-        stalls, redone = [], []
+        stalls, redone, waits = [], [], []
+        departures = [r for r in recs if r.get("event") == "departure"]
         for t in kills:
             near = [r for r in steps if t - 5 < r["t"] < t + 10]
             # The survivor: the group that committed a step alone after the kill.
@@ -208,8 +209,15 @@ class ReplicaGroupsRun(ElasticGPTRun):
             if start is not None and start + 1 < len(done):
                 stalls.append(max(b - a for a, b in zip(done[start:], done[start + 1:])))
             redone.append(len([r for r in mine if not r["committed"] and r["t"] > t]))
+            waits.append(next(r["quorum_s"] for r in mine if r["t"] > t and r["groups"] == 1))
+        # How the Lighthouse learnt of each loss: before the heartbeat timed out (a refused
+        # probe, or the group leaving on its way out), or by the timeout (no departure noted).
+        how = [next((d["why"] for d in departures if t < d["t"] < t + 10), "heartbeat timeout")
+               for t in kills]
         return {"stall_s": _stats(stalls or [float("nan")]),
-                "redone_attempts": _stats(redone or [0])}
+                "redone_attempts": _stats(redone or [0]),
+                "drop_wait_s": _stats(waits or [float("nan")]),
+                "detected_by": {k: how.count(k) for k in sorted(set(how))}}
 
 
 class RayTrainBaseline:
@@ -474,6 +482,9 @@ def main() -> int:
               f"{rg['stall_s']['median']} s / max {rg['stall_s']['max']} s (heartbeat 1.5 s, "
               f"step {rg['median_step_s']} s), step attempts re-done median "
               f"{rg['redone_attempts']['median']} / max {rg['redone_attempts']['max']}")
+        print(f"replica groups: the survivors' wait in the quorum that dropped the lost group "
+              f"median {rg['drop_wait_s']['median']} s / max {rg['drop_wait_s']['max']} s; "
+              f"losses detected by {rg['detected_by']}")
     if "tokens_per_s" in results.get("replica-groups", {}) and \
             "tokens_per_s" in results.get("elastic-gpt", {}):
         print(f"steady state, 2 groups x 1 worker vs 1 FSDP group of 2: tokens/s ratio "

@@ -115,13 +115,14 @@ class ReplicaGroupsJob:
         cfg, n = self.cfg, self.cfg.elastic.replica_groups
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         heartbeat_ms = int(cfg.elastic.replica_heartbeat_timeout_s * 1000)
-        lighthouse = Lighthouse.options(scheduling_strategy=here).remote(heartbeat_ms)
+        lighthouse = Lighthouse.options(scheduling_strategy=here).remote(
+            heartbeat_ms, os.environ.get(RECORD_DIR_ENV))
         address = ray.get(lighthouse.address.remote())
         lighthouse_alive = lighthouse.wait_stopped.remote()  # fails when the actor dies
         if os.environ.get(RECORD_DIR_ENV):  # the fault tests kill it by this pid
             _append_record(os.environ[RECORD_DIR_ENV], event="lighthouse", address=address,
                            pid=ray.get(lighthouse.pid.remote()))
-        say(f"[elastic-gpt] replica groups: {n} x {self.size} worker(s), torchft Lighthouse at "
+        say(f"[elastic-gpt] replica groups: {n} x {self.size} worker(s), Lighthouse at "
             f"{address} (heartbeat timeout {cfg.elastic.replica_heartbeat_timeout_s:g} s)")
         diagnostics = {"record_dir": os.environ.get(RECORD_DIR_ENV),
                        "state_hash": os.environ.get(STATE_HASH_ENV) == "1"}
@@ -238,21 +239,27 @@ def _lighthouse_end(ref) -> str:
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class Lighthouse:
-    """torchft's Lighthouse: forms each step's quorum of replica groups. A group whose
-    heartbeats stop for `heartbeat_ms` drops out of the next quorum; that is the survivors' stall
-    per lost group. Joiners are waited for at most twice that."""
+    """The groups' Lighthouse (`elastic/lighthouse.py`: torchft's quorum service, told when a group
+    is gone): forms each step's quorum of replica groups. A group drops out of the next quorum at
+    once when it leaves (a drain, the end, an error in it) or its manager's process is gone (a
+    probe is refused); a group that falls silent otherwise (a hung process, a node off the
+    network) after `heartbeat_ms`. Joiners are waited for at most twice that."""
 
     # A quorum that waits for a lost group's heartbeat to time out is formed at the next tick
     # after it (no request arrives to trigger it): torchft's default tick adds up to a tenth of
     # a second to every such stall; this one is cheap (a few groups to look at).
     QUORUM_TICK_MS = 10
 
-    def __init__(self, heartbeat_ms: int):
-        from torchft.coordination import LighthouseServer
-        self.server = LighthouseServer(bind="[::]:0", min_replicas=1,
-                                       join_timeout_ms=2 * heartbeat_ms,
+    def __init__(self, heartbeat_ms: int, record_dir: str | None = None):
+        from elastic_gpt.elastic.lighthouse import LighthouseServer
+
+        def note(departure) -> None:
+            if record_dir:
+                _append_record(record_dir, event="departure", replica=departure.replica_id,
+                               why=departure.why, at=departure.at)
+        self.server = LighthouseServer(min_replicas=1, join_timeout_ms=2 * heartbeat_ms,
                                        quorum_tick_ms=self.QUORUM_TICK_MS,
-                                       heartbeat_timeout_ms=heartbeat_ms)
+                                       heartbeat_timeout_ms=heartbeat_ms, on_departure=note)
 
     def address(self) -> str:
         return self.server.address()

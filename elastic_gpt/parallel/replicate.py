@@ -89,6 +89,10 @@ class NoReplication:
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         return True
 
+    def leave(self) -> None:
+        """This group takes part in no more steps (it was drained): the others go on without
+        waiting for it."""
+
     def shutdown(self) -> None:
         pass
 
@@ -109,6 +113,8 @@ class ReplicaGroup(NoReplication):
         self.timeout = timedelta(seconds=timeout_s)
         self.record_dir, self.state_hash = record_dir, state_hash
         self.manager = None
+        self.replica_id: str | None = None
+        self._left = False
         self.leads = group == 0
         self.cleans_at_start = False
         self.groups = groups
@@ -146,6 +152,10 @@ class ReplicaGroup(NoReplication):
             # group; Ray restarts its run.
             max_retries=10,
             checkpoint_transport=self._transport(pg, timeout=self.timeout, device=device))
+        # The id the Lighthouse knows this group by: torchft adds a fresh suffix per process,
+        # so a restarted group is a new member, and a late word from this one cannot touch it.
+        self.replica_id = (self.manager._store.get(self.torchft.manager.REPLICA_ID_KEY).decode()
+                           if self.group_rank == 0 else None)
         replicate = self._managed_pg(self.manager)
         replicate.register(f"replica_groups_{self.group}")
         self._replicate = replicate
@@ -308,8 +318,22 @@ class ReplicaGroup(NoReplication):
             self._record.write(json.dumps({"t": round(time.time(), 4), "group": self.group,
                                            "rank": self.group_rank, **record}) + "\n")
 
+    def leave(self) -> None:
+        """Rank 0 tells the Lighthouse that the group is gone, so the others' next quorum forms
+        without waiting for its heartbeat to time out (the other ranks have nothing to say)."""
+        from elastic_gpt.elastic.lighthouse import leave
+
+        if self.replica_id is None or self._left:
+            return
+        self._left = True
+        t0 = time.perf_counter()
+        told = leave(self.lighthouse, self.replica_id, timeout_s=1.0)
+        self._write(event="leave", told=told, s=round(time.perf_counter() - t0, 4))
+
     def shutdown(self) -> None:
+        """Also on the way out after an error: the group leaves the quorum first, then stops."""
         if self.manager is not None:
+            self.leave()
             self.manager.shutdown(wait=False)
         if self._record is not None:
             self._record.close()

@@ -525,6 +525,8 @@ class Trainer:
                     stream = self._open_stream()
                     continue
                 self.step += 1
+                if self.stop_reason:  # a drained replica group: the others need not wait for it
+                    self.replication.leave()
                 waited = self._note_membership_change()
                 self.ledger.on_step(step_time - waited, degraded=self.replication.live_groups <
                                     self.replication.groups)

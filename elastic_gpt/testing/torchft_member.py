@@ -1,0 +1,69 @@
+"""A replica group of one process for Lighthouse tests and benchmarks: a real torchft `Manager`
+(its Rust `ManagerServer`, gloo) that steps a quorum, an all-reduce and a commit vote in a loop and
+reports each step attempt. No model, no Ray: what is under test is the quorum service.
+
+`start_member(lighthouse, name, out)` spawns one; each step attempt is a line of JSON appended to
+`out` (`t`, `step`, `participants`, `committed`, `quorum_s`). `leave_when=PATH`: after the first
+step committed once that file exists, the member says `Leave` and then idles with its manager
+(and its heartbeats) still running.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+
+
+def start_member(lighthouse: str, name: str, out: str, *, steps: int = 10_000,
+                 leave_when: str | None = None, heartbeat_timeout_s: float = 5.0):
+    """A spawned process (its pid is the one to kill or stop)."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=_member_main, args=(lighthouse, name, out, steps, leave_when, heartbeat_timeout_s),
+        daemon=True)
+    process.start()
+    return process
+
+
+def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: str | None,
+                 timeout_s: float) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torchft
+    from torch.distributed import TCPStore
+
+    from elastic_gpt.elastic.lighthouse import leave
+
+    state = torch.zeros(4)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # A collective with a stopped peer gives up after the heartbeat timeout, as a quorum
+    # without it forms then; the quorum call itself may wait longer (a joiner being healed).
+    timeout = timedelta(seconds=timeout_s)
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timeout), min_replica_size=1, use_async_quorum=False,
+        load_state_dict=lambda s: state.copy_(s["state"]), state_dict=lambda: {"state": state},
+        replica_id=name, rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=timeout,
+        quorum_timeout=10 * timeout, init_sync=False, store_addr="127.0.0.1", store_port=store.port)
+    with open(out, "a", buffering=1) as f:
+        while manager.current_step() < steps:
+            t0 = time.perf_counter()
+            manager.start_quorum()
+            quorum_s = time.perf_counter() - t0
+            grad = torch.ones(4)
+            manager.allreduce(grad).wait()
+            committed = manager.should_commit()
+            if committed:
+                state.add_(grad)
+            f.write(json.dumps({"t": time.time(), "name": name, "step": manager.current_step(),
+                                "participants": manager.num_participants(),
+                                "committed": committed, "quorum_s": quorum_s}) + "\n")
+            if leave_when is not None and committed and os.path.exists(leave_when):
+                replica_id = manager._store.get(torchft.manager.REPLICA_ID_KEY).decode()
+                leave(lighthouse, replica_id)
+                f.write(json.dumps({"t": time.time(), "name": name, "left": True}) + "\n")
+                while True:  # gone from the quorum, still heartbeating
+                    time.sleep(1)
+            time.sleep(0.02)
+    manager.shutdown(wait=False)

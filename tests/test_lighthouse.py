@@ -1,0 +1,189 @@
+"""The replica groups' Lighthouse (elastic/lighthouse.py): torchft's quorum rules, and a group
+forgotten at once when it leaves or its process is gone, but not when it is only stuck."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from elastic_gpt.elastic.lighthouse import (
+    PB,
+    Joined,
+    LighthouseServer,
+    QuorumOptions,
+    QuorumState,
+    leave,
+    probe,
+    quorum_compute,
+)
+
+
+def _member(replica_id: str, step: int = 1, shrink_only: bool = False, address: str = ""):
+    return PB["QuorumMember"](replica_id=replica_id, address=address, step=step, world_size=1,
+                              shrink_only=shrink_only)
+
+
+def _join(state: QuorumState, replica_id: str, now: float, **kw) -> None:
+    state.participants[replica_id] = Joined(now, _member(replica_id, **kw))
+    state.heartbeats[replica_id] = now
+
+
+# ---- torchft's rules (its src/lighthouse.rs tests, case by case) -----------------------------
+
+
+def test_a_valid_quorum_waits_for_healthy_stragglers_until_the_join_timeout():
+    opt = QuorumOptions(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)
+    state, now = QuorumState(), 1000.0
+    members, reason = quorum_compute(now, state, opt)
+    assert members is None and "need min_replicas 1 [0/0 participants healthy]" in reason
+    _join(state, "a", now)
+    _join(state, "b", now)
+    members, reason = quorum_compute(now, state, opt)
+    assert [m.replica_id for m in members] == ["a", "b"], reason
+    state.heartbeats["c"] = now  # healthy, not joined: waited for
+    members, reason = quorum_compute(now, state, opt)
+    assert members is None and "join timeout" in reason
+    state.participants["a"].joined = now - 61.0
+    members, reason = quorum_compute(now, state, opt)
+    assert [m.replica_id for m in members] == ["a", "b"], reason
+
+
+def test_a_silent_group_is_dropped_after_the_heartbeat_timeout_and_half_is_split_brain():
+    opt = QuorumOptions(min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)
+    state, now = QuorumState(), 1000.0
+    _join(state, "a", now)
+    state.heartbeats["b"] = now - 1.0  # heartbeating, not joined: one of two is not a quorum
+    members, reason = quorum_compute(now, state, opt)
+    assert members is None and "at least half of 2 healthy" in reason
+    state.heartbeats["b"] = now - 5.0
+    members, reason = quorum_compute(now, state, opt)
+    assert [m.replica_id for m in members] == ["a"], reason
+    _join(state, "c", now)
+    state.heartbeats["c"] = now - 6.0  # joined, but silent since: not a member
+    assert [m.replica_id for m in quorum_compute(now, state, opt)[0]] == ["a"]
+
+
+def test_fast_quorum_and_shrink_only_follow_the_previous_quorum():
+    opt = QuorumOptions(min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=5_000)
+    state, now = QuorumState(), 1000.0
+    state.prev_quorum = PB["Quorum"](quorum_id=1, participants=[_member("a"), _member("b")])
+    _join(state, "a", now)
+    state.heartbeats["c"] = now  # a healthy newcomer does not hold up a fast quorum
+    members, reason = quorum_compute(now, state, opt)
+    assert members is None  # b has not joined again yet
+    _join(state, "b", now)
+    members, reason = quorum_compute(now, state, opt)
+    assert reason.startswith("Fast quorum") and [m.replica_id for m in members] == ["a", "b"]
+    _join(state, "c", now, shrink_only=True)  # shrink only: nobody new comes in
+    members, reason = quorum_compute(now, state, opt)
+    assert [m.replica_id for m in members] == ["a", "b"], reason
+
+
+# ---- the server with real torchft managers -----------------------------------------------------
+
+
+def test_probe_tells_a_refused_port_from_a_listening_one():
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert probe(f"http://127.0.0.1:{port}") is True
+    assert probe(f"http://127.0.0.1:{port}") is False
+
+
+def test_leave_needs_a_lighthouse_and_says_so_without_raising():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert leave(f"http://127.0.0.1:{port}", "replica_group_0:x", timeout_s=1.0) is False
+
+
+def _lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _wait(path: str, found, what: str, timeout_s: float = 60.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        hit = found(_lines(path))
+        if hit:
+            return hit
+        time.sleep(0.02)
+    raise TimeoutError(f"never saw {what}")
+
+
+def _first_alone_after(t: float, participants: int):
+    def found(lines):
+        return next((r for r in lines if r.get("name") == "a" and r["t"] > t and r["committed"]
+                     and r["participants"] == participants), None)
+    return found
+
+
+@pytest.mark.slow
+def test_a_group_that_leaves_or_dies_is_dropped_at_once_and_a_stuck_one_after_its_heartbeat(
+        tmp_path):
+    """Four one-process groups: b leaves (and keeps heartbeating), c is SIGKILLed, d is stopped
+    (SIGSTOP). Group a's quorum drops b and c at once, far inside the heartbeat timeout, and d
+    only when its heartbeat times out: a stopped process still accepts the probe's connection."""
+    from elastic_gpt.testing.torchft_member import start_member
+
+    heartbeat_s = 3.0
+    departures = []
+    server = LighthouseServer(min_replicas=1, join_timeout_ms=int(2000 * heartbeat_s),
+                              quorum_tick_ms=10, heartbeat_timeout_ms=int(1000 * heartbeat_s),
+                              on_departure=departures.append)
+    out, leave_now = str(tmp_path / "steps.jsonl"), str(tmp_path / "b-leaves")
+    members = {name: start_member(server.address(), name, out, heartbeat_timeout_s=heartbeat_s,
+                                  leave_when=leave_now if name == "b" else None)
+               for name in "abcd"}
+    try:
+        _wait(out, lambda lines: len([r for r in lines if r.get("name") == "a"
+                                      and r["participants"] == 4]) >= 5, "all four together")
+        open(leave_now, "w").close()
+        _wait(out, lambda lines: any(r.get("left") for r in lines), "b leaving")
+        left = next(r["t"] for r in _lines(out) if r.get("left"))
+        after_leave = _wait(out, _first_alone_after(left, 3), "a without b")
+        a_steps = [r for r in _lines(out) if r.get("name") == "a" and r["t"] < left]
+        _wait(out, lambda lines: [r for r in lines if r.get("name") == "a" and r["t"] >
+                                  after_leave["t"] + 1.0], "a stepping on without b")
+
+        os.kill(members["c"].pid, signal.SIGKILL)
+        killed = time.time()
+        after_kill = _wait(out, _first_alone_after(killed, 2), "a without c")
+
+        os.kill(members["d"].pid, signal.SIGSTOP)
+        stopped = time.time()
+        after_stop = _wait(out, _first_alone_after(stopped, 1), "a without d",
+                           timeout_s=6 * heartbeat_s)
+        departed = list(departures)  # before the clean-up below kills the rest
+    finally:
+        for process in members.values():
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+                process.join(timeout=10)
+        server.shutdown()
+
+    assert a_steps[-1]["participants"] == 4, a_steps[-3:]
+    # b's heartbeats after its Leave do not bring it back: a went on with 3 for a second.
+    lines = _lines(out)
+    assert all(r["participants"] == 3 for r in lines if r.get("name") == "a" and
+               after_leave["t"] <= r["t"] < killed and r["committed"])
+    why = {d.replica_id.split(":")[0]: d.why for d in departed}
+    assert why == {"b": "left", "c": "probe refused"}, departed
+    # Dropped at once: far inside the heartbeat timeout (a step here is a few milliseconds).
+    assert after_leave["t"] - left < heartbeat_s / 3, after_leave["t"] - left
+    assert after_kill["t"] - killed < heartbeat_s / 3, after_kill["t"] - killed
+    # The stopped process is dropped by its heartbeat alone, not sooner.
+    assert heartbeat_s - 0.5 <= after_stop["t"] - stopped <= 2 * heartbeat_s, \
+        after_stop["t"] - stopped
+    print(f"\n[lighthouse] dropped after: leave {after_leave['t'] - left:.3f} s, SIGKILL "
+          f"{after_kill['t'] - killed:.3f} s, SIGSTOP {after_stop['t'] - stopped:.2f} s "
+          f"(heartbeat timeout {heartbeat_s} s)")
