@@ -14,10 +14,10 @@ import pytest
 from elastic_gpt.elastic.lighthouse import (
     PB,
     Joined,
+    LighthouseClient,
     LighthouseServer,
     QuorumOptions,
     QuorumState,
-    leave,
     probe,
     quorum_compute,
 )
@@ -100,7 +100,9 @@ def test_leave_needs_a_lighthouse_and_says_so_without_raising():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert leave(f"http://127.0.0.1:{port}", "replica_group_0:x", timeout_s=1.0) is False
+    client = LighthouseClient(f"http://127.0.0.1:{port}")
+    assert client.leave("replica_group_0:x", timeout_s=1.0) is False
+    client.close()
 
 
 def _lines(path: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Replica groups (C7) on a real multi-node Ray cluster with a real torchft Lighthouse: 2 groups
+"""Replica groups (C7) on a real multi-node Ray cluster with a real Lighthouse: 2 groups
 of 2 workers of the tiny model, a node per group, each group its own Ray Train run. One run takes
 every fault in turn, each while the other group keeps stepping:
 

@@ -319,6 +319,11 @@ class LighthouseServer:
     # ---- probes ------------------------------------------------------------------------------
 
     def _probe_stragglers(self, now: float) -> None:
+        """Only while a group waits, and not for the usual few milliseconds between the groups'
+        requests of a step: then every healthy group that has not joined."""
+        waiting = [d.joined for d in self.state.participants.values()]
+        if not waiting or now - min(waiting) < self.probe_interval_s:
+            return
         timeout_s = self.opt.heartbeat_timeout_ms / 1000
         for rid, beat in self.state.heartbeats.items():
             if rid in self.state.participants or now - beat >= timeout_s:
@@ -361,18 +366,29 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
         return None
 
 
-def leave(lighthouse: str, replica_id: str, timeout_s: float = 2.0) -> bool:
-    """Tell the Lighthouse that `replica_id` takes part in no more quorums. Best effort: False
-    if it could not be told (the heartbeat timeout then does the same, later)."""
-    import grpc
+class LighthouseClient:
+    """A group's line to the Lighthouse's `Leave`, connected when made: a drained group's word
+    should cost the others no connection set-up."""
 
-    target = urlsplit(lighthouse).netloc or lighthouse
-    try:
-        with grpc.insecure_channel(target) as channel:
-            call = channel.unary_unary(LEAVE_METHOD, request_serializer=lambda r: json.dumps(
-                r).encode(), response_deserializer=json.loads)
-            call({"replica_id": replica_id}, timeout=timeout_s)
-        return True
-    except grpc.RpcError as e:
-        log.warning("could not tell the Lighthouse that %s left: %s", replica_id, e.code())
-        return False
+    def __init__(self, lighthouse: str):
+        import grpc
+
+        self._grpc = grpc
+        self._channel = grpc.insecure_channel(urlsplit(lighthouse).netloc or lighthouse)
+        grpc.channel_ready_future(self._channel)  # starts connecting; nothing waits for it
+        self._leave = self._channel.unary_unary(
+            LEAVE_METHOD, request_serializer=lambda r: json.dumps(r).encode(),
+            response_deserializer=json.loads)
+
+    def leave(self, replica_id: str, timeout_s: float = 2.0) -> bool:
+        """Tell the Lighthouse that `replica_id` takes part in no more quorums. Best effort: False
+        if it could not be told (the probe or the heartbeat timeout then does the same, later)."""
+        try:
+            self._leave({"replica_id": replica_id}, timeout=timeout_s)
+            return True
+        except self._grpc.RpcError as e:
+            log.warning("could not tell the Lighthouse that %s left: %s", replica_id, e.code())
+            return False
+
+    def close(self) -> None:
+        self._channel.close()

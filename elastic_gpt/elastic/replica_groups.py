@@ -1,14 +1,14 @@
 """Driver side of `elastic.replica_groups: N` (C7, docs/replica-groups.md).
 
-One torchft Lighthouse, held by a Ray actor on the driver's node, and one Ray Train run per
-replica group, each driven from a Ray task on the driver's node. Each group's run is an
-`ElasticTorchTrainer` of a fixed size with the run's own policies: Ray restarts only that group
-after a failure (charged to its sliding-hour budget), for free after a drain (the group leaves at a
-step boundary, elastic/membership.py), and waits for live capacity rather than a placement group
-that cannot be placed. The other groups keep stepping; the restarted group heals from a live peer
-(`elastic_gpt/parallel/replicate.py`). Ray 2.60's own `TorchftConfig` is not used: it supports
-groups of exactly one worker (no FSDP inside a group) and its example deadlocked here (a
-`ray.train.report` barrier against torchft's quorum rule).
+One Lighthouse (torchft's protocol, `lighthouse.py`), held by a Ray actor on the driver's node, and
+one Ray Train run per replica group, each driven from a Ray task on the driver's node. Each group's
+run is an `ElasticTorchTrainer` of a fixed size with the run's own policies: Ray restarts only that
+group after a failure (charged to its sliding-hour budget), for free after a drain (the group
+leaves at a step boundary, elastic/membership.py), and waits for live capacity rather than a
+placement group that cannot be placed. The other groups keep stepping; the restarted group heals
+from a live peer (`elastic_gpt/parallel/replicate.py`). Ray 2.60's own `TorchftConfig` is not used:
+it supports groups of exactly one worker (no FSDP inside a group) and its example deadlocked here
+(a `ray.train.report` barrier against torchft's quorum rule).
 
 **Fallback.** Without a Lighthouse no group can form a quorum, and with every group gone there is
 no peer to heal from: in both cases the driver stops what is left and starts a new Lighthouse and
@@ -233,8 +233,8 @@ def _lighthouse_end(ref) -> str:
     try:
         ray.get(ref)
     except Exception as e:
-        return f"the torchft Lighthouse was lost ({type(e).__name__})"
-    return "the torchft Lighthouse stopped"
+        return f"the Lighthouse was lost ({type(e).__name__})"
+    return "the Lighthouse stopped"
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)

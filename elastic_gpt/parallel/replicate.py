@@ -154,8 +154,10 @@ class ReplicaGroup(NoReplication):
             checkpoint_transport=self._transport(pg, timeout=self.timeout, device=device))
         # The id the Lighthouse knows this group by: torchft adds a fresh suffix per process,
         # so a restarted group is a new member, and a late word from this one cannot touch it.
-        self.replica_id = (self.manager._store.get(self.torchft.manager.REPLICA_ID_KEY).decode()
-                           if self.group_rank == 0 else None)
+        if self.group_rank == 0:
+            from elastic_gpt.elastic.lighthouse import LighthouseClient
+            self.replica_id = self.manager._store.get(self.torchft.manager.REPLICA_ID_KEY).decode()
+            self._lighthouse_client = LighthouseClient(self.lighthouse)
         replicate = self._managed_pg(self.manager)
         replicate.register(f"replica_groups_{self.group}")
         self._replicate = replicate
@@ -321,13 +323,12 @@ class ReplicaGroup(NoReplication):
     def leave(self) -> None:
         """Rank 0 tells the Lighthouse that the group is gone, so the others' next quorum forms
         without waiting for its heartbeat to time out (the other ranks have nothing to say)."""
-        from elastic_gpt.elastic.lighthouse import leave
-
         if self.replica_id is None or self._left:
             return
         self._left = True
         t0 = time.perf_counter()
-        told = leave(self.lighthouse, self.replica_id, timeout_s=1.0)
+        told = self._lighthouse_client.leave(self.replica_id, timeout_s=1.0)
+        self._lighthouse_client.close()
         self._write(event="leave", told=told, s=round(time.perf_counter() - t0, 4))
 
     def shutdown(self) -> None:

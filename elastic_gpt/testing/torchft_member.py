@@ -34,7 +34,7 @@ def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: s
     import torchft
     from torch.distributed import TCPStore
 
-    from elastic_gpt.elastic.lighthouse import leave
+    from elastic_gpt.elastic.lighthouse import LighthouseClient
 
     state = torch.zeros(4)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -46,6 +46,7 @@ def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: s
         load_state_dict=lambda s: state.copy_(s["state"]), state_dict=lambda: {"state": state},
         replica_id=name, rank=0, world_size=1, lighthouse_addr=lighthouse, timeout=timeout,
         quorum_timeout=10 * timeout, init_sync=False, store_addr="127.0.0.1", store_port=store.port)
+    client = LighthouseClient(lighthouse)
     with open(out, "a", buffering=1) as f:
         while manager.current_step() < steps:
             t0 = time.perf_counter()
@@ -61,7 +62,7 @@ def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: s
                                 "committed": committed, "quorum_s": quorum_s}) + "\n")
             if leave_when is not None and committed and os.path.exists(leave_when):
                 replica_id = manager._store.get(torchft.manager.REPLICA_ID_KEY).decode()
-                leave(lighthouse, replica_id)
+                client.leave(replica_id)
                 f.write(json.dumps({"t": time.time(), "name": name, "left": True}) + "\n")
                 while True:  # gone from the quorum, still heartbeating
                     time.sleep(1)
