@@ -222,8 +222,14 @@ class ElasticSection:
     all-reduce across groups; a lost group drops out of the next step's quorum and the others
     keep training, and its replacement heals from a live peer (C7). Needs torchft (the ft extra)."""
     replica_heartbeat_timeout_s: Annotated[float, Range(0.1)] = 2.0
-    """Replica groups: a group whose heartbeats stop this long is dropped from the quorum; the
-    survivors' stall per lost group. Too short evicts healthy groups on a loaded machine."""
+    """Replica groups: a group whose heartbeats stop this long is dropped from the quorum (one
+    that leaves, or whose process is gone, is dropped at once). Too short evicts healthy groups
+    on a loaded machine."""
+    replica_collective_timeout_s: Annotated[float, Range(0.1)] = 10.0
+    """Replica groups: a collective across groups (the gradient average, the summed stats, a
+    heal's transfers) with a group that stopped answering gives up after this long, and the step
+    is re-done without it: with the heartbeat timeout, the survivors' stall when a group's node
+    vanishes from the network. Above the longest cross-group all-reduce of a step."""
 
 
 @dataclass

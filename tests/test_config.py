@@ -175,6 +175,7 @@ def test_a_config_dict_written_by_old_main_loads():
                              # the hang bound is old main's collective timeout.
                              "elastic": {**OLD_MAIN_DICT["elastic"], "replica_groups": "off",
                                          "replica_heartbeat_timeout_s": 2.0,
+                                         "replica_collective_timeout_s": 10.0,
                                          "hang_timeout_s": 600.0}}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"

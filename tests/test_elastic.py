@@ -202,3 +202,29 @@ def test_a_resumed_ledger_keeps_what_happened_after_the_checkpoint_it_restored()
                     previous={"step": 6, "world_size": 2, "avg_step_s": 1.0, "at": 110.0,
                               "ledger": {"productive_s": 6.0}}, cause=None)
     assert stale.productive_s == 8.0 and stale.lost_steps == 0
+
+
+def test_a_healed_group_adopts_its_peers_ledger_and_keeps_the_events_only_it_saw():
+    from elastic_gpt.train.goodput import merge_events
+
+    peer = GoodputLedger(_attempt_started=0.0)
+    peer.on_first_step_started(now=0.0)
+    peer.on_step(5.0)
+    lost = peer.on_membership(2, 1, 2, step=5, waited_s=0.1)
+    lost["at"] = 10.0
+    # The restarted group: why it restarted is in its own ledger alone.
+    mine = GoodputLedger(_attempt_started=20.0)
+    mine.on_resume(restored_step=0, world_size=2, attempt_started=20.0, previous=None,
+                   cause={"kind": "failure", "error": "worker killed", "at": 19.0})
+    mine.on_first_step_started(now=21.0)
+    mine.adopt(peer.to_dict())  # the heal: the peer's totals, and the union of the events
+    assert mine.summary()["productive_s"] == 5.0
+    assert [e["kind"] for e in mine.events] == ["replica group lost", "failure"]  # by time
+    assert lost in mine.events
+    # Both then note the join; the driver's union of the groups' ledgers has each event once.
+    for ledger in (peer, mine):
+        ledger.events.append({"kind": "replica group joined", "at": 30.0, "step": 9})
+    merged = merge_events(peer.events, mine.events)
+    assert [e["kind"] for e in merged].count("replica group joined") == 1
+    assert [e["at"] for e in merged] == sorted(e["at"] for e in merged)
+    assert {e["kind"] for e in merged} == {"failure", "replica group lost", "replica group joined"}

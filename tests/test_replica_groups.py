@@ -13,6 +13,9 @@ every fault in turn, each while the other group keeps stepping:
   and heals;
 - a hung rank (SIGSTOP) in group 1: group 0 goes on alone within a bound set by
   elastic.hang_timeout_s;
+- group 1 vanished (every process of it stopped, as a node gone from the network: nothing
+  refuses a connection, the heartbeats stop): group 0 goes on alone within the heartbeat and
+  elastic.replica_collective_timeout_s, far inside the hang timeout;
 
 and (c, d) every committed step has the data and (within float noise) the loss of an
 uninterrupted single-process run. One run, not one per fault: a cluster, a reference run and a
@@ -37,12 +40,13 @@ pytestmark = pytest.mark.slow
 
 # The run must outlast the faults, which take several Ray restarts of a group while the survivor
 # steps on: the test prints the step they ended at, to keep this about twice that.
-STEPS = 480
+STEPS = 640
 CHECKPOINT_EVERY = 20  # the fallback's restart point
 KILL_AT = 12  # between two checkpoint steps: the stall measured is the failure's alone
 WORKERS = 2  # per group: FSDP2 shards inside each group, and the heal goes shard by shard
 HEARTBEAT_S = 1.0
 HANG_TIMEOUT_S = 6.0
+COLLECTIVE_TIMEOUT_S = 2.0
 # 6 micro-batches over 2 groups x 2 ranks: blocks of 1 and 2, so the cross-group average must
 # keep the token weighting (C1); alone, a group splits them 3 + 3.
 ARGS = ["model.preset=tiny", "train.global_batch_size=6", "train.micro_batch_size=1",
@@ -51,6 +55,7 @@ ARGS = ["model.preset=tiny", "train.global_batch_size=6", "train.micro_batch_siz
         "scaling.cpus_per_worker=1", f"checkpoint.every_steps={CHECKPOINT_EVERY}", "checkpoint.keep=2",
         f"elastic.replica_heartbeat_timeout_s={HEARTBEAT_S}", "elastic.max_failures_per_hour=5",
         f"elastic.hang_timeout_s={HANG_TIMEOUT_S}", "elastic.replica_groups=2",
+        f"elastic.replica_collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
         f"scaling.min_workers={2 * WORKERS}", f"scaling.max_workers={2 * WORKERS}"]
 
 
@@ -202,6 +207,18 @@ def _faults(cluster, folder: str) -> dict:
     _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
                                         and r["t"] > at["stop"] and r["groups"] == 1
                                         and r["committed"]], what="group 0 alone after the hang")
+
+    # Group 1 vanished: both of its processes stopped at once, once it is back.
+    recs, _ = _wait_records(folder, _steps_together_after(at["stop"], 3),
+                            what="group 1 back after the hang")
+    at["vanished_pids"] = [_last_start(recs, 1, rank)["pid"] for rank in range(WORKERS)]
+    at["vanish"] = time.time()
+    for pid in at["vanished_pids"]:
+        os.kill(pid, signal.SIGSTOP)
+    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                        and r["t"] > at["vanish"] and r["groups"] == 1
+                                        and r["committed"]], what="group 0 alone after vanishing")
+    at["end"] = time.time()
     return at
 
 
@@ -294,6 +311,16 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     hung_alone = min(r["t"] for r in g0_end if r["t"] > at["stop"] and r["groups"] == 1)
     assert hung_alone - before <= 6 * HANG_TIMEOUT_S + HEARTBEAT_S + 10.0, hung_alone - before
     assert process_alive(at["hung_pid"]) is False
+    # The vanished group: the Lighthouse dropped it by its heartbeat (its stopped processes still
+    # accepted the probe, so no departure was noted), and group 0's step in flight with it gave
+    # up after the collective timeout, not the hang timeout.
+    before = max(r["t"] for r in g0_end if r["t"] < at["vanish"])
+    vanished_alone = min(r["t"] for r in g0_end if r["t"] > at["vanish"] and r["groups"] == 1)
+    assert vanished_alone - before <= max(HEARTBEAT_S, COLLECTIVE_TIMEOUT_S) + 2.5, \
+        vanished_alone - before
+    assert not [r for r in recs if r["event"] == "departure"
+                and at["vanish"] < r["t"] < vanished_alone], "a stopped group refused no probe"
+    assert not any(process_alive(pid) for pid in at["vanished_pids"])
 
     # (c), (d) C7 with C1/C2: every step committed by each live group, on the data of the
     # uninterrupted run, with its loss within float noise (through every fault).
@@ -310,6 +337,9 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     import mlflow
     kinds = [e["kind"] for e in summary["events"]]
     assert {"replica group lost", "replica group joined", "failure"} <= set(kinds), kinds
+    # Group 1's restart after its drain was seen by group 1 alone (group 0 led throughout): the
+    # run's events are every group's, not the leading group's checkpoint's alone.
+    assert "preemption" in kinds, kinds
     assert summary["goodput"]["degraded_s"] > 0 and summary["goodput"]["lost_steps"] > 0
     # The Lighthouse learnt of every loss before the heartbeat timed out: the killed worker's
     # and the killed node's manager refused its probe (or their group said it left on the way
@@ -335,5 +365,7 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
           f"heartbeat {HEARTBEAT_S} s), {len(alone)} step(s) alone, heal {heal_s:.2f} s at step "
           f"{healed_step}, {redone} step attempt(s) not committed; hung rank: group 0 alone "
           f"{hung_alone - at['stop']:.1f} s after the SIGSTOP (hang timeout {HANG_TIMEOUT_S} s); "
-          f"faults over at step {max(r['step'] for r in steps if r['t'] < at['stop'])} of {STEPS}")
+          f"vanished group: group 0 alone {vanished_alone - at['vanish']:.1f} s after it "
+          f"(collective timeout {COLLECTIVE_TIMEOUT_S} s); "
+          f"faults over at step {max(r['step'] for r in steps if r['t'] < at['end'])} of {STEPS}")
     assert stall <= HEARTBEAT_S + 3 * steady + 5.0, stall

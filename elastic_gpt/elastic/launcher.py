@@ -16,7 +16,7 @@ from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config, resolve_paths
 from elastic_gpt.console import first_line, last_line, say
 from elastic_gpt.errors import FailureBudgetSpent, check_checkpoint_shape
-from elastic_gpt.train.goodput import GoodputLedger
+from elastic_gpt.train.goodput import GoodputLedger, merge_events
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +354,8 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     # The ledger travels in the checkpoints (Ray Train V2 keeps reported metrics only with
     # reported checkpoints, and we keep our own), so the newest one has every attempt's events.
     ledger = GoodputLedger.from_dict(final.state.get("ledger") if final else None)
+    # Replica groups: the checkpoint's ledger is its writer's; the others' events join it (C7).
+    ledger.events = merge_events(ledger.events, getattr(result, "events", None) or [])
     summary = {"run_id": run_id, "step": final.step if final else 0,
                "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {}),
                "goodput": ledger.summary(), "events": ledger.events}
@@ -363,7 +365,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
             final_model = lambda: log_final_model(cfg.tracking.uri, run_id, final.url, final.step)
         finish_run(cfg.tracking.uri, run_id, config_path=config_path,
                    finished=bool(final and final.step >= cfg.train.max_steps),
-                   config=cfg.to_dict(), ledger=final.state.get("ledger") if final else None,
+                   config=cfg.to_dict(), ledger=ledger.to_dict() if final else None,
                    step=summary["step"], log_model=final_model)
     return summary
 

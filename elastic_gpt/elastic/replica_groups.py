@@ -85,6 +85,9 @@ class ReplicaGroupsJob:
     gpu: bool
     env: dict
     metrics: dict = field(default_factory=dict)
+    events: list[dict] = field(default_factory=list)
+    """Every group's ledger events at the end (`groups_events`): the checkpoint has the leading
+    group's, which lacks what only another group saw."""
     fallbacks: list[float] = field(default_factory=list)
     """When each fallback to the restart path happened (the sliding-hour budget)."""
 
@@ -95,6 +98,7 @@ class ReplicaGroupsJob:
             outcome = self._attempt()
             if outcome.finished:
                 self.metrics = outcome.metrics
+                self.events = groups_events(self.cfg)
                 return self
             if outcome.fatal:
                 raise outcome.error
@@ -116,7 +120,7 @@ class ReplicaGroupsJob:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         heartbeat_ms = int(cfg.elastic.replica_heartbeat_timeout_s * 1000)
         lighthouse = Lighthouse.options(scheduling_strategy=here).remote(
-            heartbeat_ms, os.environ.get(RECORD_DIR_ENV))
+            heartbeat_ms, n, os.environ.get(RECORD_DIR_ENV))
         address = ray.get(lighthouse.address.remote())
         lighthouse_alive = lighthouse.wait_stopped.remote()  # fails when the actor dies
         if os.environ.get(RECORD_DIR_ENV):  # the fault tests kill it by this pid
@@ -174,6 +178,17 @@ class ReplicaGroupsJob:
             best_effort(RunRecords(group_run_key(run_key(self.cfg), g)).put, "last_failure",
                         {"kind": "failure", "at": time.time(), "error": reason})
         CheckpointStore(self.cfg.checkpoint.path).remove_uncommitted()
+
+
+def groups_events(cfg: Config) -> list[dict]:
+    """The union of the events in every group's last published ledger (membership.RunRecords)."""
+    from elastic_gpt.elastic.launcher import run_key
+    from elastic_gpt.elastic.membership import RunRecords, best_effort
+    from elastic_gpt.train.goodput import merge_events
+
+    ledgers = [(best_effort(RunRecords(group_run_key(run_key(cfg), g)).get, "progress") or {})
+               .get("ledger") or {} for g in range(cfg.elastic.replica_groups)]
+    return merge_events(*[ledger.get("events") or [] for ledger in ledgers])
 
 
 @dataclass
@@ -250,7 +265,7 @@ class Lighthouse:
     # a second to every such stall; this one is cheap (a few groups to look at).
     QUORUM_TICK_MS = 10
 
-    def __init__(self, heartbeat_ms: int, record_dir: str | None = None):
+    def __init__(self, heartbeat_ms: int, groups: int, record_dir: str | None = None):
         from elastic_gpt.elastic.lighthouse import LighthouseServer
 
         def note(departure) -> None:
@@ -259,7 +274,9 @@ class Lighthouse:
                                why=departure.why, at=departure.at)
         self.server = LighthouseServer(min_replicas=1, join_timeout_ms=2 * heartbeat_ms,
                                        quorum_tick_ms=self.QUORUM_TICK_MS,
-                                       heartbeat_timeout_ms=heartbeat_ms, on_departure=note)
+                                       heartbeat_timeout_ms=heartbeat_ms, on_departure=note,
+                                       # a waiting quorum call, heartbeats and a leave per group
+                                       max_workers=16 + 4 * groups)
 
     def address(self) -> str:
         return self.server.address()
@@ -342,5 +359,7 @@ def member_of(spec: dict, rank: int, world: int, metrics, cfg: Config):
     replication = ReplicaGroup(
         lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
         groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,
+        collective_timeout_s=min(cfg.elastic.replica_collective_timeout_s,
+                                 cfg.elastic.hang_timeout_s),
         record_dir=spec.get("record_dir"), state_hash=bool(spec.get("state_hash")))
     return replication, LeaderMetrics(metrics, replication)

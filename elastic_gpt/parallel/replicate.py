@@ -105,12 +105,13 @@ class ReplicaGroup(NoReplication):
     its shards of the parameters and optimizer state) - what the tests and the benchmark read."""
 
     def __init__(self, *, lighthouse: str, group: int, group_rank: int, group_size: int,
-                 groups: int, timeout_s: float = 30.0, record_dir: str | None = None,
-                 state_hash: bool = False):
+                 groups: int, timeout_s: float = 30.0, collective_timeout_s: float | None = None,
+                 record_dir: str | None = None, state_hash: bool = False):
         self.torchft, self._managed_pg, self._transport = import_torchft()
         self.lighthouse, self.group = lighthouse, group
         self.group_rank, self.group_size = group_rank, group_size
         self.timeout = timedelta(seconds=timeout_s)
+        self.collective_timeout = timedelta(seconds=collective_timeout_s or timeout_s)
         self.record_dir, self.state_hash = record_dir, state_hash
         self.manager = None
         self.replica_id: str | None = None
@@ -138,7 +139,11 @@ class ReplicaGroup(NoReplication):
         torchft = self.torchft
         self.model, self.optimizer, self._run_state = model, optimizer, run_state
         backend = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
-        pg = backend(timeout=self.timeout)
+        # Each operation on the cross-group process group gives up after the collective timeout:
+        # a group whose node vanished (no connection refused, heartbeats just stop) is dropped
+        # by the Lighthouse after its heartbeat, and the survivors' step in flight with it must
+        # fail as soon, not after the hang timeout. The quorum and a heal as a whole keep that.
+        pg = backend(timeout=self.collective_timeout)
         self.manager = torchft.Manager(
             pg=pg, min_replica_size=1, use_async_quorum=False,
             load_state_dict=self._load_state_dict, state_dict=self._state_dict,

@@ -50,6 +50,16 @@ class GoodputLedger:
         d.pop("_attempt_started")
         return d
 
+    def adopt(self, peer: dict) -> None:
+        """A replica group healed from a live peer takes the peer's account of the run (C7),
+        keeping the events only it saw (why it restarted, say): one ledger, whichever group
+        leads at the end."""
+        mine = self.events
+        for name, value in vars(GoodputLedger.from_dict(peer)).items():
+            if not name.startswith("_"):
+                setattr(self, name, value)
+        self.events = merge_events(self.events, mine)
+
     def on_step(self, seconds: float, degraded: bool = False) -> None:
         self.productive_s += seconds
         if degraded:
@@ -128,3 +138,15 @@ class GoodputLedger:
                 "degraded_s": round(self.degraded_s, 3),
                 "goodput": round(self.productive_s / wall, 4) if wall else 1.0,
                 "events": len(self.events)}
+
+
+def merge_events(*lists: list[dict]) -> list[dict]:
+    """The union of several copies of a run's events (the replica groups' ledgers share most of
+    them), each once, in time order."""
+    import json
+
+    seen: dict[str, dict] = {}
+    for events in lists:
+        for event in events:
+            seen.setdefault(json.dumps(event, sort_keys=True, default=str), event)
+    return sorted(seen.values(), key=lambda e: e.get("at") or 0.0)

@@ -173,8 +173,7 @@ class Trainer:
         # The ledger is the run's, not a group's: a replica group healed from a peer adopts the
         # peer's, so it stays one account whichever group leads (C5, C7).
         self.replication.attach(self.model, self.optimizer, self.device, run_state=(
-            lambda: self.ledger.to_dict(),
-            lambda d: setattr(self, "ledger", GoodputLedger.from_dict(d))))
+            lambda: self.ledger.to_dict(), lambda d: self.ledger.adopt(d)))
         self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = peak_flops(self.device, threads) * 1  # per worker
