@@ -26,6 +26,7 @@ from elastic_gpt.arguments import (
     positive_int,
     write_output_file,
 )
+from elastic_gpt.config import ElasticSection
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.hardware import GPU, GPUS, PRICES_AS_OF, GiB, get_gpu, load_overrides
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, count_params, flops_per_token, preset_config
@@ -582,6 +583,9 @@ DEFAULT_HEARTBEAT_S = 2.0
 """The trainer's default `elastic.replica_heartbeat_timeout_s`."""
 MIN_HEARTBEAT_S = 0.1
 """The smallest heartbeat timeout the trainer's config accepts."""
+COLLECTIVE_TIMEOUT_S = ElasticSection.replica_collective_timeout_s
+"""The trainer's default `elastic.replica_collective_timeout_s`: a lost node's group is dropped
+after its heartbeat, and the survivors' step in flight with it gives up after this."""
 
 
 def replica_goodput(interval_s: float, ckpt_write_s: float, mtbf_s: float, *, stall_s: float,
@@ -703,7 +707,8 @@ class ReplicaReliability:
     fallback_mtbf_s: float
     """The driver's node: losing it is the restart path."""
     stall_s: float
-    """Per loss, every live group: heartbeat timeout + the discarded step in flight + heal."""
+    """Per loss, every live group: the larger of the heartbeat and the collective timeout + the
+    discarded step in flight + heal."""
     absent_s: float
     """Per loss, the lost groups: restart + checkpoint read (the heal is in stall_s)."""
     fallback_recovery_s: float
@@ -716,9 +721,11 @@ class ReplicaReliability:
 def replica_reliability(layout: ReplicaLayout, node_mtbf_h: float, nodes: int,
                         heartbeat_s: float, restart_s: float, every_steps: int | None = None,
                         max_steps: int | None = None) -> ReplicaReliability:
-    """Goodput of `layout` on a market. Per group loss the survivors stall the heartbeat timeout
-    (the Lighthouse drops the silent group from the next quorum) plus the attempt in flight,
-    whose work is discarded (it runs into the gone peer and is not committed): at most one step
+    """Goodput of `layout` on a market. Per group loss the survivors stall until the Lighthouse
+    drops the silent group (its heartbeat timeout: a node lost on a cloud goes silent, nothing
+    refuses a connection) and their collective with it gives up (the collective timeout), plus
+    the attempt in flight, whose work is discarded (it runs into the gone peer and is not
+    committed): at most one step
     (half of one on average; the bound is counted). Its redo is not counted again: it is a step
     at the survivors' speed, which the absence term already charges. Then the heal: torchft's
     quorum is synchronous (use_async_quorum=False), so the peer sending the state is inside its
@@ -736,7 +743,7 @@ def replica_reliability(layout: ReplicaLayout, node_mtbf_h: float, nodes: int,
         if max_steps is not None:
             every_steps = min(every_steps, max_steps)
     interval = every_steps * step
-    stall = heartbeat_s + step + layout.heal_s
+    stall = max(heartbeat_s, COLLECTIVE_TIMEOUT_S) + step + layout.heal_s
     absent = restart_s + layout.ckpt_read_s
     # every group restarts and reads at once, the groups of a node through it, as lost ones do
     fallback_recovery = restart_s + layout.ckpt_read_s
@@ -1727,8 +1734,10 @@ def _fault_tolerance_lines(plan: Plan) -> list[str]:
             f"{lay.step_s:.3f} s = {lay.in_group_step_s:.3f} s in the group + cross-group "
             f"all-reduce {lay.allreduce_s:.3f} s ({lay.allreduce_bytes / GB:.2f} GB per GPU, not "
             "overlapped)",
-            f"  a lost group: the others stall {plan.replica_heartbeat_timeout_s:g} s (heartbeat) "
-            f"+ 1 step (the one in flight, discarded) + {_seconds(lay.heal_s)} healing it "
+            f"  a lost group: the others stall "
+            f"{max(plan.replica_heartbeat_timeout_s, COLLECTIVE_TIMEOUT_S):g} s (the larger of "
+            f"the heartbeat and the collective timeout) + 1 step (the one in flight, discarded) "
+            f"+ {_seconds(lay.heal_s)} healing it "
             f"({lay.heal_bytes / GB:.2f} GB of state per GPU from a peer) = {rg.stall_s:.1f} s; "
             f"it is away {rg.absent_s:.1f} s (restart + checkpoint read) while "
             f"{lay.n_groups - lay.groups_lost} of {lay.n_groups} groups train at "
