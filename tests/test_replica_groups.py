@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 # The run must outlast the faults, which take several Ray restarts of a group while the survivor
 # steps on: the test prints the step they ended at, to keep this about twice that.
-STEPS = 640
+STEPS = 800
 CHECKPOINT_EVERY = 20  # the fallback's restart point
 KILL_AT = 12  # between two checkpoint steps: the stall measured is the failure's alone
 WORKERS = 2  # per group: FSDP2 shards inside each group, and the heal goes shard by shard
@@ -368,4 +368,7 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
           f"vanished group: group 0 alone {vanished_alone - at['vanish']:.1f} s after it "
           f"(collective timeout {COLLECTIVE_TIMEOUT_S} s); "
           f"faults over at step {max(r['step'] for r in steps if r['t'] < at['end'])} of {STEPS}")
-    assert stall <= HEARTBEAT_S + 3 * steady + 5.0, stall
+    # The Lighthouse dropped the killed group at once (above); what is left of the stall is the
+    # step in flight, the failed attempt and the step re-done, slowed here by group 1's restart
+    # on the same two cores.
+    assert stall <= HEARTBEAT_S + 3 * steady + 1.5, stall
