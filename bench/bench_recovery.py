@@ -212,12 +212,17 @@ class ReplicaGroupsRun(ElasticGPTRun):
             waits.append(next(r["quorum_s"] for r in mine if r["t"] > t and r["groups"] == 1))
         # How the Lighthouse learnt of each loss: before the heartbeat timed out (a refused
         # probe, or the group leaving on its way out), or by the timeout (no departure noted).
-        how = [next((d["why"] for d in departures if t < d["t"] < t + 10), "heartbeat timeout")
+        how = [next((d["why"] for d in departures if t < d["t"] < t + 10), "none noted")
                for t in kills]
+        # A healthy group dropped (its heartbeat or the join timeout ran out under load): a
+        # departure no kill explains.
+        unexplained = [d for d in departures if not any(t < d["t"] < t + 10 for t in kills)
+                       and d["why"] in ("heartbeat timeout", "join timeout")]
         return {"stall_s": _stats(stalls or [float("nan")]),
                 "redone_attempts": _stats(redone or [0]),
                 "drop_wait_s": _stats(waits or [float("nan")]),
-                "detected_by": {k: how.count(k) for k in sorted(set(how))}}
+                "detected_by": {k: how.count(k) for k in sorted(set(how))},
+                "healthy_groups_dropped": len(unexplained)}
 
 
 class RayTrainBaseline:
@@ -484,7 +489,8 @@ def main() -> int:
               f"{rg['redone_attempts']['median']} / max {rg['redone_attempts']['max']}")
         print(f"replica groups: the survivors' wait in the quorum that dropped the lost group "
               f"median {rg['drop_wait_s']['median']} s / max {rg['drop_wait_s']['max']} s; "
-              f"losses detected by {rg['detected_by']}")
+              f"losses detected by {rg['detected_by']}; healthy groups dropped by a timeout: "
+              f"{rg['healthy_groups_dropped']}")
     if "tokens_per_s" in results.get("replica-groups", {}) and \
             "tokens_per_s" in results.get("elastic-gpt", {}):
         print(f"steady state, 2 groups x 1 worker vs 1 FSDP group of 2: tokens/s ratio "

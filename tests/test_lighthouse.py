@@ -179,7 +179,7 @@ def test_a_group_that_leaves_or_dies_is_dropped_at_once_and_a_stuck_one_after_it
     assert all(r["participants"] == 3 for r in lines if r.get("name") == "a" and
                after_leave["t"] <= r["t"] < killed and r["committed"])
     why = {d.replica_id.split(":")[0]: d.why for d in departed}
-    assert why == {"b": "left", "c": "probe refused"}, departed
+    assert why == {"b": "left", "c": "probe refused", "d": "heartbeat timeout"}, departed
     # Dropped at once: far inside the heartbeat timeout (a step here is a few milliseconds).
     assert after_leave["t"] - left < heartbeat_s / 3, after_leave["t"] - left
     assert after_kill["t"] - killed < heartbeat_s / 3, after_kill["t"] - killed

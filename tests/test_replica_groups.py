@@ -318,8 +318,8 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     vanished_alone = min(r["t"] for r in g0_end if r["t"] > at["vanish"] and r["groups"] == 1)
     assert vanished_alone - before <= max(HEARTBEAT_S, COLLECTIVE_TIMEOUT_S) + 2.5, \
         vanished_alone - before
-    assert not [r for r in recs if r["event"] == "departure"
-                and at["vanish"] < r["t"] < vanished_alone], "a stopped group refused no probe"
+    assert {r["why"] for r in recs if r["event"] == "departure"
+            and at["vanish"] < r["t"] <= vanished_alone} == {"heartbeat timeout"}
     assert not any(process_alive(pid) for pid in at["vanished_pids"])
 
     # (c), (d) C7 with C1/C2: every step committed by each live group, on the data of the
@@ -350,6 +350,10 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
         why = {r["why"] for r in departures if at[fault] < r["t"] < at[end]}
         assert why and why <= ({"left"} if fault == "drain" else {"left", "probe refused"}), \
             (fault, departures)
+    # No healthy group was dropped by its heartbeat (1 s on this loaded machine) or the join
+    # timeout: every departure before the vanished group's was a word or a refused probe.
+    assert {r["why"] for r in departures if r["t"] < at["vanish"]} <= {"left", "probe refused"}, \
+        departures
     # So the survivors' quorum without the lost group formed at once, not a heartbeat later.
     waits = {fault: _drop_wait(steps, at[fault], at[end], survivor) for fault, end, survivor in
              (("worker", "lighthouse", 0), ("drain", "back", 0), ("kill", "stop", 1))}

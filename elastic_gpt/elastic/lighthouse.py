@@ -160,10 +160,12 @@ def _ids(members) -> list[str]:
 
 @dataclass
 class Departure:
-    """A group the Lighthouse forgot before its heartbeat timed out."""
+    """A member of a quorum that is not in the next one, and why."""
     at: float
     replica_id: str
-    why: str  # "left" or "probe refused"
+    why: str
+    """"left", "probe refused" (forgotten at once), "heartbeat timeout" (silent for the whole
+    timeout) or "join timeout" (healthy, but late for the join timeout)."""
 
 
 class LighthouseServer:
@@ -178,7 +180,7 @@ class LighthouseServer:
                  probe_interval_ms: int = 20, bind_host: str = "[::]", max_workers: int = 64,
                  on_departure=None):
         """`on_departure(Departure)` is called (with the lock held: keep it short) for each
-        group forgotten before its heartbeat timed out."""
+        group that drops out of the quorum, once, with how the Lighthouse learnt of it."""
         import grpc
 
         self._grpc = grpc
@@ -294,6 +296,7 @@ class LighthouseServer:
             self._probe_stragglers(now)
             return
         st = self.state
+        self._note_dropped(now, members)
         changed = st.prev_quorum is None or _ids(members) != _ids(st.prev_quorum.participants)
         if changed or any(m.commit_failures > 0 for m in members):
             st.quorum_id += 1
@@ -306,6 +309,21 @@ class LighthouseServer:
         self._seq += 1
         self._issued.append((self._seq, quorum))
         self._cond.notify_all()
+
+    def _note_dropped(self, now: float, members: list) -> None:
+        """A member of the previous quorum left out of this one without a word (not forgotten
+        by `_forget`): its heartbeat timed out, or it was healthy but missed the join timeout."""
+        if self.state.prev_quorum is None:
+            return
+        kept = set(_ids(members))
+        for p in self.state.prev_quorum.participants:
+            rid = p.replica_id
+            if rid in kept or rid in self._left:
+                continue
+            beat = self.state.heartbeats.get(rid)
+            silent = beat is None or now - beat >= self.opt.heartbeat_timeout_ms / 1000
+            self.on_departure(Departure(time.time(), rid,
+                                        "heartbeat timeout" if silent else "join timeout"))
 
     def _forget(self, rid: str, why: str) -> None:
         """With the lock held: as if `rid`'s heartbeat had timed out, now."""
