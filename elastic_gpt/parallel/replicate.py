@@ -127,6 +127,8 @@ class ReplicaGroup(NoReplication):
         self._first = True
         self.quorum_s = 0.0
         self._begun = time.perf_counter()
+        self._ended = self._begun  # the previous attempt's commit vote
+        self._gap = 0.0
         self._phases: dict[str, float] = {}
         self._cross_s = 0.0
 
@@ -227,6 +229,7 @@ class ReplicaGroup(NoReplication):
         # forms its first quorum with the others' quorum of their next step, and is healed in it.
         self._healed_at = None
         self._begun = time.perf_counter()
+        self._gap = self._begun - self._ended
         self._phases = {}
         self._cross_s = 0.0
         first = self._first
@@ -289,12 +292,14 @@ class ReplicaGroup(NoReplication):
 
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         ok = self.manager.should_commit()
-        self._phases["commit"] = time.perf_counter()
+        self._phases["commit"] = self._ended = time.perf_counter()
         if self._record is not None:
             loss_sum, lo, hi = stats[:3].tolist()
             self._write(event="step", step=step, committed=ok, groups=self.live_groups,
                         leads=self.leads, quorum_s=round(self.quorum_s, 4),
                         attempt_s=round(time.perf_counter() - self._begun, 4),
+                        # from the previous attempt's vote to this one's quorum: the loop between
+                        gap_s=round(self._gap, 4),
                         phases={k: round(v - self._begun, 4) for k, v in self._phases.items()},
                         cross_s=round(self._cross_s, 4),
                         healed=self._healed_at is not None, loss_sum=loss_sum, fp=[lo, hi])
