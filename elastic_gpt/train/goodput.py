@@ -19,6 +19,7 @@ resumed attempt starts from the newer of the two (the checkpoint's ends at its s
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -55,10 +56,15 @@ class GoodputLedger:
         keeping the events only it saw (why it restarted, say): one ledger, whichever group
         leads at the end."""
         mine = self.events
-        for name, value in vars(GoodputLedger.from_dict(peer)).items():
+        self._take(peer)
+        self.events = merge_events(self.events, mine)
+
+    def _take(self, d: dict) -> None:
+        """Every total and event of `d` in place of this ledger's (the attempt's own state, what
+        starts with "_", stays)."""
+        for name, value in vars(GoodputLedger.from_dict(d)).items():
             if not name.startswith("_"):
                 setattr(self, name, value)
-        self.events = merge_events(self.events, mine)
 
     def on_step(self, seconds: float, degraded: bool = False) -> None:
         self.productive_s += seconds
@@ -100,9 +106,7 @@ class GoodputLedger:
             # The previous attempt published its ledger as it went: it has the time and the
             # events after the checkpoint this attempt restored (whose ledger ends at its step),
             # and the work since then is moved from productive to lost below.
-            for name, value in vars(GoodputLedger.from_dict(newer)).items():
-                if not name.startswith("_"):
-                    setattr(self, name, value)
+            self._take(newer)
         lost_steps = max(0, (previous or {}).get("step", restored_step) - restored_step)
         lost_s = lost_steps * (previous or {}).get("avg_step_s", 0.0)
         # The previous attempt counted those steps as productive; they are being re-done.
@@ -143,8 +147,6 @@ class GoodputLedger:
 def merge_events(*lists: list[dict]) -> list[dict]:
     """The union of several copies of a run's events (the replica groups' ledgers share most of
     them), each once, in time order."""
-    import json
-
     seen: dict[str, dict] = {}
     for events in lists:
         for event in events:
