@@ -212,9 +212,10 @@ class ElasticSection:
     """How long to wait for a worker group's resources before retrying at the live size."""
     hang_timeout_s: Annotated[float, Range(1)] = 600.0
     """A hung rank (a stuck process, a peer that vanished without closing its connections) is a
-    failure after this long: the bound on every collective, on torchft's quorum, and on a worker
-    not answering Ray Train's health check. Above the longest legitimate wait of a step (a
-    checkpoint write, the first NCCL connection of a large group)."""
+    failure after this long: the bound on every collective and on a worker not answering Ray
+    Train's health check (torchft's quorum waits twice that: another group's hang first). Above
+    the longest legitimate wait of a step (a checkpoint write, the first NCCL connection of a
+    large group)."""
     replica_groups: Literal["off"] | Annotated[int, Range(1)] = "off"
     """off: one worker group, restarted from the newest checkpoint on any membership change.
     N: N replica groups (docs/replica-groups.md): each its own Ray Train run of

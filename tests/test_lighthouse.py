@@ -180,6 +180,9 @@ def test_a_group_that_leaves_or_dies_is_dropped_at_once_and_a_stuck_one_after_it
                after_leave["t"] <= r["t"] < killed and r["committed"])
     why = {d.replica_id.split(":")[0]: d.why for d in departed}
     assert why == {"b": "left", "c": "probe refused", "d": "heartbeat timeout"}, departed
+    # a, waiting for the killed c, waited a probe or two at the Lighthouse, not a heartbeat
+    waited = {d.replica_id.split(":")[0]: d.waited_s for d in departed}
+    assert waited["c"] is not None and waited["c"] < heartbeat_s / 3, departed
     # Dropped at once: far inside the heartbeat timeout (a step here is a few milliseconds).
     assert after_leave["t"] - left < heartbeat_s / 3, after_leave["t"] - left
     assert after_kill["t"] - killed < heartbeat_s / 3, after_kill["t"] - killed

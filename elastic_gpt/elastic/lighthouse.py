@@ -166,6 +166,9 @@ class Departure:
     why: str
     """"left", "probe refused" (forgotten at once), "heartbeat timeout" (silent for the whole
     timeout) or "join timeout" (healthy, but late for the join timeout)."""
+    waited_s: float | None = None
+    """How long the longest-waiting group had been in its quorum call when this one was dropped
+    (None: nobody was waiting): the Lighthouse's own share of the survivors' stall."""
 
 
 class LighthouseServer:
@@ -323,12 +326,18 @@ class LighthouseServer:
             beat = self.state.heartbeats.get(rid)
             silent = beat is None or now - beat >= self.opt.heartbeat_timeout_ms / 1000
             self.on_departure(Departure(time.time(), rid,
-                                        "heartbeat timeout" if silent else "join timeout"))
+                                        "heartbeat timeout" if silent else "join timeout",
+                                        self._longest_wait(now)))
+
+    def _longest_wait(self, now: float) -> float | None:
+        joined = [d.joined for d in self.state.participants.values()]
+        return round(now - min(joined), 4) if joined else None
 
     def _forget(self, rid: str, why: str) -> None:
         """With the lock held: as if `rid`'s heartbeat had timed out, now."""
         if rid in self.state.heartbeats or rid in self.state.participants:
-            self.on_departure(Departure(time.time(), rid, why))
+            self.on_departure(Departure(time.time(), rid, why,
+                                        self._longest_wait(time.monotonic())))
             log.info("replica %s forgotten before its heartbeat timed out: %s", rid, why)
         self.state.heartbeats.pop(rid, None)
         self.state.participants.pop(rid, None)

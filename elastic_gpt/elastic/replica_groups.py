@@ -271,7 +271,7 @@ class Lighthouse:
         def note(departure) -> None:
             if record_dir:
                 _append_record(record_dir, event="departure", replica=departure.replica_id,
-                               why=departure.why, at=departure.at)
+                               why=departure.why, at=departure.at, waited_s=departure.waited_s)
         self.server = LighthouseServer(min_replicas=1, join_timeout_ms=2 * heartbeat_ms,
                                        quorum_tick_ms=self.QUORUM_TICK_MS,
                                        heartbeat_timeout_ms=heartbeat_ms, on_departure=note,

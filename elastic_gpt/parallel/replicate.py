@@ -151,7 +151,10 @@ class ReplicaGroup(NoReplication):
             load_state_dict=self._load_state_dict, state_dict=self._state_dict,
             replica_id=f"replica_group_{self.group}", rank=self.group_rank,
             world_size=self.group_size, lighthouse_addr=self.lighthouse, timeout=self.timeout,
-            quorum_timeout=self.timeout,
+            # A quorum waits for the other groups: a hung one leaves only when its own collective
+            # gives up (the hang timeout), so this group's quorum must outlast that, or a hang
+            # in one group would fail the others too.
+            quorum_timeout=2 * self.timeout,
             # Every group initialises the same weights from the seed (init_sharded_weights) or
             # restores the same checkpoint: no step-0 copy is needed.
             init_sync=False,
