@@ -13,7 +13,6 @@ the heartbeat timeout; ours: a refused probe).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -24,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from elastic_gpt.testing.torchft_member import start_member  # noqa: E402
+from elastic_gpt.testing.torchft_member import read_steps, start_member  # noqa: E402
 
 HEARTBEAT_S = 1.5
 
@@ -43,13 +42,6 @@ def our_lighthouse():
     return server, server.address(), server.shutdown
 
 
-def _lines(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def run(make, steps: int, groups: int, folder: str) -> dict:
     """Steady quorum and step times of group "a", then the cost of a lost group."""
     _, address, stop = make()
@@ -59,7 +51,7 @@ def run(make, steps: int, groups: int, folder: str) -> dict:
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
-            together = [r for r in _lines(out) if r["name"] == "a" and r["committed"]
+            together = [r for r in read_steps(out) if r["name"] == "a" and r["committed"]
                         and r["participants"] == groups]
             if len(together) >= steps:
                 break
@@ -68,7 +60,7 @@ def run(make, steps: int, groups: int, folder: str) -> dict:
         os.kill(members[names[-1]].pid, signal.SIGKILL)
         killed = time.time()
         while time.time() < deadline:
-            after = [r for r in _lines(out) if r["name"] == "a" and r["committed"]
+            after = [r for r in read_steps(out) if r["name"] == "a" and r["committed"]
                      and r["t"] > killed and r["participants"] == groups - 1]
             if after:
                 break

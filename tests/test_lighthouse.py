@@ -3,7 +3,6 @@ forgotten at once when it leaves or its process is gone, but not when it is only
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -21,6 +20,7 @@ from elastic_gpt.elastic.lighthouse import (
     probe,
     quorum_compute,
 )
+from elastic_gpt.testing.torchft_member import read_steps
 
 
 def _member(replica_id: str, step: int = 1, shrink_only: bool = False, address: str = ""):
@@ -105,17 +105,10 @@ def test_leave_needs_a_lighthouse_and_says_so_without_raising():
     client.close()
 
 
-def _lines(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _wait(path: str, found, what: str, timeout_s: float = 60.0):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        hit = found(_lines(path))
+        hit = found(read_steps(path))
         if hit:
             return hit
         time.sleep(0.02)
@@ -151,9 +144,9 @@ def test_a_group_that_leaves_or_dies_is_dropped_at_once_and_a_stuck_one_after_it
                                       and r["participants"] == 4]) >= 5, "all four together")
         open(leave_now, "w").close()
         _wait(out, lambda lines: any(r.get("left") for r in lines), "b leaving")
-        left = next(r["t"] for r in _lines(out) if r.get("left"))
+        left = next(r["t"] for r in read_steps(out) if r.get("left"))
         after_leave = _wait(out, _first_alone_after(left, 3), "a without b")
-        a_steps = [r for r in _lines(out) if r.get("name") == "a" and r["t"] < left]
+        a_steps = [r for r in read_steps(out) if r.get("name") == "a" and r["t"] < left]
         _wait(out, lambda lines: [r for r in lines if r.get("name") == "a" and r["t"] >
                                   after_leave["t"] + 1.0], "a stepping on without b")
 
@@ -175,7 +168,7 @@ def test_a_group_that_leaves_or_dies_is_dropped_at_once_and_a_stuck_one_after_it
 
     assert a_steps[-1]["participants"] == 4, a_steps[-3:]
     # b's heartbeats after its Leave do not bring it back: a went on with 3 for a second.
-    lines = _lines(out)
+    lines = read_steps(out)
     assert all(r["participants"] == 3 for r in lines if r.get("name") == "a" and
                after_leave["t"] <= r["t"] < killed and r["committed"])
     why = {d.replica_id.split(":")[0]: d.why for d in departed}

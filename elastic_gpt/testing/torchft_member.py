@@ -26,6 +26,14 @@ def start_member(lighthouse: str, name: str, out: str, *, steps: int = 10_000,
     return process
 
 
+def read_steps(out: str) -> list[dict]:
+    """Every line the members wrote to `out` so far."""
+    if not os.path.exists(out):
+        return []
+    with open(out) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: str | None,
                  timeout_s: float) -> None:
     from datetime import timedelta
