@@ -28,6 +28,7 @@ import yaml
 
 from elastic_gpt.console import first_line
 from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW
+from elastic_gpt.parallel.tp_rules import workers_problem
 
 log = logging.getLogger(__name__)
 
@@ -453,12 +454,10 @@ def validate(cfg: Config) -> None:
                     "%d steps instead", t.warmup_steps, t.max_steps, t.max_steps)
         t.warmup_steps = t.max_steps
     tp = cfg.parallel.tp
-    if s.min_workers % tp or s.max_workers % tp:
-        low, high = max(tp, s.min_workers // tp * tp), max(tp, s.max_workers // tp * tp)
-        raise ValueError(
-            f"scaling.min_workers={s.min_workers} and scaling.max_workers={s.max_workers} must be "
-            f"multiples of parallel.tp={tp} (workers come in whole tensor-parallel groups); e.g. "
-            f"scaling.min_workers={low} scaling.max_workers={high}")
+    problem = workers_problem(tp, {"scaling.min_workers": s.min_workers,
+                                   "scaling.max_workers": s.max_workers})
+    if problem:
+        raise ValueError(problem)
     plan = BatchPlan(t.global_batch_size, t.micro_batch_size)
     plan.check_world_size(s.max_workers, tp=tp)  # C1 over the data-parallel degree
     if cfg.data.sources is not None:

@@ -82,8 +82,8 @@ def test_bad_train_input_is_one_line_and_exit_2(args, message, tmp_path, capsys)
 @pytest.mark.parametrize("args,message", [
     # The tiny preset has 2 heads: 4 tensor-parallel ranks cannot each take whole heads.
     (["parallel.tp=4", "scaling.min_workers=4", "scaling.max_workers=4"],
-     "parallel.tp=4 does not divide model.n_head=2 (each tensor-parallel rank takes an equal "
-     "share); use parallel.tp in [1, 2] or a model.n_head that tp divides"),
+     "parallel.tp=4 does not divide model.n_head=2 (each tensor-parallel rank needs whole "
+     "attention heads); use parallel.tp in {1, 2} or a model.n_head that tp divides"),
     (["parallel.tp=2", "scaling.min_workers=3", "scaling.max_workers=4"],
      "must be multiples of parallel.tp=2"),
 ])

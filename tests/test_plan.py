@@ -668,9 +668,9 @@ def test_forced_tp_and_hsdp_are_planned_and_written(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (("--model", "gpt2-124m", "--tp", "8"), "--tp=8 does not divide n_head=12"),
+    (("--model", "gpt2-124m", "--tp", "8"), "--tp=8 does not divide model.n_head=12"),
     (("--model", "gpt3-1.3b", "--tp", "8", "--gpus-per-node", "4", "--gpus", "8"),
-     "--tp=8 does not fit the 4 GPUs per node"),
+     "GPUs per node [4] are not all multiples of --tp=8"),
     (("--model", "gpt3-1.3b", "--tp", "3"), "--tp=3 must be one of 1, 2, 4, 8"),
     (("--model", "gpt3-1.3b", "--tp", "4", "--gpus", "2"), "--tp=4 is more than the 2 GPUs"),
     (("--model", "gpt3-1.3b", "--hsdp", "on", "--gpus", "12"), "--hsdp on replicates whole"),
@@ -684,10 +684,10 @@ def test_bad_tp_or_hsdp_is_one_clear_line_and_exit_2(argv, message, capsys):
 
 def test_tp_problem_names_what_would_work():
     cfg = preset_config("gpt2-124m")
-    assert "use --tp 1 or 2 or 4" in tp_problem(8, cfg, 8, 8)
+    assert "use --tp in {1, 2, 4}" in tp_problem(8, cfg, 8, 8)
     assert tp_problem(4, cfg, 8, 8) is None
-    assert "not a multiple of --tp=4" in tp_problem(4, cfg, 6, 8)
-    assert "does not divide seq_len=1022" in tp_problem(4, preset_config("gpt2-124m",
+    assert "--gpus=6 must be a multiple of --tp=4" in tp_problem(4, cfg, 6, 8)
+    assert "does not divide model.seq_len=1022" in tp_problem(4, preset_config("gpt2-124m",
                                                                            seq_len=1022), 8, 8)
 
 

@@ -51,9 +51,9 @@ def test_tp_candidates_divide_the_workers_the_heads_and_the_sequence():
     assert tp_choices(4, 2, 64, None) == [1, 2]  # 4 would split 2 heads
     assert tp_choices(4, 4, 64, None) == [1, 2, 4]
     assert tp_choices(6, 6, 64, None) == [1, 2]  # 3 and 6 divide the heads, not 64 positions
-    with pytest.raises(ValueError, match="--tp 3 does not divide model.n_head=2"):
+    with pytest.raises(ValueError, match="--tp=3 does not divide model.n_head=2"):
         tp_choices(4, 2, 64, [1, 3])
-    with pytest.raises(ValueError, match="--tp 4 does not divide the 2 worker"):
+    with pytest.raises(ValueError, match="--workers=2 must be a multiple of --tp=4"):
         tp_choices(2, 4, 64, [4])
     # A tensor-parallel group reads one data-parallel rank's micro-batches: at tp=2 on 2
     # workers one rank takes the whole global batch.
@@ -166,7 +166,7 @@ def test_a_tp_that_does_not_split_the_heads_is_refused_in_one_line(stdlib_datase
     rc, _ = tune(tmp_path, stdlib_dataset, "--tp", "1,3")  # tiny has 2 heads
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
-    assert "--tp 3 does not divide model.n_head=2" in err[0] and "usable: 1,2" in err[0]
+    assert "--tp=3 does not divide model.n_head=2" in err[0] and "--tp in {1, 2}" in err[0]
 
 
 @pytest.mark.slow

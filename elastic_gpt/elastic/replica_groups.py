@@ -30,6 +30,7 @@ import ray
 from elastic_gpt.config import Config
 from elastic_gpt.console import last_line, say
 from elastic_gpt.errors import FailureBudgetSpent
+from elastic_gpt.parallel.tp_rules import workers_problem
 from elastic_gpt.tracking import metric_names as mn
 
 RECORD_DIR_ENV = "ELASTIC_GPT_REPLICA_RECORDS"
@@ -42,7 +43,7 @@ FAILURE_WINDOW_S = 3600.0
 def group_size(cfg: Config) -> int:
     """Workers per replica group: scaling.max_workers / N, in whole tensor-parallel groups."""
     n, s, tp = cfg.elastic.replica_groups, cfg.scaling, cfg.parallel.tp
-    if s.max_workers % n or (s.max_workers // n) % tp:
+    if s.max_workers % n or workers_problem(tp, {"workers per group": s.max_workers // n}):
         raise ValueError(
             f"elastic.replica_groups={n} must divide scaling.max_workers={s.max_workers} into "
             f"groups of a multiple of parallel.tp={tp} workers; e.g. scaling.max_workers="

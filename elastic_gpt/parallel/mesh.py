@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic_gpt.errors import FatalTrainingError
+from elastic_gpt.parallel.tp_rules import nodes_problem
 from elastic_gpt.torch_internals import flatten_mesh
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
@@ -64,11 +65,9 @@ class ParallelDims:
                 f"parallel.tp={tp} is more than the {world_size} worker(s) of this group; use "
                 f"parallel.tp <= scaling.min_workers")
         per_node = node_sizes(nodes)
-        if any(n % tp for n in per_node):
-            raise ParallelLayoutError(
-                f"workers per node {per_node} are not all multiples of parallel.tp={tp} (a "
-                "tensor-parallel group must stay inside one node); give every node a multiple of "
-                "tp workers (scaling.cpus_per_worker / GPUs per node) or lower parallel.tp")
+        problem = nodes_problem(tp, per_node, how="scaling.cpus_per_worker / GPUs per node")
+        if problem:
+            raise ParallelLayoutError(problem)
         even = len(set(per_node)) == 1
         if hsdp == "on" and not even:
             raise ParallelLayoutError(

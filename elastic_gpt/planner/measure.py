@@ -30,6 +30,7 @@ import yaml
 from elastic_gpt.config import Config, load_config, resolve_paths
 from elastic_gpt.console import say
 from elastic_gpt.hardware import GPU, GPUS, GiB, get_gpu
+from elastic_gpt.parallel.tp_rules import model_problem, workers_problem
 
 MiB = 1 << 20
 TABLE_FILE = "tune_table.json"
@@ -54,21 +55,11 @@ class TrainSettings:
 
 def tp_problem(tp: int, world: int, n_head: int, seq_len: int) -> str | None:
     """Why tensor-parallel degree `tp` cannot run this model on `world` workers (one line), or
-    None. The rules config validation and parallel/mesh.py apply; whether the workers of every
+    None: `tp_rules`, as config validation and the mesh apply them; whether the workers of every
     node are a multiple of tp is only known on the workers (`layout_for_nodes`)."""
-    if tp < 1:
-        return f"--tp {tp} must be at least 1"
-    if n_head % tp:
-        ok = [t for t in range(1, n_head + 1) if n_head % t == 0 and t <= world]
-        return (f"--tp {tp} does not divide model.n_head={n_head}: each tensor-parallel rank needs "
-                f"whole attention heads; usable: {','.join(map(str, ok))}")
-    if seq_len % tp:
-        return (f"--tp {tp} does not divide the sequence length {seq_len}: sequence parallelism "
-                "gives each tensor-parallel rank an equal part of it")
-    if tp > world or world % tp:
-        return (f"--tp {tp} does not divide the {world} worker(s): workers come in whole "
-                "tensor-parallel groups")
-    return None
+    return (model_problem(tp, n_head=n_head, seq_len=seq_len, flag="--tp",
+                          candidates=range(1, world + 1))
+            or workers_problem(tp, {"--workers": world}, flag="--tp"))
 
 
 def tp_choices(world: int, n_head: int, seq_len: int, requested: list[int] | None) -> list[int]:

@@ -30,6 +30,7 @@ from elastic_gpt.config import ElasticSection
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.hardware import GPU, GPUS, PRICES_AS_OF, GiB, get_gpu, load_overrides
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, count_params, flops_per_token, preset_config
+from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
 
 GB = 1e9
 HOUR = 3600.0
@@ -1346,23 +1347,14 @@ def _network(p: PlanInputs, gpu: GPU) -> Network:
 
 def tp_problem(tp: int, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> str | None:
     """Why `tp` cannot run this model on these GPUs (one line), or None."""
-    if tp not in TP_DEGREES:
+    if tp not in TP_DEGREES:  # the degrees the step-time model is made for
         return f"--tp={tp} must be one of {', '.join(map(str, TP_DEGREES))}"
-    if cfg.n_head % tp:
-        ok = [t for t in TP_DEGREES if cfg.n_head % t == 0]
-        return (f"--tp={tp} does not divide n_head={cfg.n_head}: each tensor-parallel rank needs "
-                f"whole attention heads; use --tp {' or '.join(map(str, ok))}")
-    if cfg.seq_len % tp:
-        return (f"--tp={tp} does not divide seq_len={cfg.seq_len}: sequence parallelism gives each "
-                "tensor-parallel rank an equal part of the sequence")
-    if tp > gpus_per_node or gpus_per_node % tp:
-        return (f"--tp={tp} does not fit the {gpus_per_node} GPUs per node: a tensor-parallel "
-                f"group stays inside one node, so tp must divide the GPUs per node")
     if tp > n_gpus:
         return f"--tp={tp} is more than the {n_gpus} GPUs (--gpus) of the run"
-    if n_gpus % tp:
-        return f"--gpus={n_gpus} is not a multiple of --tp={tp}: every rank is in one TP group"
-    return None
+    return (model_problem(tp, n_head=cfg.n_head, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                          flag="--tp", candidates=TP_DEGREES)
+            or nodes_problem(tp, [gpus_per_node], flag="--tp", what="GPUs", how="--gpus-per-node")
+            or workers_problem(tp, {"--gpus": n_gpus}, flag="--tp"))
 
 
 def _tp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from elastic_gpt.config import Config
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, pad_vocab
+from elastic_gpt.parallel.tp_rules import model_problem
 
 
 def model_config_for(cfg: Config, manifest) -> GPTConfig:
@@ -30,13 +31,7 @@ def model_config_for(cfg: Config, manifest) -> GPTConfig:
 
 
 def check_tensor_parallel(gpt: GPTConfig, tp: int) -> None:
-    """Tensor parallelism splits heads, the sequence (between blocks) and the vocabulary over tp
-    ranks, in equal parts."""
-    for key, value in (("model.n_head", gpt.n_head), ("model.seq_len", gpt.seq_len),
-                       ("model.vocab_size", gpt.vocab_size)):
-        if value % tp:
-            divisors = [d for d in (1, 2, 4, 8) if not (gpt.n_head % d or gpt.seq_len % d
-                                                        or gpt.vocab_size % d)]
-            raise ValueError(f"parallel.tp={tp} does not divide {key}={value} (each "
-                             f"tensor-parallel rank takes an equal share); use parallel.tp in "
-                             f"{divisors} or a {key} that tp divides")
+    """parallel.tp splits this model (`tp_rules.model_problem`), or ValueError."""
+    problem = model_problem(tp, n_head=gpt.n_head, seq_len=gpt.seq_len, vocab_size=gpt.vocab_size)
+    if problem:
+        raise ValueError(problem)

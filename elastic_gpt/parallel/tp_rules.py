@@ -1,0 +1,68 @@
+"""The tensor-parallel rules: which degrees can split a model, and over which workers.
+
+One home for them: config validation, the planner, `tune`, the mesh and the replica-group sizing
+all ask here, so they cannot disagree (torchtitan keeps the same checks in `parallel_dims.py`).
+Each check returns the reason in one line with its fix, or None; the caller raises its own error
+type. `flag` is how the caller's user spells the degree (`parallel.tp` in a config, `--tp` on the
+planner's command line), so the line names the key to change.
+
+- The model: tensor parallelism splits attention heads, the sequence between blocks (sequence
+  parallelism) and the vocabulary (the sharded output layer and loss) into tp equal parts.
+- The workers: a run's workers come in whole tensor-parallel groups.
+- The nodes: a tensor-parallel group exchanges activations in every layer, so it stays inside one
+  node (NVLink, never the network).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def usable_degrees(n_head: int, seq_len: int, vocab_size: int | None = None,
+                   candidates: Iterable[int] = (1, 2, 4, 8)) -> list[int]:
+    """The `candidates` that split this model's heads, sequence and vocabulary evenly."""
+    return [t for t in candidates
+            if not (n_head % t or seq_len % t or (vocab_size is not None and vocab_size % t))]
+
+
+def model_problem(tp: int, *, n_head: int, seq_len: int, vocab_size: int | None = None,
+                  flag: str = "parallel.tp", candidates: Iterable[int] = (1, 2, 4, 8)) -> str | None:
+    """Why tp cannot split this model, or None. `vocab_size` None: not known yet (checked later)."""
+    if tp < 1:
+        return f"{flag}={tp} must be at least 1"
+    for key, value, why in (
+            ("model.n_head", n_head, "each tensor-parallel rank needs whole attention heads"),
+            ("model.seq_len", seq_len, "sequence parallelism gives each tensor-parallel rank an "
+                                       "equal part of the sequence"),
+            ("model.vocab_size", vocab_size, "each tensor-parallel rank holds an equal part of the "
+                                             "output layer")):
+        if value is not None and value % tp:
+            ok = usable_degrees(n_head, seq_len, vocab_size, candidates)
+            return (f"{flag}={tp} does not divide {key}={value} ({why}); use {flag} in "
+                    f"{{{', '.join(map(str, ok))}}} or a {key} that tp divides")
+    return None
+
+
+def workers_problem(tp: int, counts: dict[str, int], *, flag: str = "parallel.tp") -> str | None:
+    """Why worker counts `counts` (a key -> its value, e.g. {"scaling.min_workers": 2}) do not
+    come in whole tensor-parallel groups of tp, or None."""
+    bad = {k: v for k, v in counts.items() if v % tp or v < tp}
+    if not bad:
+        return None
+    names = " and ".join(f"{k}={v}" for k, v in counts.items())
+    fix = " ".join(f"{k}={max(tp, v // tp * tp)}" for k, v in counts.items())
+    verb = "must be multiples" if len(counts) > 1 else "must be a multiple"
+    return (f"{names} {verb} of {flag}={tp} (workers come in whole tensor-parallel groups); "
+            f"e.g. {fix}")
+
+
+def nodes_problem(tp: int, per_node: Iterable[int], *, flag: str = "parallel.tp",
+                  what: str = "workers", how: str = "") -> str | None:
+    """Why `per_node` (ranks on each node) cannot hold tensor-parallel groups inside nodes, or
+    None. `how`: what sets the ranks per node, for the fix."""
+    per_node = list(per_node)
+    if any(n % tp for n in per_node):
+        return (f"{what} per node {per_node} are not all multiples of {flag}={tp} (a "
+                "tensor-parallel group must stay inside one node); give every node a multiple of "
+                f"tp {what}{f' ({how})' if how else ''} or lower {flag}")
+    return None
