@@ -176,9 +176,25 @@ def test_nothing_points_outside_the_repository():
     assert not offenders, "points outside the repository:\n" + "\n".join(offenders)
 
 
-# The package maps: README's "How it works" and design.md's "Package map" have one row per
-# package (`elastic_gpt/<name>/`, and `elastic_gpt/*.py` for the top-level modules) naming its files.
-MAPS = [("README.md", "How it works"), ("docs/design.md", "Package map")]
+# The package maps. design.md's "Package map" has one row per package (`elastic_gpt/<name>/`,
+# `elastic_gpt/*.py` for the top-level modules, `data_pipelines/` and its subpackages) naming every
+# file; README's "How it works" has one row per package, naming none.
+PACKAGE_ROOTS = ("elastic_gpt", "data_pipelines")
+
+
+def _tree() -> dict[str, set[str]]:
+    tree = {}
+    for root in PACKAGE_ROOTS:
+        for init in sorted((REPO / root).rglob("__init__.py")):
+            d = init.parent
+            if d.name == "__pycache__":
+                continue
+            files = {p.name for p in d.glob("*.py") if p.name != "__init__.py"}
+            if d.name == "elastic_gpt":
+                tree["elastic_gpt/*.py"] = files
+            else:
+                tree[f"{_rel(d)}/"] = files
+    return tree
 
 
 def _map_rows(page: str, section: str) -> dict[str, set[str]]:
@@ -188,22 +204,24 @@ def _map_rows(page: str, section: str) -> dict[str, set[str]]:
     rows = {}
     for line in text[start:end if end > 0 else None].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| `elastic_gpt/") and len(cells) >= 2:
+        if line.startswith(tuple(f"| `{r}" for r in PACKAGE_ROOTS)) and len(cells) >= 2:
             rows[cells[0].strip("`")] = set(re.findall(r"`(\w+\.py)`", " ".join(cells[1:])))
     return rows
 
 
-@pytest.mark.parametrize(("page", "section"), MAPS, ids=[m[0] for m in MAPS])
-def test_package_map_names_every_package_and_file_of_the_tree(page, section):
-    package = REPO / "elastic_gpt"
-    tree = {f"elastic_gpt/{d.name}/": {p.name for p in d.glob("*.py") if p.name != "__init__.py"}
-            for d in package.iterdir() if (d / "__init__.py").is_file()}
-    tree["elastic_gpt/*.py"] = {p.name for p in package.glob("*.py") if p.name != "__init__.py"}
-    rows = _map_rows(page, section)
+def test_design_package_map_names_every_package_and_file_of_the_tree():
+    tree, rows = _tree(), _map_rows("docs/design.md", "Package map")
     problems = [f"no row for {name}" for name in sorted(set(tree) - set(rows))]
     problems += [f"row {name} names no package of the tree" for name in sorted(set(rows) - set(tree))]
     for name in sorted(set(tree) & set(rows)):
         if rows[name] != tree[name]:
             problems.append(f"{name}: missing {sorted(tree[name] - rows[name])}, "
                             f"not in the tree {sorted(rows[name] - tree[name])}")
-    assert not problems, f"{page} '{section}' disagrees with elastic_gpt/:\n" + "\n".join(problems)
+    assert not problems, "docs/design.md 'Package map' disagrees with the tree:\n" + "\n".join(problems)
+
+
+def test_readme_package_map_names_every_top_package():
+    """A newcomer's map: every package of the tree below the top, and nothing else."""
+    top = {name for name in _tree() if name.count("/") <= (2 if name.startswith("elastic_gpt") else 1)}
+    rows = _map_rows("README.md", "How it works")
+    assert set(rows) == top, (sorted(top - set(rows)), sorted(set(rows) - top))
