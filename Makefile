@@ -25,16 +25,16 @@ $(BIN)/elastic-gpt: pyproject.toml
 
 # The default corpus: the standard library's top-level modules, 5% of them (by a seeded hash of
 # their text) held out as data/stdlib-bpe4k/val. The tokenizer is a 4,096-id byte-level BPE
-# learnt on the other 95% (README, "The default job").
+# learnt on the other 95% (docs/performance.md, "The default job"). The recipe
+# data_pipelines/recipes/stdlib.py
+# makes both (the tokenizer only when its file is missing); make runs it when the dataset's
+# manifest is missing or older than the tokenizer file.
 DATA := data/stdlib-bpe4k
 TOKENIZER := data/stdlib-bpe4k.json
 data: $(DATA)/manifest.json
-$(TOKENIZER): | venv
-	$(BIN)/python -m elastic_gpt.data.train_tokenizer --input "file://$(STDLIB)/*.py" \
-		--vocab-size 4096 --val-fraction 0.05 --output $@
-$(DATA)/manifest.json: $(TOKENIZER) | venv
-	$(BIN)/elastic-gpt prepare-data --input "file://$(STDLIB)/*.py" --output $(DATA) \
-		--tokenizer $(CURDIR)/$(TOKENIZER) --seq-len 256 --val-fraction 0.05
+$(DATA)/manifest.json: $(wildcard $(TOKENIZER)) | venv
+	$(BIN)/python -m data_pipelines.recipes.stdlib --stdlib "$(STDLIB)" --output $(DATA) \
+		--tokenizer-output $(TOKENIZER)
 
 train: venv data
 	mkdir -p $(RAY_TMPDIR)

@@ -24,9 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from data_pipelines.cli import parse_size  # noqa: E402
+from data_pipelines.sources import list_inputs  # noqa: E402
+from data_pipelines.tokenize_job import prepare_data  # noqa: E402
 from elastic_gpt.data.manifest import load_manifest  # noqa: E402
 from elastic_gpt.data.order import BatchPlan  # noqa: E402
-from elastic_gpt.data.prepare import _parse_size, list_inputs, prepare_data  # noqa: E402
 from elastic_gpt.data.stream import open_step_stream  # noqa: E402
 from elastic_gpt.data.tokenizers import get_tokenizer  # noqa: E402
 
@@ -170,7 +172,7 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default=os.path.join(sysconfig.get_paths()["stdlib"], "**/*.py"))
-    ap.add_argument("--max-bytes", type=_parse_size, default=32 << 20)
+    ap.add_argument("--max-bytes", type=parse_size, default=32 << 20)
     ap.add_argument("--steps", type=int, default=200, help="reader steps per measurement")
     ap.add_argument("--model-steps", type=int, default=6,
                     help="steps of the mini model (seconds each on 2 CPUs)")

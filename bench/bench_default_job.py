@@ -173,8 +173,7 @@ def def_with_body(text: str) -> bool:
 
 def quality(root: str) -> int:
     from elastic_gpt.config import load_config
-    from elastic_gpt.data.manifest import load_manifest
-    from elastic_gpt.data.prepare import validation_url
+    from elastic_gpt.data.manifest import load_manifest, validation_url
     from elastic_gpt.elastic.launcher import run_training
     from elastic_gpt.inference.generate import sample_text
 

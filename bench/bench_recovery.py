@@ -430,7 +430,7 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "recovery.json"))
     args = p.parse_args()
 
-    from elastic_gpt.data.prepare import prepare_data
+    from data_pipelines.tokenize_job import prepare_data
 
     root = tempfile.mkdtemp(prefix="bench_recovery_")
     data = os.path.join(root, "data")

@@ -19,7 +19,7 @@ PRESET, SEQ_LEN, TOKENIZER = "small", 256, "bytes"
 
 def prepare_dataset(out_dir: str, max_bytes: int = 2 << 20) -> str:
     """~2 MB of the standard library's own source, byte-tokenized (cached between runs)."""
-    from elastic_gpt.data.prepare import prepare_data
+    from data_pipelines.tokenize_job import prepare_data
     path = os.path.join(out_dir, f"stdlib-{TOKENIZER}-{SEQ_LEN}")
     if not os.path.exists(os.path.join(path, "manifest.json")):
         stdlib = sysconfig.get_paths()["stdlib"]

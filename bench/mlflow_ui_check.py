@@ -65,9 +65,9 @@ def make_run(work: str, uri: str) -> tuple[str, str]:
     import mlflow
     from mlflow.entities import Metric
 
+    from data_pipelines.tokenize_job import prepare_data
     from elastic_gpt.config import load_config, resolve_paths
     from elastic_gpt.data.manifest import load_manifest
-    from elastic_gpt.data.prepare import prepare_data
     from elastic_gpt.testing.gloo import run_gloo
     from elastic_gpt.tracking import metric_names as mn
     from elastic_gpt.tracking.publish import finish_run

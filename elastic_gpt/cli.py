@@ -77,12 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    from elastic_gpt.data import prepare
+    from data_pipelines import cli as prepare_cli
     prep = sub.add_parser("prepare-data", help="tokenize a raw corpus into token shards",
                           description="Tokenize text from any fsspec URL or glob into fixed-length "
                                       "token shards plus manifest.json (a Ray Data job).")
-    prepare.add_cli_arguments(prep)
-    prep.set_defaults(func=prepare.run_from_args)
+    prepare_cli.add_cli_arguments(prep)
+    prep.set_defaults(func=prepare_cli.run_from_args)
 
     tr = sub.add_parser("train", help="train (or resume) a run",
                         description="Train a GPT with FSDP2 on Ray Train workers. Connects to "

@@ -1,5 +1,7 @@
 """`ray job submit ... -- python jobs/prepare_data.py --input s3://bucket/raw/*.jsonl.zst
---output s3://bucket/tokens/run1 --tokenizer gpt2 --seq-len 1024`: the tokenization Ray Data job."""
+--output s3://bucket/tokens/run1 --tokenizer gpt2 --seq-len 1024`: the tokenization Ray Data job
+(data_pipelines/tokenize_job.py) with the arguments and errors of `elastic-gpt prepare-data`;
+`python -m data_pipelines prepare ...` runs the same job."""
 
 import os
 import sys

@@ -22,7 +22,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 @pytest.fixture(scope="session")
 def stdlib_dataset(tmp_path_factory) -> str:
     """~0.5 MB of the Python standard library's own source, byte-tokenized, 64-token samples."""
-    from elastic_gpt.data.prepare import prepare_data
+    from data_pipelines.tokenize_job import prepare_data
 
     out = str(tmp_path_factory.mktemp("data") / "stdlib")
     stdlib = sysconfig.get_paths()["stdlib"]

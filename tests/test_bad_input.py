@@ -257,11 +257,11 @@ class World:
     """Everything a case may point at, under one folder whose digest must not change."""
 
     def __init__(self, root: str, dataset: str):
+        from data_pipelines.tokenize_job import prepare_data
         from elastic_gpt.checkpoint.sharded import save_sharded
         from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
         from elastic_gpt.config import load_config, resolve_paths
         from elastic_gpt.data.manifest import load_manifest
-        from elastic_gpt.data.prepare import prepare_data
         from elastic_gpt.model.gpt import GPT, GPTConfig
         from elastic_gpt.tracking.runs import resolve_run
         from elastic_gpt.train.model_config import model_config_for

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.mixture import (
     MixtureOrder,
     load_training_manifest,
@@ -19,7 +20,6 @@ from elastic_gpt.data.mixture import (
     open_training_data,
 )
 from elastic_gpt.data.order import BatchPlan, SampleOrder
-from elastic_gpt.data.prepare import prepare_data
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.tracking import metric_names as mn
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.fingerprint import sample_hash
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.order import BatchPlan, SampleOrder
-from elastic_gpt.data.prepare import prepare_data
 from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream
 
 pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local

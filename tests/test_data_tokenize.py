@@ -7,11 +7,14 @@ import gzip
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from data_pipelines.cli import add_cli_arguments, run_from_args
+from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.data.prepare import add_cli_arguments, prepare_data, run_from_args
 from elastic_gpt.data.stream import decode_documents
 
 pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
@@ -178,6 +181,37 @@ def test_cli_errors_are_one_line_value_errors(tmp_path, capsys):
     assert err.startswith("elastic-gpt prepare-data: error: tokenizer file") and "\n" not in err
 
 
+def test_python_m_data_pipelines_prepare_is_prepare_data(tmp_path):
+    """`python -m data_pipelines` lists its commands; its `prepare` takes prepare-data's
+    arguments, writes the same shards as the job run in-process, and says a user error in one
+    line with exit 2 (C6 clear errors)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "data_pipelines", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    usage = run("--help")
+    assert usage.returncode == 0 and "prepare" in usage.stdout
+    assert "train-tokenizer" in usage.stdout
+    write_corpus(tmp_path / "raw")
+    args = ["--input", str(tmp_path / "raw"), "--tokenizer", "bytes", "--seq-len", "16",
+            "--part-bytes", "200", "--val-docs", "2", "--no-progress"]
+    done = run("prepare", "--output", str(tmp_path / "ds"), *args)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"prepared {tmp_path / 'ds'}: ")
+    prepare_data(str(tmp_path / "raw"), str(tmp_path / "ref"), "bytes", 16, part_bytes=200,
+                 val_docs=2, engine="local", progress=False)
+    shards = {k: v for k, v in dir_digest(tmp_path / "ds").items() if k.endswith((".bin", ".idx"))}
+    assert shards and shards == {k: v for k, v in dir_digest(tmp_path / "ref").items()
+                                 if k.endswith((".bin", ".idx"))}
+    bad = run("prepare", "--input", str(tmp_path / "nothing-*.txt"), "--output",
+              str(tmp_path / "bad"), "--tokenizer", "bytes")
+    err = bad.stderr.strip()
+    assert bad.returncode == 2 and "\n" not in err, err
+    assert err.startswith("data_pipelines prepare: error: ") and "matched no files" in err
+
+
 def test_max_files_and_max_bytes_limit_the_job(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -247,7 +281,7 @@ def test_storage_errors_are_one_line(s3):
 def test_auto_engine_uses_ray_for_big_inputs_or_a_connected_cluster(monkeypatch):
     import ray
 
-    from elastic_gpt.data.prepare import AUTO_RAY_BYTES, choose_engine
+    from data_pipelines.engines import AUTO_RAY_BYTES, choose_engine
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the ray_local fixture may be up
@@ -409,7 +443,7 @@ def test_binary_input_is_refused_unless_allowed(tmp_path):
     (noisy / "fr.txt").write_bytes("Le café était très agréable. ".encode("latin-1") * 20)
     assert prepare_data(str(noisy), str(tmp_path / "b"), "bytes", 8, engine="local",
                         progress=False)["bad_utf8_docs"] == 1
-    from elastic_gpt.data.prepare import looks_binary
+    from data_pipelines.sources import looks_binary
 
     assert looks_binary(b"abc\x00def") and looks_binary(bytes(range(128, 256)) * 4)
     assert looks_binary("ünïcödé ✓".encode() * 100) is None
@@ -418,13 +452,13 @@ def test_binary_input_is_refused_unless_allowed(tmp_path):
 def test_seq_len_longer_than_every_document_warns(tmp_path, caplog):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "a.txt").write_text("short document")
-    with caplog.at_level("WARNING", logger="elastic_gpt.data.prepare"):
+    with caplog.at_level("WARNING", logger="data_pipelines.tokenize_job"):
         prepare_data(str(tmp_path / "raw"), str(tmp_path / "ds"), "bytes", 4096,
                      engine="local", progress=False)
     lines = [r.getMessage() for r in caplog.records if "--seq-len" in r.getMessage()]
     assert len(lines) == 1 and "longest document (14 tokens)" in lines[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="elastic_gpt.data.prepare"):
+    with caplog.at_level("WARNING", logger="data_pipelines.tokenize_job"):
         prepare_data(str(tmp_path / "raw"), str(tmp_path / "ds2"), "bytes", 8,
                      engine="local", progress=False)
     assert not [r for r in caplog.records if "--seq-len" in r.getMessage()]

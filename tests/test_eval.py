@@ -30,7 +30,7 @@ EVAL_SAMPLES = 7  # not a multiple of the micro-batch or of W: uneven blocks, pa
 
 @pytest.fixture(scope="module")
 def dataset_with_val(tmp_path_factory) -> str:
-    from elastic_gpt.data.prepare import prepare_data
+    from data_pipelines.tokenize_job import prepare_data
 
     out = str(tmp_path_factory.mktemp("evaldata") / "ds")
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -177,7 +177,7 @@ def test_validation_set_must_match_the_training_data(dataset_with_val, tmp_path)
     assert open_validation_manifest("", FIXTURE_DATASET, load_manifest(FIXTURE_DATASET)) is None
     with pytest.raises(ValueError, match=r"eval\.path .* has seq_len=32 but the training data "
                                          r".* has seq_len=64; re-run prepare-data"):
-        from elastic_gpt.data.prepare import prepare_data
+        from data_pipelines.tokenize_job import prepare_data
 
         (tmp_path / "raw").mkdir()
         (tmp_path / "raw" / "a.txt").write_text("some text " * 100)

@@ -289,7 +289,7 @@ def test_one_step_numbering_in_console_mlflow_checkpoints_and_eval(tmp_path):
 
     import mlflow
 
-    from elastic_gpt.data.prepare import prepare_data
+    from data_pipelines.tokenize_job import prepare_data
     from elastic_gpt.testing.gloo import run_gloo
 
     data = str(tmp_path / "ds")

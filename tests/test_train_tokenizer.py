@@ -1,14 +1,18 @@
-"""The corpus-trained BPE tokenizer (elastic_gpt/data/train_tokenizer.py) and how a folder carries
+"""The corpus-trained BPE tokenizer (data_pipelines/tokenizer_training.py) and how a folder carries
 a tokenizer (save_tokenizer / get_tokenizer(base=...))."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from elastic_gpt.data.prepare import prepare_data
+from data_pipelines.recipes import stdlib as stdlib_recipe
+from data_pipelines.tokenize_job import prepare_data
+from data_pipelines.tokenizer_training import iter_training_documents, main, train_tokenizer
+from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.token_bytes import token_byte_lengths
 from elastic_gpt.data.tokenizers import (
     EOT_TEXT,
@@ -17,7 +21,6 @@ from elastic_gpt.data.tokenizers import (
     get_tokenizer,
     save_tokenizer,
 )
-from elastic_gpt.data.train_tokenizer import iter_training_documents, main, train_tokenizer
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -183,3 +186,38 @@ def test_a_prompt_ending_in_a_space_is_healed(corpus, tmp_path):
     word = next(i for i in tok.encode("def f(x):\n    return x") if tok.decode([i]) == " return")
     assert allowed[word] and not allowed[tok.encode("def")[0]]
     assert not allowed[tok.vocab_size:].any()  # padding rows are never sampled
+
+
+def test_stdlib_recipe_makes_what_the_two_make_steps_made(tmp_path, capsys, monkeypatch):
+    """`python -m data_pipelines.recipes.stdlib` (what `make data` runs) learns the tokenizer as
+    `train-tokenizer --vocab-size 4096 --val-fraction 0.05` does, and prepares the dataset of
+    `prepare-data --tokenizer <abs path> --seq-len 256 --val-fraction 0.05` (the same job key, so
+    a dataset an older `make data` wrote is reused); a re-run keeps the tokenizer file and every
+    shard."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for i in range(80):  # enough files for 5% to hold some out
+        (lib / f"m{i:02d}.py").write_text(TEXTS[i % len(TEXTS)] + f"X = {i}\n", encoding="utf-8")
+    (lib / "notes.txt").write_text("not a module: only *.py is the corpus")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--stdlib", str(lib), "--output", "out/ds", "--tokenizer-output", "out/tok.json",
+            "--no-progress"]
+    assert stdlib_recipe.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trained out/tok.json: ") and f"prepared {tmp_path}/out/ds: " in out
+    corpus = f"file://{lib}/*.py"
+    train_tokenizer(corpus, str(tmp_path / "ref.json"), vocab_size=4096, val_fraction=0.05)
+    assert (tmp_path / "ref.json").read_bytes() == (tmp_path / "out" / "tok.json").read_bytes()
+    made = load_manifest(str(tmp_path / "out" / "ds"))
+    ref = prepare_data(corpus, str(tmp_path / "ref"), str(tmp_path / "out" / "tok.json"), 256,
+                       val_fraction=0.05, engine="local", progress=False)
+    assert made.seq_len == 256 and made.source["input"] == corpus
+    assert made.source["job_key"] == load_manifest(str(tmp_path / "ref")).source["job_key"]
+    assert made.source["files"] == 80 and ref["val"]["docs"] > 0
+    assert (tmp_path / "out" / "ds" / "val" / "manifest.json").exists()
+    mtime = os.stat(tmp_path / "out" / "tok.json").st_mtime_ns
+    assert stdlib_recipe.main(argv) == 0
+    again = capsys.readouterr().out
+    assert "trained" not in again and "every shard was already committed" in again
+    assert os.stat(tmp_path / "out" / "tok.json").st_mtime_ns == mtime

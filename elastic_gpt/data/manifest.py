@@ -146,6 +146,11 @@ def join_url(base: str, name: str) -> str:
     return base.rstrip("/") + "/" + name
 
 
+def validation_url(output: str) -> str:
+    """Where the held-out split of the dataset at `output` lives (a dataset of its own)."""
+    return join_url(output, VALIDATION_DIR)
+
+
 def describe_storage_error(url: str, e: BaseException) -> str:
     """One readable line for the ways object storage fails (C6)."""
     text = f"{type(e).__name__}: {e}".splitlines()[0]
