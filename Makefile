@@ -26,9 +26,8 @@ $(BIN)/elastic-gpt: pyproject.toml
 # The default corpus: the standard library's top-level modules, 5% of them (by a seeded hash of
 # their text) held out as data/stdlib-bpe4k/val. The tokenizer is a 4,096-id byte-level BPE
 # learnt on the other 95% (docs/performance.md, "The default job"). The recipe
-# data_pipelines/recipes/stdlib.py
-# makes both (the tokenizer only when its file is missing); make runs it when the dataset's
-# manifest is missing or older than the tokenizer file.
+# data_pipelines/recipes/stdlib.py makes both (the tokenizer only when its file is missing); make
+# runs it when the dataset's manifest is missing or older than the tokenizer file.
 DATA := data/stdlib-bpe4k
 TOKENIZER := data/stdlib-bpe4k.json
 data: $(DATA)/manifest.json
