@@ -1,13 +1,13 @@
-"""The planner (elastic_gpt/planner/plan.py) checked against measurements on this machine (issue 7).
+"""The planner (elastic_gpt/planner/) checked against measurements on this machine (issue 7).
 
     .venv/bin/python bench/bench_planner.py [--only memory,comm,tp,goodput] [--goodput-s 200]
 
 Prints predicted / measured ratios for:
   memory   peak memory per worker, presets `tiny` and `small`, fp32 on CPU, 2 FSDP2 ranks (gloo):
-           plan.memory_per_gpu(dtype="float32", context_bytes=0, fragmentation=0, grad_sync="step",
+           memory.memory_per_gpu(dtype="float32", context_bytes=0, fragmentation=0, grad_sync="step",
            reshard_after_forward=what the Trainer resolved) vs the peak
            resident set of the worker process above its baseline, measured the way `elastic-gpt
-           tune` measures it (planner.measure.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs);
+           tune` measures it (planner.tune_worker.PeakMemory: the kernel's VmHWM after /proc/self/clear_refs);
            train.reshard_after_forward auto (never, for these small models) and always
   comm     bytes each rank sends per step in FSDP2's all-gathers and reduce-scatters: the planner's
            step_time(...).all_gather_bytes / .reduce_scatter_bytes (grad_sync="step": the trainer
@@ -24,7 +24,7 @@ Prints predicted / measured ratios for:
            DTensor's dispatch) by a dispatch mode that lets DTensor run first, as CommDebugMode
            does, and sees the functional collectives it issues
   goodput  a chaos run (bench/bench_recovery.py's: tiny model, 2 one-CPU Ray nodes, a node killed
-           every 60 s and replaced 20 s later): measured goodput vs plan.goodput(...) fed the
+           every 60 s and replaced 20 s later): measured goodput vs reliability.goodput(...) fed the
            measured recovery time, checkpoint interval and checkpoint write time
 Takes ~6 min (the chaos run is most of it). Each part runs in its own processes.
 """
@@ -49,7 +49,7 @@ os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 def stdlib_data(root: str, seq_len: int, max_bytes: int = 500_000) -> str:
     import sysconfig
 
-    from elastic_gpt.data.prepare import prepare_data
+    from data_pipelines.tokenize_job import prepare_data
     out = os.path.join(root, f"stdlib-{seq_len}")
     if not os.path.exists(os.path.join(out, "manifest.json")):
         stdlib = sysconfig.get_paths()["stdlib"]
@@ -120,7 +120,8 @@ def _mem_worker(rank: int, world: int, cases: list, data: dict, steps: int) -> l
     from elastic_gpt.config import load_config
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.data.stream import open_step_stream
-    from elastic_gpt.planner.measure import TrainSettings, measure, warm_up_process
+    from elastic_gpt.planner.tune_candidates import TrainSettings
+    from elastic_gpt.planner.tune_worker import measure, warm_up_process
     from elastic_gpt.train.trainer import Trainer
 
     counter = CollectiveCounter()
@@ -174,20 +175,21 @@ def predict_memory_comm(row: dict) -> dict:
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.model.gpt import pad_vocab, preset_config
-    from elastic_gpt.planner import plan
+    from elastic_gpt.planner.memory import memory_per_gpu, model_shape
+    from elastic_gpt.planner.step_time import Network, step_time
 
     preset, seq, G, mb, ckpt, _ = row["case"]
     # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
     cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))
-    shape = plan.model_shape(cfg)
+    shape = model_shape(cfg)
     k = BatchPlan(G, mb).slots(WORLD)
     # What the trainer ran: its grad sync and the resharding its Trainer resolved.
     ran = dict(grad_sync=row["grad_sync"], reshard_after_forward=row["reshard_after_forward"])
-    mem = plan.memory_per_gpu(shape, WORLD, mb, activation_checkpointing=ckpt, dtype="float32",
-                              micro_batches_per_rank=k, context_bytes=0, fragmentation=0, **ran)
-    net = plan.Network(gpus_per_node=8, intra_node_gbps=10, inter_node_gbps=10)
-    st = plan.step_time(shape, GPUS["H100"], net, WORLD, mb, k, activation_checkpointing=ckpt,
-                        dtype="float32", **ran)
+    mem = memory_per_gpu(shape, WORLD, mb, activation_checkpointing=ckpt, dtype="float32",
+                         micro_batches_per_rank=k, context_bytes=0, fragmentation=0, **ran)
+    net = Network(gpus_per_node=8, intra_node_gbps=10, inter_node_gbps=10)
+    st = step_time(shape, GPUS["H100"], net, WORLD, mb, k, activation_checkpointing=ckpt,
+                   dtype="float32", **ran)
     return {"memory": mem, "all_gather_bytes": st.all_gather_bytes,
             "reduce_scatter_bytes": st.reduce_scatter_bytes}
 
@@ -355,18 +357,18 @@ def predict_tp(row: dict) -> dict:
     from elastic_gpt.data.order import BatchPlan
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.model.gpt import pad_vocab, preset_config
-    from elastic_gpt.planner import plan
+    from elastic_gpt.planner.memory import model_shape
+    from elastic_gpt.planner.step_time import Network, make_mesh, step_time
 
     preset, seq, G, mb, ckpt, tp, hsdp, world, nodes = row["case"]
     cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))
-    shape = plan.model_shape(cfg)
-    net = plan.Network(gpus_per_node=world // nodes, intra_node_gbps=10, inter_node_gbps=10)
-    mesh = plan.make_mesh(world, tp, hsdp == "on", net.gpus_per_node)
+    shape = model_shape(cfg)
+    net = Network(gpus_per_node=world // nodes, intra_node_gbps=10, inter_node_gbps=10)
+    mesh = make_mesh(world, tp, hsdp == "on", net.gpus_per_node)
     k = BatchPlan(G, mb).slots(mesh.dp)
-    st = plan.step_time(shape, GPUS["H100"], net, world, mb, k, activation_checkpointing=ckpt,
-                        dtype="float32", grad_sync=row["grad_sync"],
-                        reshard_after_forward=row["reshard_after_forward"], tp=tp,
-                        hsdp=mesh.hsdp)
+    st = step_time(shape, GPUS["H100"], net, world, mb, k, activation_checkpointing=ckpt,
+                   dtype="float32", grad_sync=row["grad_sync"],
+                   reshard_after_forward=row["reshard_after_forward"], tp=tp, hsdp=mesh.hsdp)
     return {"tp": st.tp_bytes, "all_gather": st.all_gather_bytes,
             "reduce_scatter": st.reduce_scatter_bytes, "all_reduce": st.all_reduce_bytes}
 
@@ -459,13 +461,13 @@ def measure_goodput(root: str, duration_s: float, n_trials: int, every_s: float 
 
 
 def predict_goodput(m: dict, every_s: float = 60.0) -> dict:
-    from elastic_gpt.planner import plan
+    from elastic_gpt.planner.reliability import goodput
 
     R = m["trials"]["recovery_s"]["median"]
     interval = m["ckpt_every_steps"] * m["step_s"]
     out = {"recovery_s": R, "interval_s": interval, "ckpt_write_s": m["ckpt_write_s"],
            "mtbf_s": every_s,
-           "planner": plan.goodput(interval, m["ckpt_write_s"], R, every_s)}
+           "planner": goodput(interval, m["ckpt_write_s"], R, every_s)}
     return out
 
 
@@ -494,7 +496,7 @@ def main() -> int:
               f"recovery {p['recovery_s']:.1f} s, scale-up {m['trials']['scale_up_s']['median']}"
               f" s, checkpoint every {p['interval_s']:.2f} s, write {p['ckpt_write_s']:.3f} s, "
               f"step {m['step_s']:.3f} s (W=1: {m['step_w1_s']:.3f} s)")
-        print(f"  plan.goodput(interval, write, recovery, MTBF={args.every_s:.0f} s) = "
+        print(f"  reliability.goodput(interval, write, recovery, MTBF={args.every_s:.0f} s) = "
               f"{p['planner']:.3f}; "
               f"predicted/measured {p['planner'] / meas if meas else float('nan'):.2f}")
     if args.json:

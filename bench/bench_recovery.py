@@ -303,10 +303,10 @@ KILL_EVERY_S = 60.0
 
 def checkpoint_every(system, args) -> int:
     """Each mode's checkpoint interval as `elastic-gpt plan` sets it (Young/Daly,
-    `elastic_gpt.planner.plan`): the restart path's for the cluster's MTBF (`goodput` kills a
+    `elastic_gpt.planner.reliability`): the restart path's for the cluster's MTBF (`goodput` kills a
     node every KILL_EVERY_S), replica groups' for their fallback's (the driver's node: the node MTBF, which is
     the cluster's times its nodes), since their checkpoints serve only the fallback."""
-    from elastic_gpt.planner.plan import young_interval_s
+    from elastic_gpt.planner.reliability import young_interval_s
 
     mtbf = KILL_EVERY_S * (2 if system is ReplicaGroupsRun else 1)
     every = max(1, round(young_interval_s(args.checkpoint_write_s, mtbf) / args.step_s))

@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace the files of an earlier export in a non-empty --out")
     ex.set_defaults(func=_export_hf)
 
-    for name, module, text in [("plan", "elastic_gpt.planner.plan", "capacity plan: memory, speed, cost"),
-                               ("tune", "elastic_gpt.planner.measure", "measure candidates on the cluster")]:
+    for name, module, text in [("plan", "elastic_gpt.planner.cli", "capacity plan: memory, speed, cost"),
+                               ("tune", "elastic_gpt.planner.tune", "measure candidates on the cluster")]:
         try:
             mod = __import__(module, fromlist=["add_cli_arguments"])
         except ImportError:

@@ -6,8 +6,8 @@ import pytest
 from elastic_gpt.model.gpt import GPTConfig
 from elastic_gpt.parallel.mesh import ParallelDims, ParallelLayoutError
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, usable_degrees, workers_problem
-from elastic_gpt.planner.measure import tp_problem as tune_tp_problem
-from elastic_gpt.planner.plan import tp_problem as plan_tp_problem
+from elastic_gpt.planner.search import tp_problem as plan_tp_problem
+from elastic_gpt.planner.tune_candidates import tp_problem as tune_tp_problem
 from elastic_gpt.train.model_config import check_tensor_parallel
 
 

@@ -12,16 +12,15 @@ import pytest
 from elastic_gpt.cli import build_parser, main
 from elastic_gpt.config import load_config
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.planner.measure import (
+from elastic_gpt.planner.memory import model_shape
+from elastic_gpt.planner.tune import pick_winner, tuned_config_dict
+from elastic_gpt.planner.tune_candidates import (
     TrainSettings,
     candidate_list,
     layout_for_nodes,
-    pick_winner,
     predicted_bytes,
     tp_choices,
-    tuned_config_dict,
 )
-from elastic_gpt.planner.plan import model_shape
 from elastic_gpt.train.model_config import model_config_for
 
 

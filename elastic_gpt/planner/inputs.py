@@ -1,0 +1,106 @@
+"""What `elastic-gpt plan` takes (`PlanInputs`), its error type, and the units it works in.
+
+The defaults are the planner's assumptions, with their sources next to them where they have
+one: the node MTBFs (Llama 3's interruptions on-demand, AWS's spot interruption bands), the
+restart time (Ray Train's defaults, docs/design.md), the matmul efficiency; the heartbeat bounds
+are the trainer's config's (`elastic.replica_heartbeat_timeout_s`).
+
+Units: bytes, seconds, FLOP/s; GB/s = 1e9 bytes/s; GiB = 2**30 bytes (GPU memory is reported so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic_gpt.hardware import GPU, GPUS
+from elastic_gpt.model.gpt import GPTConfig, preset_config
+
+GB = 1e9
+HOUR = 3600.0
+DAY = 86400.0
+
+
+DEFAULT_HEARTBEAT_S = 2.0
+"""The trainer's default `elastic.replica_heartbeat_timeout_s`."""
+MIN_HEARTBEAT_S = 0.1
+"""The smallest heartbeat timeout the trainer's config accepts."""
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message says what would work instead."""
+
+
+@dataclass
+class PlanInputs:
+    """Everything `plan_training` takes; the CLI fills it from flags."""
+
+    model: str | GPTConfig = "gpt2-124m"
+    """A preset name or a full GPTConfig."""
+    seq_len: int | None = None
+    """Override a preset's context length."""
+    vocab_size: int | None = None
+    gpu: str = "H100"
+    n_gpus: int = 8
+    global_batch_size: int | None = None
+    """Sequences per step. None: GPT-3's batch for the size (`default_global_batch`)."""
+    tokens: float | None = None
+    """Training token budget. None: 20 tokens per parameter (Chinchilla)."""
+    gpus_per_node: int | None = None
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
+    efficiency: float = 0.6
+    """Achieved fraction of peak FLOP/s for the model's matmuls (big bf16 GEMMs reach 0.6-0.8)."""
+    achieved_flops_per_gpu: float | None = None
+    """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces
+    the compute + communication model for step time (Narayanan et al. report 140e12 on A100)."""
+    micro_batch_size: int | None = None
+    activation_checkpointing: bool | None = None
+    """None: pick the faster of on/off among what fits."""
+    grad_sync: str = "auto"
+    """microbatch: reduce-scatter every micro-batch; step: once per step (no_sync, holds unsharded
+    fp32 grads); auto: the faster that fits."""
+    reshard_after_forward: str = "auto"
+    """always: ZeRO-3, blocks re-gathered in backward and every micro-batch; never: every block
+    stays gathered for the whole step (one all-gather per block per step, L blocks in memory);
+    auto: the faster that fits."""
+    tp: int | None = None
+    """Tensor-parallel degree (1, 2, 4 or 8; inside one node). None: the fastest that fits."""
+    hsdp: str = "auto"
+    """on: FSDP2 shards within a node and replicates across nodes; off: shards over every
+    data-parallel rank; auto: the faster that fits."""
+    dtype: str = "bfloat16"
+    memory_margin: float = 0.10
+    """Fraction of GPU memory left free on purpose (spikes, allocator rounding)."""
+    context_gib: float = 1.0
+    fragmentation: float = 0.05
+    on_demand_usd: float | None = None
+    spot_usd: float | None = None
+    hardware: dict[str, GPU] = field(default_factory=lambda: dict(GPUS))
+    node_mtbf_h: float = 6000.0
+    """On-demand node MTBF: Llama 3's 419 interruptions in 54 days on 2048 8-GPU nodes."""
+    spot_node_mtbf_h: float = 200.0
+    """Spot node time-to-preemption; AWS's '>20%/month' band is 3600 h, scarce GPUs see far less."""
+    ckpt_write_s: float | None = None
+    """Blocking checkpoint time. None: checkpoint bytes / (nodes * ckpt_gbps)."""
+    ckpt_gbps: float = 2.0
+    """Write/read bandwidth to checkpoint storage per node, GB/s."""
+    restart_s: float = 90.0
+    """Restart after a failure before reloading (Ray Train's defaults: over a minute, docs/design.md)."""
+    ckpt_every_steps: int | None = None
+    market: str = "spot"
+    """Which price/MTBF the written config's checkpoint interval (and fault-tolerance mode) is
+    tuned for: spot or on-demand."""
+    min_workers: int | None = None
+    replica_groups: str | int = "auto"
+    """auto: weigh every replica-group count N against the restart path and write the better;
+    off: the restart path only; N: plan and write N groups."""
+    replica_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_S
+    """What the written elastic.replica_heartbeat_timeout_s will be: each group loss stalls the
+    survivors this long."""
+
+
+def resolve_model(model: str | GPTConfig, seq_len: int | None = None,
+                  vocab_size: int | None = None) -> tuple[str, GPTConfig]:
+    if isinstance(model, GPTConfig):
+        return "custom", model
+    return model, preset_config(model, seq_len=seq_len, vocab_size=vocab_size)

@@ -1,0 +1,65 @@
+"""The restart path's goodput: checkpoint every interval, lose the work since the last one and
+the restart time at each failure (first-order Young/Daly model; Young 1974 for the interval).
+
+Node failures are independent and exponential: the cluster's MTBF is the node MTBF / nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from elastic_gpt.planner.inputs import HOUR
+
+
+def goodput(interval_s: float, ckpt_write_s: float, recovery_s: float, mtbf_s: float) -> float:
+    """Fraction of wall time spent on work that is kept (first-order Young/Daly model).
+
+    Each cycle trains for `interval_s` then blocks `ckpt_write_s` writing a checkpoint. Failures
+    arrive at rate 1/mtbf_s; each costs `recovery_s` (restart + reload) plus, on average, half a
+    cycle of lost work. Useful fraction = tau/(tau+delta) * (1 - (R + (tau+delta)/2) / M).
+    """
+    tau, delta = interval_s, ckpt_write_s
+    if tau <= 0:
+        return 0.0
+    return max(0.0, tau / (tau + delta) * (1.0 - (recovery_s + (tau + delta) / 2) / mtbf_s))
+
+
+def young_interval_s(ckpt_write_s: float, mtbf_s: float) -> float:
+    """Young (1974): the interval that minimises first-order waste, sqrt(2 * delta * MTBF)."""
+    return math.sqrt(2.0 * ckpt_write_s * mtbf_s)
+
+
+def optimal_interval_s(ckpt_write_s: float, recovery_s: float, mtbf_s: float) -> float:
+    """The exact maximiser of `goodput`: sqrt(2*delta*(M - R)) - delta (-> Young's when delta,
+    R << M)."""
+    return max(0.0, math.sqrt(2.0 * ckpt_write_s * max(mtbf_s - recovery_s, 0.0)) - ckpt_write_s)
+
+
+@dataclass
+class Reliability:
+    mtbf_s: float
+    """Cluster MTBF = per-node MTBF / nodes (independent, exponential node failures)."""
+    ckpt_write_s: float
+    recovery_s: float
+    interval_s: float
+    every_steps: int
+    goodput: float
+    young_interval_s: float
+    best_goodput: float
+
+
+def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s: float,
+                step_s: float, every_steps: int | None = None,
+                max_steps: int | None = None) -> Reliability:
+    mtbf = node_mtbf_h * HOUR / nodes
+    young = young_interval_s(ckpt_write_s, mtbf)
+    if every_steps is None:
+        every_steps = max(1, round(young / step_s))
+        if max_steps is not None:
+            every_steps = min(every_steps, max_steps)
+    interval = every_steps * step_s
+    best = goodput(optimal_interval_s(ckpt_write_s, recovery_s, mtbf), ckpt_write_s, recovery_s,
+                   mtbf)
+    return Reliability(mtbf, ckpt_write_s, recovery_s, interval, every_steps,
+                       goodput(interval, ckpt_write_s, recovery_s, mtbf), young, best)

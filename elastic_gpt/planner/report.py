@@ -1,0 +1,304 @@
+"""The plan as a reader gets it: the text report, the JSON summary (`--json`) and the training
+config it recommends (`--write-config`, only keys config.py knows).
+
+Prices are hardware.py's, as of `PRICES_AS_OF`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from elastic_gpt.hardware import PRICES_AS_OF, GiB
+from elastic_gpt.model.gpt import PRESETS, preset_config
+from elastic_gpt.planner.inputs import DAY, GB, HOUR
+from elastic_gpt.planner.memory import dtype_bytes
+from elastic_gpt.planner.replica_group_model import COLLECTIVE_TIMEOUT_S, FaultTolerance
+from elastic_gpt.planner.step_time import LayoutCandidate
+from elastic_gpt.planner.training_plan import Plan, trainer_parallel_keys
+
+
+def training_config(plan: Plan) -> dict:
+    """The training config this plan recommends (only keys config.py knows)."""
+    cfg = plan.cfg
+    if plan.model_name in PRESETS and preset_config(plan.model_name, seq_len=cfg.seq_len) == cfg:
+        model = {"preset": plan.model_name, "seq_len": cfg.seq_len}
+    else:
+        model = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                 "seq_len": cfg.seq_len}
+    rg = plan.chosen_replica_groups
+    # replica groups run the settings that fit a group, in groups of a fixed size
+    c = rg.layout.candidate if rg else plan.chosen
+    return {
+        "model": model,
+        "train": {"global_batch_size": plan.global_batch_size, "micro_batch_size": c.micro_batch,
+                  "max_steps": plan.max_steps, "lr": plan.lr, "warmup_steps": plan.warmup_steps,
+                  "activation_checkpointing": c.activation_checkpointing,
+                  "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
+                  "dtype": "float32" if dtype_bytes(plan.dtype) == 4 else "bfloat16"},
+        "scaling": {"min_workers": plan.n_gpus if rg else plan.min_workers,
+                    "max_workers": plan.n_gpus, "use_gpu": True},
+        "checkpoint": {"every_steps": rg.every_steps if rg else plan.reliability.every_steps},
+        "elastic": ({"replica_groups": rg.layout.n_groups,
+                     "replica_heartbeat_timeout_s": plan.replica_heartbeat_timeout_s}
+                    if rg else {"replica_groups": "off"}),
+    } | _parallel_keys(c)
+
+
+def _parallel_keys(c: LayoutCandidate) -> dict:
+    """parallel.tp and parallel.hsdp as planned (`on`/`off`, not the trainer's `auto`), so the
+    trainer runs the plan's mesh; only the keys the trainer's config knows."""
+    known = trainer_parallel_keys()
+    section = {k: v for k, v in (("tp", c.tp), ("hsdp", "on" if c.hsdp else "off"))
+               if k in known}
+    return {"parallel": section} if section else {}
+
+
+def format_report(plan: Plan) -> str:
+    c, m, st, cfg = plan.chosen, plan.chosen.memory, plan.chosen.step, plan.cfg
+    gib = lambda x: f"{x / GiB:6.2f} GiB"
+    tok = cfg.seq_len * plan.global_batch_size
+    if plan.achieved_flops_per_gpu:
+        step_source = f"at the measured {plan.achieved_flops_per_gpu / 1e12:.0f} TFLOP/s per GPU"
+    else:
+        step_source = (f"compute {st.compute_s:.3f} s + exposed FSDP comm "
+                       f"{st.exposed_comm_s:.3f} s"
+                       + (f" + TP comm {st.tp_comm_s:.3f} s" if c.tp > 1 else "")
+                       + f" + optimizer {st.optimizer_s:.4f} s")
+    tp_part = f"P/{c.tp} on this TP rank, " if c.tp > 1 else ""
+    shard_part = (f"/ {c.mesh.dp_shard} in a node (HSDP)" if c.hsdp
+                  else f"/ {c.mesh.dp_shard}")
+    lines = [
+        f"model     {plan.model_name}: {plan.shape.params / 1e6:,.1f}M params, L={cfg.n_layer} "
+        f"H={cfg.n_head} d={cfg.n_embd} T={cfg.seq_len} V={cfg.vocab_size}, "
+        f"{plan.shape.model_flops_per_token / 1e9:.2f} GFLOP/token",
+        f"hardware  {plan.n_gpus} x {plan.gpu.name} on {plan.nodes} node(s), "
+        f"{plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak, {plan.gpu.memory_gib:.1f} GiB each",
+        f"layout    {c.mesh.label()}",
+        f"batch     {plan.global_batch_size} seqs x {cfg.seq_len} = {tok:,} tokens/step; "
+        f"micro-batch {c.micro_batch}, {c.micro_batches_per_rank} per data-parallel rank per "
+        f"step, activation checkpointing {'on' if c.activation_checkpointing else 'off'}, "
+        f"grads reduced per {c.grad_sync}, reshard_after_forward={c.reshard_policy}",
+        "",
+        ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward"
+         if c.reshard_after_forward else
+         "memory per GPU (FSDP2, blocks kept gathered through the step")
+        + (f"; tensor parallel over {c.tp}, sequence parallel)" if c.tp > 1 else ")"),
+        *(f"  {label:<50s}{value}" for label, value in [
+            (f"params+grads+Adam, sharded (16 B x {tp_part}{shard_part})",
+             gib(m.sharded_state)),
+            ("gathered blocks + root in flight" if c.reshard_after_forward else
+             f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
+            ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads)),
+            ("activations, checkpointing off / on",
+             f"{gib(plan.memory_at_chosen[False].activations)} / "
+             f"{gib(plan.memory_at_chosen[True].activations)}"),
+            ("logits for the loss (12 B x B x T x V" + (f" / {c.tp})" if c.tp > 1 else ")"),
+             gib(m.logits)),
+            ("CUDA context + fragmentation", gib(m.overhead)),
+            ("total", f"{gib(m.total)}  of {plan.usable_bytes / GiB:.1f} GiB usable "
+                      f"({plan.gpu.memory_gib:.1f} minus margin)"),
+        ]),
+        f"  largest micro-batch that fits: {plan.max_micro_batch[False] or 'none'} without, "
+        f"{plan.max_micro_batch[True] or 'none'} with activation checkpointing (at most "
+        f"global batch / data-parallel ranks = {plan.global_batch_size // c.mesh.dp})",
+        "",
+        "communication per GPU per step",
+        f"  FSDP: all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
+        f"{st.reduce_scatter_bytes / GB:.2f} GB"
+        + (f" + all-reduce across nodes {st.all_reduce_bytes / GB:.2f} GB" if c.hsdp else "")
+        + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
+        f"({100 * st.overlapped_fraction:.0f}% overlapped)",
+    ]
+    if c.tp > 1:
+        lines.append(f"  tensor parallel: {st.tp_bytes / GB:.2f} GB on the intra-node link = "
+                     f"{st.tp_comm_s:.3f} s, on the critical path (not overlapped)")
+    lines += [
+        "",
+        "throughput",
+        f"  step {plan.step_s:.3f} s ({step_source}), "
+        f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
+        f"  {plan.tokens / 1e9:.3g}B tokens = {plan.max_steps:,} steps = "
+        f"{_duration(plan.time_to_train_s)} of training",
+    ]
+    if len(plan.layouts) > 1:
+        lines += ["", "layouts weighed (the fastest fitting settings of each)"]
+        for mesh, best, floor in plan.layouts:
+            mark = "*" if mesh == c.mesh else " "
+            if best is None and mesh.dp > plan.global_batch_size:
+                lines.append(f"  {mark} {mesh.short():<20s} cannot run: {mesh.dp} data-parallel "
+                             f"ranks, {plan.global_batch_size} sequences per step")
+            elif best is None:
+                lines.append(f"  {mark} {mesh.short():<20s} does not fit: needs "
+                             f"{floor.total / GiB:.1f} GiB at micro-batch 1 with checkpointing")
+            else:
+                lines.append(f"  {mark} {mesh.short():<20s} step {best.step.step_s:8.3f} s, "
+                             f"{best.memory.total / GiB:5.1f} GiB: {best.settings()}")
+        ru = plan.runner_up
+        if ru is not None and not plan.achieved_flops_per_gpu:
+            lines.append(f"  chosen: {_why(c, ru)}")
+    lines += [
+        "",
+        f"reliability (checkpoint {plan.on_demand.ckpt_write_s:.0f} s blocking, recovery "
+        f"{plan.on_demand.recovery_s:.0f} s)",
+    ]
+    for label, rel in (("on-demand", plan.on_demand), ("spot", plan.spot)):
+        lines.append(
+            f"  {label:9s} cluster MTBF {_duration(rel.mtbf_s)}; checkpoint every "
+            f"{rel.every_steps} steps ({_duration(rel.interval_s)}, Young/Daly "
+            f"sqrt(2*delta*MTBF) = {_duration(rel.young_interval_s)}): goodput "
+            f"{100 * rel.goodput:.1f}%")
+    lines += ["", *_fault_tolerance_lines(plan)]
+    lines += [
+        "",
+        f"cost (prices {PRICES_AS_OF}, $/GPU-hour; wall time = training time / goodput)",
+        f"  on-demand ${plan.on_demand_usd:.2f}: ${plan.cost_usd(spot=False):,.0f} over "
+        f"{_duration(plan.time_to_train_s / max(plan.on_demand.goodput, 1e-9))}",
+        f"  spot      ${plan.spot_usd:.2f}: ${plan.cost_usd(spot=True):,.0f} over "
+        f"{_duration(plan.time_to_train_s / max(plan.spot.goodput, 1e-9))}",
+        "",
+        f"elastic floor: the chosen layout fits down to {plan.min_workers} worker(s)",
+    ]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _fault_tolerance_lines(plan: Plan) -> list[str]:
+    """The restart path and the best replica groups side by side, per market, and which one the
+    written config takes."""
+    ft = plan.fault_tolerance
+    lines = ["fault tolerance: the restart path or replica groups (elastic.replica_groups, "
+             "docs/replica-groups.md)"]
+    rg = ft.best
+    if rg is not None:
+        lay = rg.layout
+        lines += [
+            f"  replica groups N={lay.n_groups}: {lay.n_groups} x {lay.group_gpus} GPUs, each "
+            f"{lay.mesh.label()}, {lay.candidate.settings()}, {lay.memory.total / GiB:.1f} GiB "
+            "per GPU; step "
+            f"{lay.step_s:.3f} s = {lay.in_group_step_s:.3f} s in the group + cross-group "
+            f"all-reduce {lay.allreduce_s:.3f} s ({lay.allreduce_bytes / GB:.2f} GB per GPU, not "
+            "overlapped)",
+            f"  a lost group: the others stall "
+            f"{max(plan.replica_heartbeat_timeout_s, COLLECTIVE_TIMEOUT_S):g} s (the larger of "
+            f"the heartbeat and the collective timeout) + 1 step (the one in flight, discarded) "
+            f"+ {_seconds(lay.heal_s)} healing it "
+            f"({lay.heal_bytes / GB:.2f} GB of state per GPU from a peer) = {rg.stall_s:.1f} s; "
+            f"it is away {rg.absent_s:.1f} s (restart + checkpoint read) while "
+            f"{lay.n_groups - lay.groups_lost} of {lay.n_groups} groups train at "
+            f"{100 * lay.degraded_speed:.0f}% speed (step {lay.degraded_step_s:.3f} s)",
+            f"  checkpoints only for the fallback (the driver's node, with the Lighthouse, "
+            f"lost: the restart path): the leading group writes them in {lay.ckpt_write_s:.1f} s",
+        ]
+        others = [r for r in ft.replica if r is not rg]
+        best = ft.replica_effective(rg)
+        if others and best > 0:
+            lines.append(f"  also weighed ({ft.market}, effective throughput against N="
+                         f"{lay.n_groups}'s): " + ", ".join(
+                             f"N={r.layout.n_groups} {ft.replica_effective(r) / best:.2f}x"
+                             for r in others))
+        elif others:  # no goodput left at any N (stalls longer than the time between losses)
+            lines.append(f"  also weighed ({ft.market}): " + ", ".join(
+                f"N={r.layout.n_groups}" for r in others) + ", all at goodput 0")
+    lines += [f"  not offered: {n}" for n in ft.not_offered]
+    lines.append(f"  {'market':9s}  {'mode':15s} {'goodput':>7s} {'tokens/s x goodput':>19s} "
+                 f"{'wall time':>11s} {'cost':>12s}  checkpoint every")
+    for label in ("on-demand", "spot"):
+        m = plan.fault_tolerance_by_market[label]
+        price = plan.spot_usd if label == "spot" else plan.on_demand_usd
+        rows = [("restart path", m.restart.goodput, m.restart_effective,
+                 plan.time_to_train_s, m.restart.every_steps)]
+        if m.best is not None:
+            b = m.best
+            rows.append((f"replica N={b.layout.n_groups}", b.goodput, m.replica_effective(b),
+                         plan.max_steps * b.layout.step_s, b.every_steps))
+        for i, (mode, g, effective, train_s, every) in enumerate(rows):
+            wall = train_s / g if g > 0 else math.inf
+            cost = (f"${wall / HOUR * plan.n_gpus * price:,.0f}" if g > 0 else "never ends")
+            lines.append(f"  {label if i == 0 else '':9s}  {mode:15s} {100 * g:6.1f}% "
+                         f"{effective:19,.0f} {_duration(wall) if g > 0 else '-':>11s} "
+                         f"{cost:>12s}  {every} steps")
+    lines.append(f"  written config ({ft.market}): {ft.why()}")
+    return lines
+
+
+def _why(chosen: LayoutCandidate, other: LayoutCandidate) -> str:
+    """One line: what the chosen layout saves over the runner-up, by where the time goes."""
+    a, b = chosen.step, other.step
+    parts = [(label, y - x) for label, x, y in (
+        ("compute", a.compute_s, b.compute_s),
+        ("exposed FSDP comm", a.exposed_comm_s, b.exposed_comm_s),
+        ("TP comm", a.tp_comm_s, b.tp_comm_s),
+        ("optimizer", a.optimizer_s, b.optimizer_s))]
+    parts = [f"{label} {d:+.3f} s" for label, d in parts if abs(d) >= 5e-4]
+    return (f"{chosen.mesh.label()}, {b.step_s - a.step_s:.3f} s/step faster than the runner-up "
+            f"{other.mesh.label()} ({other.settings()}; runner-up minus chosen: "
+            f"{', '.join(parts) or 'equal'})")
+
+
+def _seconds(s: float) -> str:
+    """A short time with the digits that matter (healing takes milliseconds to minutes)."""
+    return f"{s:.3f} s" if s < 1 else _duration(s)
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 2 * HOUR:
+        return f"{s / 60:.1f} min"
+    if s < 2 * DAY:
+        return f"{s / HOUR:.1f} h"
+    return f"{s / DAY:.1f} days"
+
+
+def _fault_tolerance_summary(ft: FaultTolerance) -> dict:
+    b = ft.best
+    replica = None if b is None else {
+        "n_groups": b.layout.n_groups, "group_gpus": b.layout.group_gpus,
+        "groups_lost_per_node_failure": b.layout.groups_lost,
+        "memory_bytes": b.layout.memory.total, "step_s": b.layout.step_s,
+        "in_group_step_s": b.layout.in_group_step_s, "allreduce_s": b.layout.allreduce_s,
+        "allreduce_bytes": b.layout.allreduce_bytes, "degraded_step_s": b.layout.degraded_step_s,
+        "heal_s": b.layout.heal_s, "stall_s": b.stall_s, "absent_s": b.absent_s,
+        "ckpt_write_s": b.layout.ckpt_write_s, "ckpt_every_steps": b.every_steps,
+        "goodput": b.goodput, "effective_tokens_per_s": ft.replica_effective(b),
+        "weighed": {r.layout.n_groups: ft.replica_effective(r) for r in ft.replica}}
+    return {"mode": "replica_groups" if ft.use_replica_groups else "restart",
+            "restart": {"goodput": ft.restart.goodput, "step_s":
+                        ft.tokens_per_step / ft.restart_tokens_per_s,
+                        "effective_tokens_per_s": ft.restart_effective,
+                        "ckpt_every_steps": ft.restart.every_steps},
+            "replica_groups": replica, "not_offered": ft.not_offered, "why": ft.why()}
+
+
+def plan_summary(plan: Plan) -> dict:
+    c, rg = plan.chosen, plan.chosen_replica_groups
+    return {
+        "model": plan.model_name, "params": plan.shape.params, "gpu": plan.gpu.name,
+        "n_gpus": plan.n_gpus, "nodes": plan.nodes,
+        "micro_batch_size": c.micro_batch, "activation_checkpointing": c.activation_checkpointing,
+        "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
+        "tp": c.tp, "hsdp": c.hsdp, "dp_shard": c.mesh.dp_shard,
+        "dp_replicate": c.mesh.dp_replicate,
+        "memory_bytes": dataclasses.asdict(c.memory)
+        | {"total": c.memory.total},
+        "max_micro_batch": {"no_ckpt": plan.max_micro_batch[False],
+                            "ckpt": plan.max_micro_batch[True]},
+        "all_gather_bytes": c.step.all_gather_bytes,
+        "reduce_scatter_bytes": c.step.reduce_scatter_bytes,
+        "all_reduce_bytes": c.step.all_reduce_bytes, "tp_bytes": c.step.tp_bytes,
+        "tp_comm_s": c.step.tp_comm_s, "comm_s": c.step.comm_s, "exposed_comm_s": c.step.exposed_comm_s,
+        "step_s": plan.step_s, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu,
+        "max_steps": plan.max_steps, "time_to_train_s": plan.time_to_train_s,
+        "goodput_on_demand": plan.on_demand.goodput, "goodput_spot": plan.spot.goodput,
+        "ckpt_every_steps": plan.reliability.every_steps,
+        "replica_groups": rg.layout.n_groups if rg else "off",
+        "fault_tolerance": {market: _fault_tolerance_summary(ft)
+                            for market, ft in plan.fault_tolerance_by_market.items()},
+        "cost_on_demand_usd": plan.cost_usd(spot=False), "cost_spot_usd": plan.cost_usd(spot=True),
+        "layouts": [{"tp": m.tp, "hsdp": m.hsdp, "fits": best is not None,
+                     "step_s": best.step.step_s if best else None,
+                     "memory_bytes": best.memory.total if best else floor.total}
+                    for m, best, floor in plan.layouts],
+        "config": training_config(plan),
+    }

@@ -1,0 +1,320 @@
+"""Step time: the network, the mesh, and one optimizer step's compute and communication.
+
+FSDP2's all-gathers and reduce-scatters (ring collectives, overlapped with compute as its
+prefetching allows), HSDP's all-reduce across nodes, the tensor-parallel collectives DTensor runs
+(on the critical path), and the optimizer's memory traffic. A `LayoutCandidate` is one setting
+of the search with the memory and step time predicted for it. Time to train is Narayanan et al.
+2021, eq. (4). GPU peaks and bandwidths come from hardware.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic_gpt.hardware import GPU
+from elastic_gpt.planner.inputs import GB
+from elastic_gpt.planner.memory import FP32, Memory, ModelShape, dtype_bytes
+
+
+@dataclass(frozen=True)
+class Network:
+    gpus_per_node: int
+    intra_node_gbps: float
+    """NCCL bus bandwidth inside a node, GB/s."""
+    inter_node_gbps: float
+    """NCCL bus bandwidth between nodes: the node's aggregate NIC bandwidth, GB/s."""
+    latency_s: float = 20e-6
+    """Fixed cost per collective (launch + ring latency), seconds."""
+
+    def nodes(self, n_gpus: int) -> int:
+        return -(-n_gpus // self.gpus_per_node)
+
+    def bus_gbps(self, n_gpus: int) -> float:
+        """A ring spanning nodes moves every byte through each node's NICs: the slower link
+        bounds it, so across nodes the inter-node bandwidth is the bottleneck."""
+        if self.nodes(n_gpus) == 1:
+            return self.intra_node_gbps
+        return min(self.intra_node_gbps, self.inter_node_gbps)
+
+    def collective_s(self, full_bytes: float, n_gpus: int) -> float:
+        """All-gather or reduce-scatter of a `full_bytes` tensor: each rank sends and receives
+        (N-1)/N of it (ring algorithm)."""
+        if n_gpus <= 1:
+            return 0.0
+        return ring_bytes(full_bytes, n_gpus) / (self.bus_gbps(n_gpus) * GB) + self.latency_s
+
+    def ring_s(self, bytes_per_gpu: float, *, across_nodes: bool, nic_sharing: int = 1) -> float:
+        """A ring collective in which each member sends `bytes_per_gpu`.
+
+        Inside a node every GPU has its own NVLink/PCIe bandwidth. A ring across nodes pushes
+        each member's bytes through every node's NICs once, and the NICs are the node's: when
+        `nic_sharing` such rings run at once with members on the same nodes (one per tensor-
+        parallel rank for FSDP's data-parallel groups, one per GPU for HSDP's replicate groups),
+        they share them. With nic_sharing=1 this is `collective_s`."""
+        if bytes_per_gpu <= 0:
+            return 0.0
+        t = bytes_per_gpu / (self.intra_node_gbps * GB)
+        if across_nodes:
+            t = max(t, nic_sharing * bytes_per_gpu / (self.inter_node_gbps * GB))
+        return t + self.latency_s
+
+
+def ring_bytes(full_bytes: float, n_gpus: int) -> float:
+    return (n_gpus - 1) / n_gpus * full_bytes
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """How the GPUs are laid out: world = dp_replicate x dp_shard x tp, tp innermost (a TP group
+    is consecutive ranks of one node). FSDP2 shards over dp_shard and, under HSDP, replicates
+    over dp_replicate (one replica per node); the data-parallel degree is dp_replicate x dp_shard."""
+
+    tp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    spans_nodes: bool = False
+    """Whether the group spans more than one node (FSDP's groups then cross nodes unless HSDP)."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    def short(self) -> str:
+        dp = f"HSDP {self.dp_shard}x{self.dp_replicate}" if self.hsdp else f"FSDP {self.dp}"
+        return f"tp={self.tp} {dp}"
+
+    def label(self) -> str:
+        if self.hsdp:
+            dp = (f"HSDP: FSDP over {self.dp_shard} in each node x {self.dp_replicate} replicas "
+                  "across nodes")
+        else:
+            where = "across nodes" if self.spans_nodes else "in one node"
+            dp = f"FSDP over {self.dp} {where}"
+        return f"tp={self.tp} x dp={self.dp} ({dp})"
+
+
+def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int = 8) -> Mesh:
+    """The mesh the trainer builds for n_gpus workers; hsdp on one node is plain FSDP."""
+    spans = n_gpus > gpus_per_node
+    if hsdp and spans:
+        return Mesh(tp, gpus_per_node // tp, n_gpus // gpus_per_node, True)
+    return Mesh(tp, n_gpus // tp, 1, spans)
+
+
+@dataclass
+class StepTime:
+    compute_s: float
+    """Kernel time at peak * efficiency, recomputation included."""
+    comm_s: float
+    """All FSDP collective time if none of it overlapped compute."""
+    exposed_comm_s: float
+    """The part of comm_s compute does not hide."""
+    optimizer_s: float
+    all_gather_bytes: float
+    """FSDP2's, per GPU per step (bytes this rank sends; it receives as many)."""
+    reduce_scatter_bytes: float
+    all_reduce_bytes: float = 0.0
+    """HSDP's gradient all-reduce across nodes, per GPU per step."""
+    tp_comm_s: float = 0.0
+    """Tensor-parallel collectives: on the critical path, none of it overlapped."""
+    tp_bytes: float = 0.0
+    """Tensor-parallel all-gathers, reduce-scatters and all-reduces, per GPU per step."""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.tp_comm_s + self.optimizer_s
+
+    @property
+    def overlapped_fraction(self) -> float:
+        return 1.0 - self.exposed_comm_s / self.comm_s if self.comm_s else 1.0
+
+
+@dataclass(frozen=True)
+class TPTraffic:
+    """Tensor-parallel collectives of one micro-batch and of one gradient sync, as DTensor runs
+    the trainer's plan (Megatron-style TP with sequence parallelism): counts and bytes per GPU."""
+
+    all_gathers: int
+    reduce_scatters: int
+    all_reduces: int
+    bytes_per_micro_batch: float
+    sync_collectives: int
+    bytes_per_sync: float
+
+
+def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_checkpointing: bool,
+               act_bytes: int, grad_bytes: int) -> TPTraffic:
+    """Per block, forward: the attention's and the MLP's inputs are all-gathered over the sequence
+    (Shard(1) -> Replicate) and their row-parallel outputs reduce-scattered back (Partial ->
+    Shard(1)): 2 all-gathers + 2 reduce-scatters of a (b, s, h) tensor. Backward mirrors each (the
+    gradient of an all-gather is a reduce-scatter and back). Activation checkpointing runs the
+    forward again but stops at the last tensor backward needs (torch's non-reentrant checkpoint
+    stops early), the MLP's c_proj input, so the recomputation repeats 2 all-gathers and 1
+    reduce-scatter. The root: wte and wpe are row-parallel embeddings whose outputs are
+    reduce-scattered to Shard(1) (wpe's is (1, s, h): the positions are shared by the batch), the
+    lm_head all-gathers its input, and the vocab-parallel loss all-reduces three fp32 values per
+    token (max, sum of exponentials, the target's logit); backward mirrors the three activations
+    and the loss needs none. Per gradient sync, the LayerNorm gradients (partial sums over the
+    sequence shards) are all-reduced and c_attn's bias gradient (this rank's heads) all-gathered,
+    one collective per tensor."""
+    if tp <= 1:
+        return TPTraffic(0, 0, 0, 0.0, 0, 0.0)
+    cfg, L = shape.cfg, shape.cfg.n_layer
+    act = micro_batch * cfg.seq_len * cfg.n_embd
+    pos = cfg.seq_len * cfg.n_embd
+    ag_blk = 4 + (2 if activation_checkpointing else 0)
+    rs_blk = 4 + (1 if activation_checkpointing else 0)
+    ag = L * ag_blk + 3  # root: lm_head in forward, wte and wpe in backward
+    rs = L * rs_blk + 3  # root: wte and wpe in forward, lm_head in backward
+    ar = 3
+    moved = ((L * (ag_blk + rs_blk) + 4) * ring_bytes(act_bytes * act, tp)
+             + 2 * ring_bytes(act_bytes * pos, tp)
+             + ar * 2 * ring_bytes(FP32 * micro_batch * cfg.seq_len, tp))
+    norms = L * shape.block_norm_params + shape.root_replicated_params
+    sync = (2 * ring_bytes(grad_bytes * norms, tp)
+            + ring_bytes(grad_bytes * L * shape.block_fused_bias_params, tp))
+    return TPTraffic(ag, rs, ar, moved, 4 * L + 2 + L, sync)
+
+
+def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batch: int,
+              micro_batches_per_rank: int, *, activation_checkpointing: bool,
+              dtype: str = "bfloat16", grad_sync: str = "microbatch", efficiency: float = 0.6,
+              reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False) -> StepTime:
+    """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches).
+
+    Overlap (FSDP2's prefetching): the all-gather of block i+1 runs during block i's forward; in
+    backward the gather of block i-1 and the reduce-scatter of block i+1 run during block i's
+    backward. Exposed per block = max(0, comm - compute); the first gathers (root + block 0) of a
+    micro-batch and the last reduce-scatters (block 0 + root) of a synced backward hide under
+    nothing. Collectives share one network, so concurrent ones add up.
+
+    reshard_after_forward=True (ZeRO-3): every micro-batch gathers root + L blocks in forward and
+    L - 1 blocks again in backward (the last block is not resharded). False (the trainer's
+    `never`, which also keeps the weights gathered between micro-batches): root + L blocks are
+    gathered once per step, in the first micro-batch's forward, and never in backward.
+
+    tp > 1: each rank computes 1/tp of every matmul; FSDP2 gathers and reduces the TP rank's part
+    of each unit over the data-parallel ranks (tp such groups share a node's NICs); the TP
+    collectives (`tp_traffic`) run on the intra-node link between the matmuls that need them, so
+    they are on the critical path (none overlapped). hsdp: FSDP2's groups are the data-parallel
+    ranks of one node, and each gradient sync adds an all-reduce of the reduce-scattered shard
+    across nodes (every GPU of a node in its own replicate group: they share the NICs).
+    """
+    cfg, pb, L, k = shape.cfg, dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
+    mesh = make_mesh(n_gpus, tp, hsdp, net.gpus_per_node)
+    flops_s = gpu.peak_flops * efficiency
+    tokens = micro_batch * cfg.seq_len
+    fwd_blk = shape.block_fwd_flops_per_token * tokens / tp / flops_s
+    bwd_blk = (2 + activation_checkpointing) * fwd_blk
+    head = 3 * shape.head_fwd_flops_per_token * tokens / tp / flops_s
+    compute_mb = L * (fwd_blk + bwd_blk) + head
+
+    shard_across = mesh.spans_nodes and not mesh.hsdp
+    blk, root = shape.block_local(tp), shape.root_local(tp)
+
+    def gather_s(elems: float) -> float:
+        if mesh.dp_shard <= 1:
+            return 0.0
+        return net.ring_s(ring_bytes(pb * elems, mesh.dp_shard), across_nodes=shard_across,
+                          nic_sharing=tp)
+
+    def reduce_s(elems: float) -> float:  # reduce-scatter, then (HSDP) all-reduce of the shard
+        rs = 0.0 if mesh.dp_shard <= 1 else net.ring_s(
+            ring_bytes(FP32 * elems, mesh.dp_shard), across_nodes=shard_across, nic_sharing=tp)
+        ar = 0.0 if mesh.dp_replicate <= 1 else net.ring_s(
+            2 * ring_bytes(FP32 * elems / mesh.dp_shard, mesh.dp_replicate), across_nodes=True,
+            nic_sharing=mesh.dp_shard * tp)
+        return rs + ar
+
+    ag_blk, ag_root = gather_s(blk), gather_s(root)
+    rs_blk, rs_root = reduce_s(blk), reduce_s(root)
+    regathers = L - 1 if reshard_after_forward else 0  # the last block stays gathered
+
+    def backward_exposed(sync: bool) -> tuple[float, float]:
+        rs = rs_blk if sync else 0.0
+        comm = regathers * ag_blk + (L * rs_blk + rs_root if sync else 0.0)
+        per_block = (ag_blk if reshard_after_forward else 0.0) + rs
+        exposed = (L - 1) * max(0.0, per_block - bwd_blk) + (rs_blk + rs_root if sync else 0.0)
+        return comm, exposed
+
+    fwd_comm = ag_root + L * ag_blk
+    fwd_exposed = ag_root + ag_blk + (L - 1) * max(0.0, ag_blk - fwd_blk)
+    n_fwd_gathers = k if reshard_after_forward else 1  # kept gathered: only the first micro-batch
+    n_sync = k if grad_sync == "microbatch" else 1
+    sync_comm, sync_exposed = backward_exposed(True)
+    nosync_comm, nosync_exposed = backward_exposed(False)
+    comm_s = n_fwd_gathers * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
+    exposed_s = n_fwd_gathers * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
+
+    # FSDP2 accumulates unsharded grads in the reduce dtype (fp32) when it syncs once per step.
+    accumulated = grad_sync == "step" and k > 1
+    tpt = tp_traffic(shape, micro_batch, tp, activation_checkpointing=activation_checkpointing,
+                     act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
+    tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
+    n_tp = (k * (tpt.all_gathers + tpt.reduce_scatters + tpt.all_reduces)
+            + n_sync * tpt.sync_collectives)
+    tp_s = tp_bytes / (net.intra_node_gbps * GB) + n_tp * net.latency_s if tp > 1 else 0.0
+
+    # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
+    local = shape.local_params(tp)
+    optimizer_s = 32 * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
+    gather_elems = n_fwd_gathers * (root + L * blk) + k * regathers * blk
+    shard_bytes = FP32 * local / mesh.dp_shard
+    return StepTime(compute_s=k * compute_mb, comm_s=comm_s, exposed_comm_s=exposed_s,
+                    optimizer_s=optimizer_s,
+                    all_gather_bytes=ring_bytes(pb * gather_elems, mesh.dp_shard),
+                    reduce_scatter_bytes=n_sync * ring_bytes(FP32 * local, mesh.dp_shard),
+                    all_reduce_bytes=(n_sync * 2 * ring_bytes(shard_bytes, mesh.dp_replicate)
+                                      if mesh.hsdp else 0.0),
+                    tp_comm_s=tp_s, tp_bytes=tp_bytes)
+
+
+def time_to_train_s(tokens: float, flops_per_token_: float, n_gpus: int,
+                    achieved_flops_per_gpu: float) -> float:
+    """Narayanan et al. 2021, eq. (4): end-to-end time = tokens * FLOPs/token / (n * X).
+
+    With FLOPs/token ~ 8P (6P + 2P for recomputation) this is their 8TP / (nX).
+    """
+    return tokens * flops_per_token_ / (n_gpus * achieved_flops_per_gpu)
+
+
+@dataclass
+class LayoutCandidate:
+    """One layout the planner weighs: micro-batch, checkpointing, gradient sync and resharding,
+    with the memory and step time it predicts for them."""
+    micro_batch: int
+    activation_checkpointing: bool
+    grad_sync: str
+    micro_batches_per_rank: int
+    memory: Memory
+    step: StepTime
+    reshard_after_forward: bool = True
+    """True: ZeRO-3 (the trainer's `always`); False: blocks stay gathered (`never`)."""
+    mesh: Mesh = field(default_factory=Mesh)
+    """Tensor parallelism and how FSDP2 spreads over the data-parallel ranks."""
+
+    @property
+    def reshard_policy(self) -> str:
+        """The value of the trainer's `train.reshard_after_forward` that runs this candidate."""
+        return "always" if self.reshard_after_forward else "never"
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp
+
+    @property
+    def hsdp(self) -> bool:
+        return self.mesh.hsdp
+
+    def settings(self) -> str:
+        return (f"micro-batch {self.micro_batch}, checkpointing "
+                f"{'on' if self.activation_checkpointing else 'off'}, grads per {self.grad_sync}, "
+                f"reshard {self.reshard_policy}")

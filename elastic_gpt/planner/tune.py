@@ -1,0 +1,302 @@
+"""`elastic-gpt tune`: measure tensor parallelism x HSDP x micro-batch size x activation
+checkpointing x torch.compile on the cluster's own workers, then write the fastest config that fits
+in memory with a margin.
+
+One Ray Train job (the config's worker count, tracking off, no checkpoints written) whose workers
+loop over the candidates: each builds a fresh Trainer (the trainer's own mesh and TP + FSDP model,
+from parallel.tp / parallel.hsdp and the ranks' Ray node ids), runs 1-2 warm-up steps and then
+--steps timed steps on the real data stream, and measures its peak memory per worker. A candidate
+that runs out of memory is recorded as "does not fit"; one whose tp the workers' node layout cannot
+hold is recorded as refused. compile is only tried on CUDA (on CPU compiling costs minutes, so it
+is skipped and the output says so).
+"""
+
+# The docstring above is `elastic-gpt tune --help`'s description (elastic_gpt/cli.py reads it).
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+
+import yaml
+
+from elastic_gpt.config import Config, load_config, resolve_paths
+from elastic_gpt.console import say
+from elastic_gpt.hardware import GiB, get_gpu
+from elastic_gpt.planner.tune_candidates import (
+    TrainSettings,
+    candidate_list,
+    predicted_bytes,
+    tp_choices,
+    what_would_fit,
+)
+from elastic_gpt.planner.tune_worker import TABLE_FILE, MiB, tune_loop_per_worker
+
+
+def format_table(rows: list[dict], predicted: list[float], winner: dict | None) -> str:
+    """One line per candidate; 'planner MiB' is memory.memory_per_gpu for what the row ran (its tp
+    and FSDP shard degree included)."""
+    head = (f"{'tp':>2} {'hsdp':>4} {'micro-batch':>11} {'ckpt':>4} {'compile':>7} "
+            f"{'s/step':>8} {'tokens/s':>10} {'peak MiB':>9} {'planner MiB':>11}  result")
+    lines = [head, "-" * len(head)]
+    for row, pred in zip(rows, predicted):
+        if row.get("refused"):
+            result = f"refused ({row['refused']})"
+        elif row.get("skipped") or row["oom"]:
+            result = "does not fit" + (f" ({row['skipped']})" if row.get("skipped") else " (OOM)")
+        elif row["error"]:
+            result = f"failed: {row['error']}"
+        else:
+            result = "fits" if row["fits"] else "over budget"
+        if row is winner:
+            result += "  <- fastest that fits"
+        step = f"{row['step_s']:.3f}" if row["step_s"] else "-"
+        tps = f"{row['tokens_per_s']:,.0f}" if row["tokens_per_s"] else "-"
+        peak = f"{row['peak_bytes'] / MiB:,.1f}" if row["peak_bytes"] else "-"
+        ckpt = "on" if row["activation_checkpointing"] else "off"
+        hsdp = "on" if row.get("hsdp") else "off"
+        lines.append(f"{row.get('tp', 1):>2} {hsdp:>4} {row['micro_batch']:>11} {ckpt:>4}"
+                     f" {'on' if row['compile'] else 'off':>7} {step:>8} {tps:>10} {peak:>9} "
+                     f"{pred / MiB:>11,.1f}  {result}")
+    return "\n".join(lines)
+
+
+def pick_winner(rows: list[dict]) -> dict | None:
+    """The fastest that fits; ties go to the larger micro-batch, then the simpler layout."""
+    fitting = [r for r in rows if r["fits"]]
+    return min(fitting, key=lambda r: (r["step_s"], -r["micro_batch"], r.get("tp", 1),
+                                       bool(r.get("hsdp")))) if fitting else None
+
+
+def settings_of(row: dict) -> TrainSettings:
+    return TrainSettings(row["micro_batch"], row["activation_checkpointing"], row["compile"],
+                         row.get("tp", 1), bool(row.get("hsdp")))
+
+
+def tuned_config_dict(config_path: str, overrides: list[str], winner: dict,
+                      spans_nodes: bool = False) -> tuple[dict, list[str]]:
+    """The input YAML with the overrides applied and the winner's train.* and parallel.* keys;
+    and a note for each other key it had to change. parallel.hsdp is the winner's where the
+    workers spanned nodes; measured on one node (where HSDP is plain FSDP) it stays as given.
+    scaling.min/max_workers become multiples of the winner's tp (config validation: workers come
+    in whole tensor-parallel groups)."""
+    with open(config_path) as f:
+        raw = yaml.safe_load(f) or {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        section, _, name = key.strip().partition(".")
+        raw.setdefault(section, {})[name] = yaml.safe_load(value) if value.strip() else ""
+    train = raw.setdefault("train", {})
+    train["micro_batch_size"] = winner["micro_batch"]
+    train["activation_checkpointing"] = winner["activation_checkpointing"]
+    train["compile"] = winner["compile"]
+    tp = winner.get("tp", 1)
+    parallel = raw.setdefault("parallel", {})
+    parallel["tp"] = tp
+    if spans_nodes:
+        parallel["hsdp"] = "on" if winner.get("hsdp") else "off"
+    else:
+        parallel.setdefault("hsdp", "auto")
+    notes = []
+    scaling = raw.setdefault("scaling", {})
+    defaults = Config().scaling
+    low = int(scaling.get("min_workers", defaults.min_workers))
+    high = int(scaling.get("max_workers", defaults.max_workers))
+    # The floor up, the ceiling down (never below one group), the floor no higher than the ceiling.
+    new_high = max(tp, high // tp * tp)
+    new_low = min(max(tp, -(-low // tp) * tp), new_high)
+    for key, old, new in (("min_workers", low, new_low), ("max_workers", high, new_high)):
+        if old != new:
+            scaling[key] = new
+            notes.append(f"scaling.{key}={old} -> {new} (a multiple of parallel.tp={tp})")
+    return raw, notes
+
+
+def run_tune(args) -> int:
+    import ray
+    import torch
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from elastic_gpt.data.mixture import load_training_manifest
+    from elastic_gpt.elastic.launcher import _worker_env, connect_ray, use_gpu
+    from elastic_gpt.model.gpt import count_params
+    from elastic_gpt.parallel.fsdp import reshard_label, resolve_dtype
+    from elastic_gpt.planner.memory import model_shape
+    from elastic_gpt.train.model_config import model_config_for
+
+    cfg = load_config(args.config, args.overrides)
+    if args.steps < 1:
+        raise ValueError(f"--steps={args.steps} must be at least 1")
+    if not 0 <= args.memory_margin < 1:
+        raise ValueError(f"--memory-margin={args.memory_margin} must be in [0, 1)")
+    gpu_name = args.gpu or cfg.scaling.accelerator_type
+    chip = get_gpu(gpu_name) if gpu_name else None  # an unknown name: a ValueError listing them
+    budget = args.memory_budget_gib * GiB if args.memory_budget_gib else None
+    if budget is not None and budget <= 0:
+        raise ValueError(f"--memory-budget-gib={args.memory_budget_gib} must be positive")
+    cfg.tracking.enabled = False
+    resolve_paths(cfg)
+    manifest = load_training_manifest(cfg.data)
+    gpt_cfg = model_config_for(cfg, manifest)
+    world = args.workers or cfg.scaling.max_workers
+    G = cfg.train.global_batch_size
+    mbs = _int_list("--micro-batch-sizes", args.micro_batch_sizes)
+    tps = tp_choices(world, gpt_cfg.n_head, gpt_cfg.seq_len, _int_list("--tp", args.tp))
+    if G < world // max(tps):
+        raise ValueError(f"train.global_batch_size={G} gives fewer sequences than the "
+                         f"{world // max(tps)} data-parallel ranks of {world} workers at tp "
+                         f"{max(tps)}")
+
+    started = connect_ray(cfg)
+    try:
+        gpu = use_gpu(cfg)
+        device = "cuda" if gpu else "cpu"
+        dtype = str(resolve_dtype(cfg.train.dtype, torch.device(device))).removeprefix("torch.")
+        cands = candidate_list(G, world, mbs, cuda=gpu, tps=tps)
+        shape = model_shape(gpt_cfg)
+        # The planner first: a model that cannot fit even at micro-batch 1 with checkpointing is
+        # refused before any worker starts, with what would fit instead.
+        if chip is not None or budget is not None:
+            usable_chip = chip if gpu else None
+            line = what_would_fit(gpt_cfg, world, G, budget or chip.memory_bytes,
+                                  args.memory_margin, dtype, usable_chip,
+                                  cfg.train.reshard_after_forward, tps=tps)
+            if line:
+                raise ValueError(line)
+        say(f"[elastic-gpt tune] {count_params(gpt_cfg)['total'] / 1e6:.2f}M params, "
+            f"G={G} x T={gpt_cfg.seq_len}, {world} {device.upper()} worker(s), {dtype}: "
+            f"{len(cands)} candidates at tp {','.join(map(str, tps))}"
+            + (" (and each with HSDP if the workers span nodes evenly)"
+               if args.hsdp == "auto" else "")
+            + f", {args.steps} timed step(s) each")
+        if not gpu:
+            say("[elastic-gpt tune] torch.compile not tried: no CUDA on the workers "
+                "(compiling on CPU costs minutes)")
+        s = cfg.scaling
+        resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if gpu else {})}
+        env = {**_worker_env(), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+        trainer = TorchTrainer(
+            tune_loop_per_worker,
+            train_loop_config={
+                "config": cfg.to_dict(), "candidates": [asdict(c) for c in cands],
+                "hsdp": args.hsdp,
+                "steps": args.steps, "memory_margin": args.memory_margin,
+                "budget_bytes": budget or (chip.memory_bytes if chip and gpu else None),
+                "seq_len": gpt_cfg.seq_len, "n_params": count_params(gpt_cfg)["total"]},
+            scaling_config=ScalingConfig(num_workers=world, use_gpu=gpu,
+                                         resources_per_worker=resources,
+                                         accelerator_type=s.accelerator_type),
+            run_config=RunConfig(name=f"tune-{cfg.run.name}-{int(time.time())}",
+                                 storage_path=cfg.run.storage_path,
+                                 failure_config=FailureConfig(max_failures=0),
+                                 worker_runtime_env={"env_vars": env}),
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=300))
+        result = trainer.fit()
+    finally:
+        if started:
+            ray.shutdown()
+    with result.checkpoint.as_directory() as d, open(os.path.join(d, TABLE_FILE)) as f:
+        out = json.load(f)
+    rows = out["rows"]
+    grad_sync = cfg.train.grad_sync
+    predicted = [predicted_bytes(shape, world, G, settings_of(r), dtype, gpu,
+                                 grad_sync=grad_sync,
+                                 reshard_after_forward=r["reshard_after_forward"],
+                                 dp_shard=r.get("dp_shard"))
+                 for r in rows]
+    winner = pick_winner(rows)
+    method = next((r["method"] for r in rows if r["method"]), "")
+    budget_b = rows[0]["budget_bytes"]
+    # auto resolves by what one rank gathers (its tensor-parallel shard), so it can differ by tp
+    ran = {r["reshard_after_forward"] for r in rows}
+    policy = (reshard_label(ran.pop(), cfg.train.reshard_after_forward) if len(ran) == 1
+              else f"{cfg.train.reshard_after_forward} (per row, by tp)")
+    spans_nodes = len(set(out["rank_nodes"])) > 1
+    print(f"\nmemory: {method}; budget {budget_b / GiB:.2f} GiB per worker, "
+          f"{args.memory_margin:.0%} kept free; the trainer ran reshard_after_forward={policy}, "
+          f"grad_sync={grad_sync}\n")
+    print(format_table(rows, predicted, winner))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "predicted_bytes": predicted, "winner": winner,
+                       "memory_method": method, "world_size": world, "device": device,
+                       "grad_sync": grad_sync, "tp_choices": tps,
+                       "rank_nodes": out["rank_nodes"],
+                       "reshard_after_forward": out["reshard_after_forward"]}, f, indent=1)
+    if winner is None:
+        usable = budget_b * (1 - args.memory_margin)
+        measured = [r for r in rows if r["held_bytes"] and not r["oom"]]
+        least = (f" (the smallest measured: {min(r['held_bytes'] for r in measured) / GiB:.2f} "
+                 "GiB)" if measured else "")
+        line = what_would_fit(gpt_cfg, world, G, budget_b, args.memory_margin, dtype,
+                              chip if gpu else None, cfg.train.reshard_after_forward, tps=tps)
+        raise ValueError(f"no candidate fits in {usable / GiB:.2f} GiB per worker{least}; "
+                         + (line or "use more workers (a smaller shard each) or workers with "
+                                    "more memory"))
+    label = settings_of(winner).label
+    print(f"\nfastest that fits: {label} ({winner['tokens_per_s']:,.0f} tokens/s)")
+    if args.write_config:
+        tuned, notes = tuned_config_dict(args.config, args.overrides, winner, spans_nodes)
+        for note in notes:
+            print(f"written config: {note}")
+        with open(args.write_config, "w") as f:
+            f.write(f"# tuned by `elastic-gpt tune` on {world} {device.upper()} worker(s): "
+                    f"{winner['tokens_per_s']:,.0f} tokens/s, peak "
+                    f"{winner['peak_bytes'] / MiB:,.1f} MiB per worker\n")
+            yaml.safe_dump(tuned, f, sort_keys=False)
+        load_config(args.write_config)  # what we wrote must load
+        print(f"wrote {args.write_config}")
+    return 0
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config, e.g. jobs/configs/mini.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. scaling.max_workers=4")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed steps per candidate, after 1 warm-up step (2 with compile)")
+    parser.add_argument("--micro-batch-sizes", metavar="1,2,4",
+                        help="candidates (default: every divisor of the global batch that leaves "
+                             "each worker a micro-batch)")
+    parser.add_argument("--memory-margin", type=float, default=0.10,
+                        help="fraction of the memory budget kept free (default 0.1)")
+    parser.add_argument("--memory-budget-gib", type=float,
+                        help="memory per worker (default: the GPU's memory, or on CPU the "
+                             "node's RAM / workers on the node)")
+    parser.add_argument("--gpu", help="GPU type for the planner's pre-check (default "
+                                      "scaling.accelerator_type), e.g. H100")
+    parser.add_argument("--workers", type=int, help="workers to tune on (default "
+                                                    "scaling.max_workers)")
+    parser.add_argument("--tp", metavar="1,2",
+                        help="tensor-parallel degrees to measure (default: every divisor of the "
+                             "workers that divides model.n_head and the sequence length; a tp "
+                             "the workers of a node cannot hold is reported as refused)")
+    parser.add_argument("--hsdp", choices=("auto", "on", "off"), default="auto",
+                        help="auto (default): measure each candidate with and without HSDP "
+                             "where the workers span nodes with the same count on each; on/off: "
+                             "only that")
+    parser.add_argument("--write-config", metavar="OUT.yaml",
+                        help="write the input config with the winner's train.* and "
+                             "parallel.tp/hsdp keys")
+    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+
+
+def _int_list(flag: str, text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 1,2") from None
+
+
+def run_from_args(args) -> int:
+    # Bad input or nothing fits raise ValueError: the CLI prints it as one line, exit 2.
+    return run_tune(args)

@@ -1,0 +1,135 @@
+"""`elastic-gpt plan` from the command line: the report, the written config the trainer loads,
+forced --tp / --hsdp, and bad input as one line with exit code 2 (pure Python)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from elastic_gpt.cli import main
+from elastic_gpt.config import load_config
+from elastic_gpt.planner.cli import add_cli_arguments, inputs_from_args, run_from_args
+from elastic_gpt.planner.inputs import PlanInputs
+from elastic_gpt.planner.report import plan_summary, training_config
+from elastic_gpt.planner.training_plan import plan_training, trainer_parallel_keys
+
+
+def cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_unknown_gpu_is_one_clear_line_and_exit_2(capsys):
+    with pytest.raises(ValueError, match="unknown GPU 'B300'; known GPUs: A100-40GB"):
+        plan_training(PlanInputs(gpu="B300"))
+    assert main(["plan", "--gpu", "B300"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "H100" in err and err.startswith("elastic-gpt plan: error:")
+
+
+def test_model_that_cannot_fit_says_what_would(capsys):
+    assert main(["plan", "--model", "gpt3-13b", "--gpu", "A10G", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "does not fit on 8 x A10G" in err and "at least" in err and "x A100-40GB" in err
+    # the suggestion is right: that many GPUs (and a batch to feed them) does fit
+    n = int(err.split("at least ")[1].split(" x")[0])
+    plan = plan_training(PlanInputs(model="gpt3-13b", gpu="A10G", n_gpus=n,
+                                    global_batch_size=4 * n))
+    assert plan.chosen.activation_checkpointing and plan.chosen.micro_batch == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_training(PlanInputs(model="gpt3-13b", gpu="A10G", n_gpus=n - 1,
+                                 global_batch_size=4 * n))
+
+
+def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
+    out = tmp_path / "planned.yaml"
+    rc = run_from_args(cli("--model", "gpt2-124m", "--gpu", "L4", "--gpus", "16",
+                           "--tokens", "2.5B", "--write-config", str(out)))
+    report = capsys.readouterr().out
+    assert rc == 0
+    for heading in ("memory per GPU", "communication per GPU", "MFU", "goodput", "spot"):
+        assert heading in report
+    written = yaml.safe_load(out.read_text())
+    allowed = {"model": {"preset", "n_layer", "n_head", "n_embd", "seq_len"},
+               "train": {"global_batch_size", "micro_batch_size", "max_steps", "lr",
+                         "warmup_steps", "activation_checkpointing", "grad_sync",
+                         "reshard_after_forward", "dtype"},
+               "scaling": {"min_workers", "max_workers", "use_gpu"},
+               "checkpoint": {"every_steps"},
+               "elastic": {"replica_groups", "replica_heartbeat_timeout_s"}}
+    if trainer_parallel_keys():
+        allowed["parallel"] = trainer_parallel_keys() & {"tp", "hsdp"}
+    assert set(written) == set(allowed)
+    for section, keys in written.items():
+        assert set(keys) <= allowed[section], section
+    assert written["model"]["preset"] == "gpt2-124m" and written["scaling"]["max_workers"] == 16
+    cfg = load_config(str(out), ["data.path=/tmp/any-dataset"])  # the trainer's own validation
+    assert cfg.train.micro_batch_size == written["train"]["micro_batch_size"]
+    assert cfg.checkpoint.every_steps >= 1
+    assert cfg.elastic.replica_groups == written["elastic"]["replica_groups"]
+    assert "fault tolerance: the restart path or replica groups" in report
+
+
+def test_custom_shape_is_written_as_fields(tmp_path, capsys):
+    out = tmp_path / "custom.yaml"
+    rc = run_from_args(cli("--n-layer", "8", "--n-head", "8", "--n-embd", "512", "--seq-len",
+                           "512", "--gpus", "2", "--gpu", "L4", "--write-config", str(out),
+                           "--json"))
+    assert rc == 0
+    model = yaml.safe_load(out.read_text())["model"]
+    assert model == {"n_layer": 8, "n_head": 8, "n_embd": 512, "seq_len": 512}
+    assert '"micro_batch_size"' in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- --tp / --hsdp
+
+
+def test_forced_tp_and_hsdp_are_planned_and_written(tmp_path, capsys):
+    out = tmp_path / "tp.yaml"
+    rc = run_from_args(cli("--model", "gpt3-13b", "--gpus", "64", "--tp", "2", "--hsdp", "on",
+                           "--write-config", str(out)))
+    assert rc == 0
+    report = capsys.readouterr().out
+    assert "layout    tp=2 x dp=32 (HSDP: FSDP over 4 in each node x 8 replicas" in report
+    assert "layouts weighed" not in report  # one mesh: nothing else was weighed
+    plan = plan_training(inputs_from_args(cli("--model", "gpt3-13b", "--gpus", "64", "--tp",
+                                              "2", "--hsdp", "on")))
+    assert plan.chosen.tp == 2 and plan.chosen.hsdp and len(plan.layouts) == 1
+    assert plan.min_workers % 8 == 0  # HSDP shrinks in whole nodes (one replica each)
+    summary = plan_summary(plan)
+    assert (summary["tp"], summary["hsdp"], summary["dp_shard"], summary["dp_replicate"]) == \
+        (2, True, 4, 8)
+    written = yaml.safe_load(out.read_text())
+    keys = trainer_parallel_keys()
+    if {"tp", "hsdp"} <= keys:  # the trainer's config has the section: it runs the plan
+        assert written["parallel"] == {"tp": 2, "hsdp": "on"}
+        cfg = load_config(str(out), ["data.path=/tmp/any-dataset"])
+        assert cfg.parallel.tp == 2 and cfg.parallel.hsdp == "on"
+    else:
+        assert "parallel" not in written
+        assert any("has no parallel." in n for n in plan.notes)
+    off = plan_training(PlanInputs(model="gpt3-13b", n_gpus=64, tp=1, hsdp="off"))
+    assert off.chosen.tp == 1 and not off.chosen.hsdp
+    assert training_config(off).get("parallel", {}).get("hsdp", "off") == "off"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--model", "gpt2-124m", "--tp", "8"), "--tp=8 does not divide model.n_head=12"),
+    (("--model", "gpt3-1.3b", "--tp", "8", "--gpus-per-node", "4", "--gpus", "8"),
+     "GPUs per node [4] are not all multiples of --tp=8"),
+    (("--model", "gpt3-1.3b", "--tp", "3"), "--tp=3 must be one of 1, 2, 4, 8"),
+    (("--model", "gpt3-1.3b", "--tp", "4", "--gpus", "2"), "--tp=4 is more than the 2 GPUs"),
+    (("--model", "gpt3-1.3b", "--hsdp", "on", "--gpus", "12"), "--hsdp on replicates whole"),
+])
+def test_bad_tp_or_hsdp_is_one_clear_line_and_exit_2(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert err.startswith("elastic-gpt plan: error: "), err
