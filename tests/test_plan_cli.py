@@ -127,6 +127,7 @@ def test_forced_tp_and_hsdp_are_planned_and_written(tmp_path, capsys):
     (("--model", "gpt3-1.3b", "--tp", "3"), "--tp=3 must be one of 1, 2, 4, 8"),
     (("--model", "gpt3-1.3b", "--tp", "4", "--gpus", "2"), "--tp=4 is more than the 2 GPUs"),
     (("--model", "gpt3-1.3b", "--hsdp", "on", "--gpus", "12"), "--hsdp on replicates whole"),
+    (("--model", "gpt3-13b", "--gpu", "L4", "--gpus", "8", "--hsdp", "on"), "does not fit on 8 x L4"),
 ])
 def test_bad_tp_or_hsdp_is_one_clear_line_and_exit_2(argv, message, capsys):
     assert main(["plan", *argv]) == 2

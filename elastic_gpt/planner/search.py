@@ -195,7 +195,9 @@ def what_would_fit(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, net: N
         options.append("--hsdp off (HSDP keeps a whole copy of the model state in every node)")
     more = _fewest_gpus(p, shape, net, p.n_gpus, usable)
     if more is not None:
-        more_mesh = _floor_memory(p, shape, net, more)[1]
+        # A forced layout (--hsdp on) may leave no floor mesh to name at that count: the plain one.
+        more_floor = _floor_memory(p, shape, net, more)
+        more_mesh = more_floor[1] if more_floor else Mesh(1, more)
         options.append(f"at least {more} x {gpu.name}"
                        + (f" (tp={more_mesh.tp})" if more_mesh.tp > 1 else "")
                        + (f" (with --global-batch-size >= {more_mesh.dp})"
