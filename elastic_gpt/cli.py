@@ -1,4 +1,4 @@
-"""The `elastic-gpt` command, and the one error boundary of every subcommand (C6).
+"""The `elastic-gpt` command, and the one error boundary of every subcommand (C6 clear errors).
 
 An error the user can fix (config, paths, permissions, credentials, unreachable services, corrupt
 data, bad arguments: `errors.user_error_line` decides) prints one line
@@ -36,7 +36,7 @@ def _train(args) -> int:
         + (f"; {g['degraded_s']:.0f}s of the productive time with fewer replica groups"
            if g.get("degraded_s") else ""))
     for e in summary["events"]:
-        if "from_groups" in e:  # replica groups (C7): the run went on
+        if "from_groups" in e:  # replica groups (C7 all-or-nothing step): the run went on
             say(f"[elastic-gpt]   {e['kind']} at step {e['step']}: {e['detail']}")
             continue
         say(f"[elastic-gpt]   {e['kind']}: W {e['from_world_size']} -> {e['to_world_size']} "

@@ -5,7 +5,7 @@ Every field's type is the check: `_coerce` reads the resolved type hints (int, f
 a value is judged the moment it is set. `validate()` holds only what no single field's type can
 say: rules between fields, the preset registry, the required dataset path. Every user error is a
 `ValueError` whose message names the key and the fix, raised before any cluster, checkpoint or
-MLflow run is touched (C6).
+MLflow run is touched (C6 clear errors).
 
 It must not know how the layers it configures work, and imports neither Ray nor the trainer: only
 the data layer's order rules (the shuffle-window default, the batch rule) and, to validate, the
@@ -74,7 +74,8 @@ class DataSection:
     path: str = ""
     """Dataset directory written by `elastic-gpt prepare-data --output` (any fsspec URL)."""
     seed: int = 1234
-    """Seeds the sample order (C2): same seed + dataset => same order at any world size."""
+    """Seeds the sample order (C2 data order): same seed + dataset => same order at any world
+    size."""
     shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
     """Samples shuffled together inside a window after the per-epoch shard shuffle."""
     prefetch_steps: int = 4
@@ -82,7 +83,8 @@ class DataSection:
     sources: list[dict] | None = None
     """A weighted mixture instead of one data.path: a list of {path: URL, weight: number > 0},
     each a dataset from `prepare-data`. Step t's samples are a seeded, world-size independent
-    interleave of the sources in proportion to their weights (C2). Leave data.path empty."""
+    interleave of the sources in proportion to their weights (C2 data order). Leave data.path
+    empty."""
 
 
 @dataclass
@@ -100,7 +102,8 @@ class EvalSection:
 @dataclass
 class TrainSection:
     global_batch_size: int = 32
-    """Sequences per optimizer step, fixed for the whole run whatever the world size (C1)."""
+    """Sequences per optimizer step, fixed for the whole run whatever the world size (C1 fixed global
+    batch)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one worker; G / micro_batch_size micro-batches per step."""
     max_steps: AtLeastOne = 100
@@ -177,7 +180,7 @@ class CheckpointSection:
     every_steps: AtLeastOne = 50
     """Commit a checkpoint every N steps, and at the last step of a session."""
     keep: AtLeastOne = 3
-    """Committed checkpoints kept; the newest is never deleted (C4)."""
+    """Committed checkpoints kept; the newest is never deleted (C4 atomic commit)."""
     async_save: bool = False
     """Write in a background thread after a CPU copy, so training continues during the upload."""
 
@@ -197,7 +200,8 @@ class TrackingSection:
 @dataclass
 class RunSection:
     name: str = "default"
-    """MLflow run name; one name + checkpoint root = one experiment continued across restarts (C5)."""
+    """MLflow run name; one name + checkpoint root = one experiment continued across restarts (C5 one
+    MLflow run)."""
     storage_path: str = ""
     """Where Ray Train keeps its run state. Empty: runs/ under the working directory."""
     stop_at_step: int | None = None
@@ -222,7 +226,8 @@ class ElasticSection:
     N: N replica groups (docs/replica-groups.md): each its own Ray Train run of
     scaling.max_workers / N workers with FSDP2 (and tp) inside it, torchft's fault-tolerant
     all-reduce across groups; a lost group drops out of the next step's quorum and the others
-    keep training, and its replacement heals from a live peer (C7). Needs torchft (the ft extra)."""
+    keep training, and its replacement heals from a live peer (C7 all-or-nothing step). Needs
+    torchft (the ft extra)."""
     replica_heartbeat_timeout_s: Annotated[float, Range(0.1)] = 2.0
     """Replica groups: a group whose heartbeats stop this long is dropped from the quorum (one
     that leaves, or whose process is gone, is dropped at once). Too short evicts healthy groups
@@ -459,7 +464,8 @@ def validate(cfg: Config) -> None:
     if problem:
         raise ValueError(problem)
     plan = BatchPlan(t.global_batch_size, t.micro_batch_size)
-    plan.check_world_size(s.max_workers, tp=tp)  # C1 over the data-parallel degree
+    # C1 fixed global batch, over the data-parallel degree
+    plan.check_world_size(s.max_workers, tp=tp)
     if cfg.data.sources is not None:
         _check_sources(cfg.data)
     elif not cfg.data.path:

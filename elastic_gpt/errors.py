@@ -1,5 +1,5 @@
 """The exceptions that cross from a worker to the controller, and the one classification of
-failures: which ones a retry can cure, and the one line a user sees for the rest (C6).
+failures: which ones a retry can cure, and the one line a user sees for the rest (C6 clear errors).
 
 `FatalTrainingError` and its subclasses are errors that restarting cannot fix: the controller stops
 the run at once on these. `ElasticRestart` is the opposite: a planned restart after a just-in-time

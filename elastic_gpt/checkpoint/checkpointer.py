@@ -18,7 +18,7 @@ flight. The background collectives run on a dedicated gloo process group, so the
 interleave with the training collectives on the default group (two threads issuing collectives on
 one group can pair up the wrong calls). A step whose write fails or is killed midway has no commit
 marker, so resume never sees it, and `CheckpointStore.retain` / `remove_uncommitted` delete it
-later (C4).
+later (C4 atomic commit).
 
 Knows the store and DCP, not the Trainer: what the trainer state holds, and what must happen just
 before a save (making the step metrics durable), come in as callables.
@@ -226,7 +226,7 @@ class AsyncCheckpointer(Checkpointer):
                  planner=BoxSavePlanner())
         if self.rank == 0:
             self.extra_files(url)
-            self.store.commit(step, trainer_state)  # commit marker last (C4)
+            self.store.commit(step, trainer_state)  # commit marker last (C4 atomic commit)
             self.store.retain(self.keep)
         self.last_write_s = time.perf_counter() - t0
 

@@ -1,8 +1,10 @@
-"""The checkpoint store: step directories on any fsspec storage, committed atomically (C4).
+"""The checkpoint store: step directories on any fsspec storage, committed atomically (C4 atomic
+commit).
 
 Layout under the checkpoint root (file://, s3://, gs://, ...):
 
-    run.json                  MLflow run id of this experiment, written before the first step (C5)
+    run.json                  MLflow run id of this experiment, written before the first step
+                              (C5 one MLflow run)
     step_00000100/
         __0_0.distcp ...      DCP shards, one file per rank (any world size can load them: resharding)
         .metadata             DCP's index of the shards
@@ -114,7 +116,7 @@ class CheckpointStore:
     def read_state(self, step: int) -> dict:
         return json.loads(self.fs.cat_file(self.path(step_dirname(step), TRAINER_STATE)))
 
-    # ---- run identity (C5) -----------------------------------------------------------------
+    # ---- run identity (C5 one MLflow run) --------------------------------------------------
 
     def read_run_info(self) -> dict | None:
         try:
@@ -205,7 +207,8 @@ class CheckpointStore:
         return sorted(doomed)
 
     def remove_uncommitted(self) -> list[int]:
-        """At (re)start nothing is in flight: every uncommitted step dir is a leftover (C4)."""
+        """At (re)start nothing is in flight: every uncommitted step dir is a leftover (C4 atomic
+        commit)."""
         removed = []
         for s, d in self.step_dirs().items():
             if self.verify(s) is not None:

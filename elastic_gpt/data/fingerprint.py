@@ -2,8 +2,9 @@
 
 Each record's hash is stored next to it (the shard's `.idx` sidecar, written by prepare-data and
 checked by the reader); a step's fingerprint is the sum of the hashes of every sample it trained
-on, mod 2**52, all-reduced over the ranks and logged as `data_fingerprint` (C5). Equal
-fingerprints at every step mean two runs saw the same samples, whatever their world sizes (C2).
+on, mod 2**52, all-reduced over the ranks and logged as `data_fingerprint` (C5 one MLflow run).
+Equal fingerprints at every step mean two runs saw the same samples, whatever their world sizes (C2
+data order).
 
 52 bits because a float64 holds every integer below 2**53: the fingerprint survives MLflow's
 float metrics exactly, and so does the sum of a few 26-bit halves in a float64 all-reduce.

@@ -93,7 +93,7 @@ class Manifest:
         return join_url(self.url, self.shards[k].index_path)
 
     def check_model(self, vocab_size: int, block_size: int | None = None) -> None:
-        """ValueError if the model cannot consume this dataset (C6)."""
+        """ValueError if the model cannot consume this dataset (C6 clear errors)."""
         if self.vocab_size > vocab_size:
             raise ValueError(
                 f"dataset {self.url} uses tokenizer {self.tokenizer!r} with vocab_size="
@@ -152,7 +152,7 @@ def validation_url(output: str) -> str:
 
 
 def describe_storage_error(url: str, e: BaseException) -> str:
-    """One readable line for the ways object storage fails (C6)."""
+    """One readable line for the ways object storage fails (C6 clear errors)."""
     text = f"{type(e).__name__}: {e}".splitlines()[0]
     low = text.lower()
     if isinstance(e, PermissionError) or any(k in low for k in (
@@ -227,7 +227,8 @@ def load_manifest(url: str, storage_options: dict | None = None) -> Manifest:
 def check_compatible(reference: Manifest, other: Manifest, what: str) -> None:
     """ValueError unless `other` holds the same kind of tokens as `reference` (tokenizer,
     vocabulary, end-of-text id, sequence length): a mixture's sources, or a validation set next
-    to its training data (C6). `what` names `other` in the message (e.g. "data.sources[1]")."""
+    to its training data (C6 clear errors). `what` names `other` in the message (e.g.
+    "data.sources[1]")."""
     for key in ("tokenizer", "vocab_size", "eos_id", "seq_len"):
         want, got = getattr(reference, key), getattr(other, key)
         if want != got:
@@ -249,8 +250,9 @@ def open_validation_manifest(eval_path: str, data_path: str, training: Manifest,
                              storage_options: dict | None = None) -> Manifest | None:
     """The validation set a run evaluates on: `eval_path` when set (it must be a prepared dataset
     of the training data's tokenizer and seq_len), else the held-out split prepare-data wrote at
-    `<data_path>/val` when there is one, else None (no evaluation). Raises ValueError (C6) for an
-    eval.path that is missing or does not match; the driver's preflight can call it as is."""
+    `<data_path>/val` when there is one, else None (no evaluation). Raises ValueError (C6 clear
+    errors) for an eval.path that is missing or does not match; the driver's preflight can call it
+    as is."""
     if eval_path:
         manifest = load_manifest(eval_path, storage_options)
         what = "eval.path"

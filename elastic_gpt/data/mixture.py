@@ -1,5 +1,5 @@
 """What a run trains on: one prepared dataset (`data.path`) or a weighted mixture of several
-(`data.sources`), and the mixture's sample order, C2 for several sources.
+(`data.sources`), and the mixture's sample order, C2 data order for several sources.
 
 **A mixture epoch** is E = the sum of the sources' sample counts. Source i gets a quota n_i of
 those E positions in proportion to its weight (largest-remainder rounding, so the quotas add up
@@ -58,7 +58,7 @@ def source_seed(seed: int, source: int) -> int:
 
 
 class MixtureOrder:
-    """Run position -> (source, shard, record): the C2 order of a weighted mixture."""
+    """Run position -> (source, shard, record): the C2 data order of a weighted mixture."""
 
     def __init__(self, shard_sizes: list[list[int]], weights: list[float], seed: int,
                  window: int = DEFAULT_SHUFFLE_WINDOW):
@@ -229,7 +229,7 @@ def _source_names(urls: list[str]) -> list[str]:
 def open_training_data(data, storage_options: dict | None = None) -> TrainingData:
     """The training data a `data` config section names (`data.path`, or `data.sources` with
     their weights), every manifest loaded and checked: ValueError naming the source whose
-    tokenizer, vocabulary or seq_len differs from the first one's (C6)."""
+    tokenizer, vocabulary or seq_len differs from the first one's (C6 clear errors)."""
     if not data.sources:
         m = load_manifest(data.path, storage_options)
         return TrainingData([Source(m, 1.0, "data")], mixture=False)

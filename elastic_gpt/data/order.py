@@ -1,13 +1,14 @@
-"""Sample order and its split over ranks: contracts C1 and C2 as pure functions.
+"""Sample order and its split over ranks: contracts C1 fixed global batch and C2 data order as pure
+functions.
 
-C2: the position -> sample map depends only on (shard sizes, seed, epoch). Position p of the whole
-run is sample `order.sample_at(p)`; step t trains on positions [t*G, (t+1)*G). The resume cursor is
-the number of positions consumed (`samples_seen`); the epoch is `p // num_samples`.
+C2 data order: the position -> sample map depends only on (shard sizes, seed, epoch). Position p of
+the whole run is sample `order.sample_at(p)`; step t trains on positions [t*G, (t+1)*G). The resume
+cursor is the number of positions consumed (`samples_seen`); the epoch is `p // num_samples`.
 
-C1: a step's G samples form M = G / micro_batch_size micro-batches; data-parallel rank r of D
-takes a contiguous block of them (block sizes differ by at most one; the tensor-parallel ranks of
-one group are one data-parallel rank). Every rank runs the same number of slots, ceil(M / D), so
-collectives line up; a rank with one micro-batch fewer fills its last slot with a
+C1 fixed global batch: a step's G samples form M = G / micro_batch_size micro-batches; data-parallel
+rank r of D takes a contiguous block of them (block sizes differ by at most one; the tensor-parallel
+ranks of one group are one data-parallel rank). Every rank runs the same number of slots, ceil(M /
+D), so collectives line up; a rank with one micro-batch fewer fills its last slot with a
 zero-weight repeat. Wall time is unchanged by that: the step waits for the busiest rank anyway.
 """
 
@@ -70,7 +71,8 @@ class SampleOrder:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one step's global batch is cut into micro-batches and spread over ranks (C1)."""
+    """How one step's global batch is cut into micro-batches and spread over ranks (C1 fixed global
+    batch)."""
 
     global_batch_size: int
     micro_batch_size: int
@@ -90,7 +92,8 @@ class BatchPlan:
         return self.global_batch_size // self.micro_batch_size
 
     def check_world_size(self, max_workers: int, tp: int = 1) -> None:
-        """Every data-parallel rank (a group of `tp` workers) needs a micro-batch (C1)."""
+        """Every data-parallel rank (a group of `tp` workers) needs a micro-batch (C1 fixed global
+        batch)."""
         dp = max_workers // tp
         if self.num_micro_batches < dp:
             ranks = (f"scaling.max_workers={max_workers}" if tp == 1 else

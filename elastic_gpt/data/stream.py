@@ -1,4 +1,4 @@
-"""Per-rank streaming reader: step t of rank r, read from the shards in the C2 order.
+"""Per-rank streaming reader: step t of rank r, read from the shards in the C2 data order.
 
 Each rank computes which samples its micro-batches of step t hold (`BatchPlan` + `SampleOrder`,
 pure functions of manifest, seed and position) and reads exactly those records with ranged reads,
@@ -151,7 +151,7 @@ class ShardReader:
 def rank_samples(order: SampleOrder, plan: BatchPlan, rank: int, world_size: int,
                  step: int) -> list[tuple[int, int]]:
     """(shard, record) of every sample rank `rank` trains on at `step`, micro-batch by
-    micro-batch: the C1 split of the C2 order."""
+    micro-batch: the C1 fixed global batch split of the C2 data order."""
     samples = []
     for j in plan.rank_micro_batches(rank, world_size):
         pos = plan.micro_batch_positions(step, j)
@@ -170,7 +170,8 @@ def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, plan: Batc
     tokens = [wide[i * m:(i + 1) * m] for i in range(n_real)]
     weights = [1.0] * n_real
     for _ in range(plan.slots(world_size) - n_real):
-        tokens.append(tokens[-1])  # zero-weight repeat: keeps collectives in step (C1)
+        # A zero-weight repeat keeps the collectives in step (C1 fixed global batch).
+        tokens.append(tokens[-1])
         weights.append(0.0)
     fingerprint = int(sum(int(h) for h in hashes)) & FINGERPRINT_MASK
     return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint)
@@ -282,7 +283,8 @@ def open_step_stream(data_url, *, plan: BatchPlan, rank: int, world_size: int,
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                      prefetch_steps: int = 4, storage_options: dict | None = None,
                      engine: str = "thread", pin_memory: bool = False) -> StepStream:
-    """Open rank `rank`'s stream of step batches from `start_step` on (C1 + C2).
+    """Open rank `rank`'s stream of step batches from `start_step` on (C1 fixed global batch + C2
+    data order).
     data_url: a dataset URL, or a TrainingData (`mixture.open_training_data(cfg.data)`: a
     dataset or a weighted mixture of several).
     engine "thread" (default): ranged reads in a prefetch thread of this process;
@@ -396,7 +398,7 @@ class RayDataStepStream:
 
         logging.getLogger("ray.data").setLevel(logging.WARNING)  # no banner per chunk
         ctx = ray.data.DataContext.get_current()
-        ctx.execution_options.preserve_order = True  # C2: rows in step order
+        ctx.execution_options.preserve_order = True  # C2 data order: rows in step order
         ctx.enable_progress_bars = False
         ds = ray.data.range(self._chunk, override_num_blocks=max(1, self._chunk // 4))
         ds = ds.map_batches(lambda b, s=start: {"id": b["id"] + s}, batch_size=None)

@@ -198,7 +198,8 @@ class GPT(nn.Module):
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over every token (callers weight by the global token count, C1)."""
+    """Summed cross-entropy over every token (callers weight by the global token count: C1 fixed
+    global batch)."""
     return F.cross_entropy(
         logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
     )

@@ -3,9 +3,9 @@
 W = dp_replicate x dp_shard x tp. `ParallelDims` holds the three degrees, checks them, builds the
 DeviceMesh once (dims "dp_replicate", "dp_shard", "tp", tp innermost so a tensor-parallel group is
 tp consecutive ranks) and answers what the rest of the code asks instead of doing arithmetic on
-rank and world size: which data-parallel rank this is and how many there are (what C1 and C2 are
-stated over), which sub-mesh FSDP shards over, which one tensor parallelism uses, whether the loss
-is vocab-parallel (torchtitan's `ParallelDims` is the model).
+rank and world size: which data-parallel rank this is and how many there are (what C1 fixed global
+batch and C2 data order are stated over), which sub-mesh FSDP shards over, which one tensor
+parallelism uses, whether the loss is vocab-parallel (torchtitan's `ParallelDims` is the model).
 
 `ParallelDims.for_nodes` derives the degrees from where the ranks run: a tensor-parallel group
 must stay inside one node (its collectives run every layer, on the fast intra-node link), and

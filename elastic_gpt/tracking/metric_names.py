@@ -1,6 +1,6 @@
-"""Every metric name the project logs to MLflow, in one table (part of contract C5). The trainer,
-the evaluator, the run set-up and the publishing code take their names from here, and so do the
-tests and benchmarks that read a run back.
+"""Every metric name the project logs to MLflow, in one table (part of contract C5 one MLflow run).
+The trainer, the evaluator, the run set-up and the publishing code take their names from here, and
+so do the tests and benchmarks that read a run back.
 
 The prefixes decide what a user sees first. MLflow's run page draws one chart group per prefix
 (the name up to its last `/`) and orders the groups by code point, so lower-case `cluster/`,
@@ -9,8 +9,8 @@ separate "System metrics" tab instead, so the run's "Model metrics" page holds j
 (loss, lr, grad norm, tokens/s, MFU and the step's shape) and then `val/`, and the rest is grouped
 in the System metrics tab beside MLflow's own host metrics.
 
-Step numbering (C5): a metric logged at step k describes the state after k optimizer steps, the
-same k as the console's `step k/N` and the checkpoint folder `step_0000000k`.
+Step numbering (C5 one MLflow run): a metric logged at step k describes the state after k optimizer
+steps, the same k as the console's `step k/N` and the checkpoint folder `step_0000000k`.
 
 Nothing here imports MLflow, torch or the model.
 """
@@ -27,8 +27,9 @@ TRAIN_MFU = "train/mfu"
 TRAIN_STEP_TIME_S = "train/step_time_s"
 TRAIN_WORLD_SIZE = "train/world_size"      # workers in the group (elastic runs change it)
 TRAIN_GRAD_ACCUM = "train/grad_accum"      # micro-batches per data-parallel rank
-TRAIN_SAMPLES_SEEN = "train/samples_seen"  # the resume cursor: steps * global batch (C2)
-TRAIN_REPLICA_GROUPS = "train/replica_groups_live"  # groups in the step's quorum (C7 only)
+TRAIN_SAMPLES_SEEN = "train/samples_seen"  # the resume cursor: steps * global batch (C2 data order)
+# Groups in the step's quorum (with replica groups only: C7 all-or-nothing step).
+TRAIN_REPLICA_GROUPS = "train/replica_groups_live"
 
 VAL_LOSS = "val/loss"
 VAL_PERPLEXITY = "val/perplexity"
@@ -46,7 +47,8 @@ GOODPUT_EVENTS = GOODPUT_PREFIX + "events"
 GOODPUT_LOST_STEPS = GOODPUT_PREFIX + "lost_steps"
 GOODPUT_WALL_S = GOODPUT_PREFIX + "wall_s"
 
-DATA_FINGERPRINT = DEBUG_PREFIX + "data_fingerprint"  # a 52-bit hash of the step's samples (C2)
+# A 52-bit hash of the step's samples (C2 data order).
+DATA_FINGERPRINT = DEBUG_PREFIX + "data_fingerprint"
 DATA_WAIT_S = DEBUG_PREFIX + "data_wait_s"
 EVENT_RECOVERY_S = DEBUG_PREFIX + "event_recovery_s"  # logged once per resume
 EVENT_LOST_STEPS = DEBUG_PREFIX + "event_lost_steps"
@@ -78,7 +80,7 @@ def gpu_memory_mb(index: int) -> str:
     return f"system/gpu_{index}_memory_usage_megabytes"
 
 
-# What every training step logs (C5).
+# What every training step logs (C5 one MLflow run).
 STEP_METRICS = (TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN_MFU,
                 TRAIN_STEP_TIME_S, TRAIN_WORLD_SIZE, TRAIN_GRAD_ACCUM, TRAIN_SAMPLES_SEEN,
                 DATA_WAIT_S, DATA_FINGERPRINT)

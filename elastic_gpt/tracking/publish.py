@@ -103,7 +103,8 @@ def finish_run(uri: str, run_id: str, config_path: str | None = None, finished: 
 def close_failed_run(uri: str, run_id: str, reason: str, status: str = "FAILED") -> None:
     """Close a run that stopped on an error (FAILED) or an interrupt (KILLED), with the one-line
     reason as a tag, so no run stays RUNNING after its driver is gone. The next submission that
-    passes preflight reopens it (C5). Never raises: tracking never hides the real error."""
+    passes preflight reopens it (C5 one MLflow run). Never raises: tracking never hides the real
+    error."""
     if server_reachable(uri, attempts=1):
         return
     try:

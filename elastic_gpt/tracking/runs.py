@@ -1,4 +1,5 @@
-"""One MLflow run per experiment across restarts and resubmissions (C5): the driver resolves the
+"""One MLflow run per experiment across restarts and resubmissions (C5 one MLflow run): the driver
+resolves the
 run (reusing the id stored beside the checkpoints), logs the resolved config, the software
 versions, the code's commit and the Ray job as params and tags, the datasets as the run's
 inputs, and the cluster shape; the experiment is marked as model training for MLflow's UI.

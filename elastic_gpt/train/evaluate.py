@@ -2,9 +2,9 @@
 validation sequences, the same set at any world size.
 
 The set is the first `eval.samples` records of the validation dataset, in stored order. The
-data-parallel ranks split it in contiguous blocks (differing by at most one sequence, as C1
-splits a step), and the tensor-parallel ranks of a group read the same block. Every rank runs
-the same number of forwards, a rank with fewer sequences padding with zero-weight ones, so
+data-parallel ranks split it in contiguous blocks (differing by at most one sequence, as C1 fixed
+global batch splits a step), and the tensor-parallel ranks of a group read the same block. Every
+rank runs the same number of forwards, a rank with fewer sequences padding with zero-weight ones, so
 FSDP's all-gathers pair up. The sums of token losses, target tokens and the bytes behind them
 are all-reduced once, so the result is the same at any W up to float reduction order.
 

@@ -6,7 +6,7 @@
     recovery_s     from a failure/preemption/resize (or process start) to the first step after it
     eval_s         held-out evaluations (useful, but not training)
 
-and, with replica groups (C7), where the run went on with fewer of them:
+and, with replica groups (C7 all-or-nothing step), where the run went on with fewer of them:
 
     degraded_s     the part of productive_s stepped with fewer live replica groups than configured
                    (the steps count, the throughput was lower): not a sixth total
@@ -52,9 +52,9 @@ class GoodputLedger:
         return d
 
     def adopt(self, peer: dict) -> None:
-        """A replica group healed from a live peer takes the peer's account of the run (C7),
-        keeping the events only it saw (why it restarted, say): one ledger, whichever group
-        leads at the end."""
+        """A replica group healed from a live peer takes the peer's account of the run (C7
+        all-or-nothing step), keeping the events only it saw (why it restarted, say): one ledger,
+        whichever group leads at the end."""
         mine = self.events
         self._take(peer)
         self.events = merge_events(self.events, mine)
@@ -72,15 +72,16 @@ class GoodputLedger:
             self.degraded_s += seconds
 
     def on_lost_attempt(self, seconds: float) -> None:
-        """A replica groups' step attempt that did not commit: it is re-done (C7)."""
+        """A replica groups' step attempt that did not commit: it is re-done (C7 all-or-nothing
+        step)."""
         self.lost_s += seconds
         self.lost_steps += 1
 
     def on_membership(self, before: int, after: int, groups: int, step: int,
                       waited_s: float = 0.0) -> dict:
-        """Replica groups left or joined the quorum at `step`; the run did not stop (C7), but
-        it waited `waited_s` in that quorum (a lost group's heartbeat timing out, a joining
-        group's state being sent): recovery, not productive time."""
+        """Replica groups left or joined the quorum at `step`; the run did not stop (C7
+        all-or-nothing step), but it waited `waited_s` in that quorum (a lost group's heartbeat
+        timing out, a joining group's state being sent): recovery, not productive time."""
         event = {"kind": "replica group lost" if after < before else "replica group joined",
                  "detail": f"{before} -> {after} of {groups} replica groups live",
                  "at": time.time(), "from_groups": before, "to_groups": after, "step": step,

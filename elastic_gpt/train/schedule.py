@@ -1,5 +1,6 @@
 """The learning-rate schedule: a pure function of the step, so resuming needs no scheduler state
-beyond the step counter (C3). Nothing here knows about the optimizer or the config."""
+beyond the step counter (C3 bit-identical resume). Nothing here knows about the optimizer or the
+config."""
 
 from __future__ import annotations
 
