@@ -51,7 +51,8 @@ test: venv
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 # The unit tests only: everything not marked slow (real multi-node clusters, chaos, training
-# runs, MLflow servers that train). For the edit-test loop; `make test` runs everything.
+# runs, MLflow servers that train, most multi-process gloo runs: one 2-rank FSDP, tensor-parallel
+# and evaluation check stays). For the edit-test loop; `make test` runs everything.
 test-fast: venv
 	mkdir -p $(RAY_TMPDIR)
 	$(BIN)/ruff check .

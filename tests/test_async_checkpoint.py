@@ -256,6 +256,7 @@ def test_async_resume_equals_uninterrupted_sync_run_bit_for_bit(stdlib_dataset, 
         assert a.read_state(step)["samples_seen"] == s.read_state(step)["samples_seen"] == step * 8
 
 
+@pytest.mark.slow
 def test_staged_copy_is_a_snapshot_while_training_continues(tmp_path):
     out = tmp_path / "expected.pt"
     _run("snapshot", str(tmp_path / "ckpt"), OUT=out)
@@ -268,6 +269,7 @@ def test_staged_copy_is_a_snapshot_while_training_continues(tmp_path):
         assert torch.equal(saved[name], expected[name]), f"{name}: later steps leaked into the save"
 
 
+@pytest.mark.slow
 def test_failed_background_write_raises_at_next_step_and_stays_invisible(tmp_path):
     outs = _run("fail", str(tmp_path / "ckpt"))
     for rank, out in enumerate(outs):
@@ -278,6 +280,7 @@ def test_failed_background_write_raises_at_next_step_and_stays_invisible(tmp_pat
     assert store.verify(2) == "not committed"
 
 
+@pytest.mark.slow
 def test_sigkill_during_async_write_keeps_previous_commit_newest(tmp_path):
     ckpt, flags = str(tmp_path / "ckpt"), tmp_path / "flags"
     flags.mkdir()

@@ -178,6 +178,7 @@ def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:
     return {"logged": logged, "state": trainer.trainer_state()}
 
 
+@pytest.mark.slow
 def test_trainer_logs_samples_seen_per_source(sources, tmp_path):
     from elastic_gpt.testing.gloo import run_gloo
 

@@ -171,6 +171,7 @@ def test_manifest_errors_are_one_line(tmp_path, dataset):
         m.check_model(vocab_size=50304, block_size=8)
 
 
+@pytest.mark.slow
 def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
     fs = s3.filesystem()
     fs.put(dataset + "/", "corpus/stream-ds/", recursive=True)

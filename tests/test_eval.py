@@ -103,7 +103,8 @@ def test_single_process_eval_counts_every_token_and_byte(single, dataset_with_va
 
 @pytest.mark.parametrize("world,extra", [
     (2, ()),  # auto: never for this model, so the gathered weights outlive the forward
-    (2, ("parallel.tp=2", "scaling.min_workers=2")),  # vocab-parallel loss
+    pytest.param(2, ("parallel.tp=2", "scaling.min_workers=2"),  # vocab-parallel loss
+                 marks=pytest.mark.slow),
     pytest.param(2, ("train.reshard_after_forward=always",), marks=pytest.mark.slow),
 ])
 def test_eval_is_the_same_at_any_world_size_and_releases_the_weights(
@@ -137,6 +138,7 @@ def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:
             "goodput": summary["ledger"].summary(), "eval": summary["eval"]}
 
 
+@pytest.mark.slow
 def test_run_evaluates_on_schedule_and_at_the_end_without_changing_training(
         dataset_with_val, tmp_path):
     base = _overrides(dataset_with_val, 1, str(tmp_path / "a"),

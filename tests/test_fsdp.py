@@ -51,10 +51,11 @@ def single(stdlib_dataset, tmp_path_factory):
 @pytest.mark.parametrize("world,extra", [
     (2, ()),
     pytest.param(4, (), marks=pytest.mark.slow),  # 4 processes oversubscribe a small machine
-    (2, ("train.reshard_after_forward=always",)),
+    pytest.param(2, ("train.reshard_after_forward=always",), marks=pytest.mark.slow),
     pytest.param(4, ("train.reshard_after_forward=always", "train.grad_sync=microbatch"),
                  marks=pytest.mark.slow),
-    (2, ("train.reshard_after_forward=never", "train.grad_sync=microbatch")),
+    pytest.param(2, ("train.reshard_after_forward=never", "train.grad_sync=microbatch"),
+                 marks=pytest.mark.slow),
 ])
 def test_data_parallel_step_equals_single_process(single, world, extra, stdlib_dataset, tmp_path):
     got = run(world, 2, stdlib_dataset, tmp_path, extra)
@@ -64,6 +65,7 @@ def test_data_parallel_step_equals_single_process(single, world, extra, stdlib_d
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_large_batch(single, stdlib_dataset, tmp_path):
     big = run(1, 12, stdlib_dataset, tmp_path)  # one micro-batch of all 12 sequences
     torch.testing.assert_close(big["loss"], single["loss"], rtol=1e-6, atol=1e-6)
@@ -87,6 +89,7 @@ def _fails_on_rank_1(rank: int, world: int) -> None:
         raise ValueError("rank 1 gave up")
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_run():
     with pytest.raises(Exception, match="rank 1 gave up"):
         run_gloo(_fails_on_rank_1, 2)

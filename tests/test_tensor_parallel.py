@@ -100,6 +100,7 @@ def _block_comms_worker(rank: int, world: int) -> dict:
             for name, mode in (("forward", forward), ("backward", backward))}
 
 
+@pytest.mark.slow
 def test_a_block_communicates_as_megatron_sequence_parallelism():
     """Per block and direction: the attention's and the MLP's input all-gathered over the
     sequence and their outputs reduce-scattered back, and nothing else (no all-reduce)."""

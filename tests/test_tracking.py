@@ -414,6 +414,7 @@ def test_a_local_store_that_cannot_be_opened_is_a_config_error(tmp_path):
 
 # ---------------------------------------------------------------------------- bad input (C6)
 
+@pytest.mark.slow
 def test_missing_config_is_one_line_and_exit_2(tmp_path):
     for cmd in ([CLI, "train", "--config", "jobs/configs/nope.yaml"],
                 [sys.executable, "jobs/pretrain.py", "--config", "jobs/configs/nope.yaml"]):

@@ -127,6 +127,7 @@ def _train_two_steps(rank: int, world: int, overrides: list[str]) -> int:
     return Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None).train()["step"]
 
 
+@pytest.mark.slow
 def test_the_dataset_and_each_checkpoint_carry_a_trained_tokenizer(corpus, tmp_path):
     """Trained on the corpus, copied into the dataset, and from there into every checkpoint:
     once the original file and the dataset are gone, generate and export-hf still work from
