@@ -18,7 +18,8 @@ from conftest import metric_by_step
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import load_config
 from elastic_gpt.elastic import preemption
-from elastic_gpt.elastic.launcher import run_key, run_training
+from elastic_gpt.elastic.launcher import run_training
+from elastic_gpt.elastic.worker_group_job import run_key
 from elastic_gpt.testing.cluster import (
     LocalCluster,
     committed,

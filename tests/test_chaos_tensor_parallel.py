@@ -12,7 +12,7 @@ from conftest import metric_by_step
 from elastic_gpt.config import load_config, resolve_paths
 from elastic_gpt.data.order import BatchPlan
 from elastic_gpt.data.stream import open_step_stream
-from elastic_gpt.elastic.launcher import run_key
+from elastic_gpt.elastic.worker_group_job import run_key
 from elastic_gpt.testing.cluster import LocalCluster, progress, train_in_background, wait_for
 from elastic_gpt.tracking import metric_names as mn
 

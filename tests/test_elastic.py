@@ -152,7 +152,7 @@ def test_goodput_ledger_moves_redone_work_from_productive_to_lost():
     assert restored.summary() == s
 
 
-def test_the_wait_for_a_membership_change_is_recovery_not_productive_time():
+def test_the_wait_for_a_quorum_change_is_recovery_not_productive_time():
     ledger = GoodputLedger(_attempt_started=10.0)
     ledger.on_first_step_started(now=10.0)
     ledger.on_step(1.0)

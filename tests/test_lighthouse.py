@@ -1,5 +1,6 @@
-"""The replica groups' Lighthouse (elastic/lighthouse.py): torchft's quorum rules, and a group
-forgotten at once when it leaves or its process is gone, but not when it is only stuck."""
+"""The replica groups' Lighthouse (elastic/lighthouse.py, and the client of its Leave,
+parallel/lighthouse_client.py): torchft's quorum rules, and a group forgotten at once when it
+leaves or its process is gone, but not when it is only stuck."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import pytest
 from elastic_gpt.elastic.lighthouse import (
     PB,
     Joined,
-    LighthouseClient,
     LighthouseServer,
     QuorumOptions,
     QuorumState,
     probe,
     quorum_compute,
 )
+from elastic_gpt.parallel.lighthouse_client import LighthouseClient
 from elastic_gpt.testing.torchft_member import read_steps
 
 

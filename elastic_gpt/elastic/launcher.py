@@ -14,7 +14,16 @@ import time
 
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config, resolve_paths
-from elastic_gpt.console import first_line, last_line, say
+from elastic_gpt.console import first_line, say
+from elastic_gpt.elastic.worker_group_job import (
+    budget_spent_line,
+    fatal_cause,
+    job_factory,
+    run_key,
+    tune_ray_train_env,
+    use_gpu,
+    worker_env,
+)
 from elastic_gpt.errors import FailureBudgetSpent, check_checkpoint_shape
 from elastic_gpt.train.goodput import GoodputLedger, merge_events
 
@@ -138,7 +147,7 @@ def connect_ray(cfg: Config) -> bool:
                  object_store_memory=int(os.environ.get("ELASTIC_GPT_OBJECT_STORE_BYTES",
                                                         200 << 20)),
                  include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
-                 log_to_driver=True, runtime_env={"env_vars": _worker_env()})
+                 log_to_driver=True, runtime_env={"env_vars": worker_env()})
     return True
 
 
@@ -164,12 +173,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Storage endpoints and regions travel to the workers; credentials never do (they would show in
-# the job's runtime env): workers get those from the node (instance role, env, or config files).
-_FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
-                  "FSSPEC_S3_ENDPOINT_URL", "STORAGE_EMULATOR_HOST")
-
-
 def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
     """ray.init retries an unreachable GCS for many minutes: fail fast when nothing listens."""
     import socket
@@ -182,127 +185,36 @@ def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"nothing answers at {host}:{port}: {e}") from None
 
 
-def _worker_env() -> dict:
-    # Workers find our packages even when the driver runs from a source checkout.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
-    env.update({k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ})
-    return env
-
-
-def use_gpu(cfg: Config) -> bool:
-    import ray
-    if cfg.scaling.use_gpu == "auto":
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return cfg.scaling.use_gpu
+_worker_env = worker_env
+"""The old private name, still imported by the planner (elastic_gpt/planner/): to go once it
+imports `worker_group_job.worker_env`."""
 
 
 def build_trainer_factory(cfg: Config):
-    """Check what the trainer needs of Ray before an MLflow run exists, and return
-    `make(run_id) -> ElasticTorchTrainer` for once it does."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
-
+    """The restart path's one worker group of min..max workers: check what the trainer needs of
+    Ray before an MLflow run exists, and return `make(run_id) -> ElasticTorchTrainer` for once it
+    does."""
     from elastic_gpt.elastic.ray_internals import check_ray_internals
-    from elastic_gpt.elastic.worker import train_loop_per_worker
 
     gpu = use_gpu(cfg)
     s = cfg.scaling
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers,
                                                                          s.max_workers)
-    resources = {"CPU": s.cpus_per_worker}
-    if gpu:
-        resources["GPU"] = 1
-    scaling = ScalingConfig(num_workers=num_workers, use_gpu=gpu, resources_per_worker=resources,
-                            accelerator_type=s.accelerator_type)
-    run_config = RunConfig(
-        name=f"{cfg.run.name}-{int(time.time())}",  # Ray's run state is per submission; ours isn't
-        storage_path=cfg.run.storage_path,
-        # Our failure policy (elastic/policies.py) replaces Ray's counter with a sliding-hour budget.
-        failure_config=FailureConfig(max_failures=-1),
-        worker_runtime_env={"env_vars": _worker_env()},
-    )
+    name = f"{cfg.run.name}-{int(time.time())}"  # Ray's run state is per submission; ours isn't
     check_ray_internals()
-    _tune_ray_train_env(cfg)
-    # Imported only now: it loads the Ray Train private classes the check has just verified.
-    from elastic_gpt.elastic.controller import ElasticTorchTrainer
+    tune_ray_train_env(cfg)
+    key = run_key(cfg)
+    job = job_factory(cfg, gpu=gpu, num_workers=num_workers, key=key, name=name)
 
-    def make(run_id: str | None) -> ElasticTorchTrainer:
-        return ElasticTorchTrainer(
-            train_loop_per_worker,
-            run_key=run_key(cfg), max_failures_per_hour=cfg.elastic.max_failures_per_hour,
-            tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
-            train_loop_config={"config": cfg.to_dict(), "mlflow_run_id": run_id,
-                               "run_key": run_key(cfg)},
-            scaling_config=scaling,
-            run_config=run_config,
-            torch_config=TorchConfig(backend="nccl" if gpu else "gloo",
-                                     timeout_s=cfg.elastic.hang_timeout_s),
-        )
+    def make(run_id: str | None):
+        return job({"config": cfg.to_dict(), "mlflow_run_id": run_id, "run_key": key})
     return make
-
-
-def run_key(cfg: Config) -> str:
-    """Names this run's membership records in the GCS: the checkpoint root is the run's identity,
-    so a resubmitted driver finds the progress of the one it replaces."""
-    import hashlib
-    return "run-" + hashlib.sha1(cfg.checkpoint.path.encode()).hexdigest()[:16]
-
-
-TORCH_PG_SHUTDOWN_TIMEOUT = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"  # ray.train.constants
-
-
-def _tune_ray_train_env(cfg: Config) -> None:
-    """Ray Train reads these in the controller (it forwards RAY_TRAIN_* from the driver): poll
-    workers often, and bound the wait for a placement group that cannot be placed (the policy
-    sizes groups from live state, so a wait means capacity vanished since: retry at the new size)."""
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    # Drains are ours to handle (rank 0's WorkerMembership checkpoints and restarts without the
-    # node); Ray Train's own watcher would only add a second reaction, and an error-level line
-    # about its restartable actor at every worker group start.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
-                          str(cfg.elastic.worker_start_timeout_s))
-    # A stopped worker answers no health check: a hung rank is a failure after the same bound as
-    # a collective that waits for it.
-    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(cfg.elastic.hang_timeout_s)
-    # A failed group's torch process group is destroyed before its workers are killed; a hung
-    # or dead rank never answers, and Ray waits this long for it (half a minute by default)
-    # before it starts the next group. Destroying a process group takes well under it; the
-    # workers are killed right after anyway.
-    from elastic_gpt.elastic.ray_internals import propagate_to_ray_train
-
-    os.environ.setdefault(TORCH_PG_SHUTDOWN_TIMEOUT, "5")
-    propagate_to_ray_train(TORCH_PG_SHUTDOWN_TIMEOUT)
-
-
-def fatal_cause(error: BaseException) -> BaseException | None:
-    """The FatalTrainingError inside a Ray Train failure, if that is what stopped the run."""
-    from elastic_gpt.errors import FatalTrainingError
-    for cause in getattr(error, "worker_failures", {}).values():
-        if isinstance(cause, FatalTrainingError):
-            return cause
-    return None
 
 
 def _is_training_failure(error: BaseException) -> bool:
     """Ray Train gave up on the run: its failure policy (ours) said RAISE."""
     from ray.train.v2.api.exceptions import TrainingFailedError
     return isinstance(error, TrainingFailedError)
-
-
-def budget_spent_line(cfg: Config, what: str, last: BaseException | None) -> str:
-    """The one line for a run whose failures spent its budget. `last` is the last failure; of a
-    Ray Train failure, which names each worker's own error, the first worker's is shown."""
-    line = (f"{what} more often within an hour than elastic.max_failures_per_hour="
-            f"{cfg.elastic.max_failures_per_hour:g} allows")
-    if last is not None:
-        last = next(iter(getattr(last, "worker_failures", {}).values()), last)
-        cause = f"{type(last).__name__}: {last_line(last)}"
-        line += f" (last: {cause if len(cause) <= 160 else cause[:157] + '...'})"
-    return (f"{line}; the newest checkpoint is intact: fix the cause and run the same command "
-            "again, or raise the budget")
 
 
 def run_training(cfg: Config, config_path: str | None = None) -> dict:

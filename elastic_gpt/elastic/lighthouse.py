@@ -13,10 +13,11 @@ counts as healthy it refuses the survivors' quorum (one of two is not more than 
 join timeout for it. That wait is the survivors' stall for every lost group, and for a drained
 group that left cleanly. Two additions end it:
 
-- **Leave.** A group's rank 0 says `Leave` (`leave()`, a method of this server's own
-  `elastic_gpt.Lighthouse` service) when it takes part in no more steps: after a drain's last
-  commit, at the end, or on its way out after an error. The group is forgotten at once; heartbeats
-  still on the wire from it are ignored until it asks for a quorum again (a new process).
+- **Leave.** A group's rank 0 says `Leave` (a method of this server's own `elastic_gpt.Lighthouse`
+  service; the training side's half, `LighthouseClient`, is `parallel/lighthouse_client.py`) when
+  it takes part in no more steps: after a drain's last commit, at the end, or on its way out after
+  an error. The group is forgotten at once; heartbeats still on the wire from it are ignored until
+  it asks for a quorum again (a new process).
 - **Probe.** While a quorum waits for a healthy group that has not joined, the Lighthouse tries a
   TCP connection to that group's manager (the address in its last quorum request). A refused
   connection means the process that serves it is gone (killed, crashed, its node's processes
@@ -31,7 +32,6 @@ forgotten asks for its next quorum like any late group, is behind, and heals fro
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -41,9 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from elastic_gpt.parallel import lighthouse_client as leave_protocol
+
 log = logging.getLogger(__name__)
 
-LEAVE_METHOD = "/elastic_gpt.Lighthouse/Leave"
 PROBE_TIMEOUT_S = 0.5
 """A probe that neither connects nor is refused by then is no verdict (the heartbeat decides)."""
 
@@ -215,10 +216,10 @@ class LighthouseServer:
                                 PB["LighthouseQuorumResponse"]),
                 "Heartbeat": unary(self._heartbeat, PB["LighthouseHeartbeatRequest"],
                                    PB["LighthouseHeartbeatResponse"])}),
-            grpc.method_handlers_generic_handler("elastic_gpt.Lighthouse", {
-                "Leave": grpc.unary_unary_rpc_method_handler(
-                    self._leave, request_deserializer=json.loads,
-                    response_serializer=lambda r: json.dumps(r).encode())}),
+            grpc.method_handlers_generic_handler(leave_protocol.LEAVE_SERVICE, {
+                leave_protocol.LEAVE: grpc.unary_unary_rpc_method_handler(
+                    self._leave, request_deserializer=leave_protocol.decode,
+                    response_serializer=leave_protocol.encode)}),
         ))
         self.port = self._server.add_insecure_port(f"{bind_host}:0")
         self._server.start()
@@ -391,31 +392,3 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool | None:
         return False
     except OSError:
         return None
-
-
-class LighthouseClient:
-    """A group's line to the Lighthouse's `Leave`, connected when made: a drained group's word
-    should cost the others no connection set-up."""
-
-    def __init__(self, lighthouse: str):
-        import grpc
-
-        self._grpc = grpc
-        self._channel = grpc.insecure_channel(urlsplit(lighthouse).netloc or lighthouse)
-        grpc.channel_ready_future(self._channel)  # starts connecting; nothing waits for it
-        self._leave = self._channel.unary_unary(
-            LEAVE_METHOD, request_serializer=lambda r: json.dumps(r).encode(),
-            response_deserializer=json.loads)
-
-    def leave(self, replica_id: str, timeout_s: float = 2.0) -> bool:
-        """Tell the Lighthouse that `replica_id` takes part in no more quorums. Best effort: False
-        if it could not be told (the probe or the heartbeat timeout then does the same, later)."""
-        try:
-            self._leave({"replica_id": replica_id}, timeout=timeout_s)
-            return True
-        except self._grpc.RpcError as e:
-            log.warning("could not tell the Lighthouse that %s left: %s", replica_id, e.code())
-            return False
-
-    def close(self) -> None:
-        self._channel.close()

@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "elastic_gpt"
 POLL_S = 0.25
+PLACEMENT_GROUP = "placement_group"
+"""`RunRecords`' record of a replica group's current placement group."""
 
 
 def best_effort(fn, *args):
@@ -38,10 +40,13 @@ def best_effort(fn, *args):
 class RunRecords:
     """One run's JSON records in the GCS key-value store, under `<run_key>/<what>`:
 
-    progress      rank 0's newest step, world size and ledger (the next attempt counts lost work)
-    resize        the controller's request to restart at another size
-    last_restart  why the previous attempt ended, if it was a planned restart
-    last_failure  the same for a failure
+    progress         rank 0's newest step, world size and ledger (the next attempt counts lost
+                     work)
+    resize           the controller's request to restart at another size
+    last_restart     why the previous attempt ended, if it was a planned restart
+    last_failure     the same for a failure
+    placement_group  a replica group's placement group, published by its rank 0: the driver
+                     removes it when it stops the group's run for a fallback (replica_groups.py)
     """
 
     def __init__(self, run_key: str):

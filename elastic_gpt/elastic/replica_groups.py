@@ -15,8 +15,10 @@ no peer to heal from: in both cases the driver stops what is left and starts a n
 every group again, which restore the newest committed checkpoint (still written, C4): the restart
 path. Each fallback is charged to the same sliding-hour budget.
 
-Worker side: `member_of` gives the Trainer its `ReplicaGroup` and a metric sink that logs only
-while the group leads the quorum, so the one MLflow run gets each step once (C5).
+Each group's Ray Train job is built as the restart path's is (`worker_group_job.py`). Worker side
+(`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroups`, and its
+metric sink logs only while the group leads the quorum, so the one MLflow run gets each step once
+(C5 one MLflow run).
 """
 
 from __future__ import annotations
@@ -29,9 +31,18 @@ import ray
 
 from elastic_gpt.config import Config
 from elastic_gpt.console import last_line, say
+from elastic_gpt.elastic.membership import PLACEMENT_GROUP, RunRecords, best_effort
+from elastic_gpt.elastic.worker_group_job import (
+    budget_spent_line,
+    fatal_cause,
+    job_factory,
+    run_key,
+    tune_ray_train_env,
+    use_gpu,
+    worker_env,
+)
 from elastic_gpt.errors import FailureBudgetSpent
 from elastic_gpt.parallel.tp_rules import workers_problem
-from elastic_gpt.tracking import metric_names as mn
 
 RECORD_DIR_ENV = "ELASTIC_GPT_REPLICA_RECORDS"
 """Diagnostics for tests and bench: a folder where every rank appends its step attempts."""
@@ -51,25 +62,24 @@ def group_size(cfg: Config) -> int:
     return s.max_workers // n
 
 
-def group_run_key(run_key: str, group: int) -> str:
+def group_run_key(key: str, group: int) -> str:
     """Each group's own GCS records (its failures, drains, progress): `membership.RunRecords`."""
-    return f"{run_key}/g{group}"
+    return f"{key}/g{group}"
 
 
 def replica_group_factory(cfg: Config):
     """`make(run_id)` -> a job whose `fit()` runs every group to the end, like the factory of
     `launcher.build_trainer_factory` (checks first, before an MLflow run exists)."""
-    from elastic_gpt.elastic.launcher import _tune_ray_train_env, _worker_env, use_gpu
     from elastic_gpt.elastic.ray_internals import check_ray_internals
 
     size = group_size(cfg)  # preflight has checked it, and that torchft is installed
     gpu = use_gpu(cfg)
     check_ray_internals()  # each group's run is an ElasticTorchTrainer
-    _tune_ray_train_env(cfg)
+    tune_ray_train_env(cfg)
     # The group runs' controllers read RAY_TRAIN_* from their driver, the run_group task. A
     # hung worker answers no process-group shutdown either: wait for it no longer than for a
     # collective (Ray Train's default is 30 s).
-    env = {**_worker_env(), **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
+    env = {**worker_env(), **{k: v for k, v in os.environ.items() if k.startswith("RAY_TRAIN_")},
            "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": str(int(min(
                30, max(1, cfg.elastic.hang_timeout_s))))}
 
@@ -93,8 +103,6 @@ class ReplicaGroupsJob:
     """When each fallback to the restart path happened (the sliding-hour budget)."""
 
     def fit(self) -> ReplicaGroupsJob:
-        from elastic_gpt.elastic.launcher import budget_spent_line
-
         while True:
             outcome = self._attempt()
             if outcome.finished:
@@ -172,8 +180,6 @@ class ReplicaGroupsJob:
         """Tell every group's next attempt why it restarts (the goodput ledger's event, C5);
         uncommitted checkpoint folders are leftovers now that no group runs (C4)."""
         from elastic_gpt.checkpoint.store import CheckpointStore
-        from elastic_gpt.elastic.launcher import run_key
-        from elastic_gpt.elastic.membership import RunRecords, best_effort
 
         for g in range(self.cfg.elastic.replica_groups):
             best_effort(RunRecords(group_run_key(run_key(self.cfg), g)).put, "last_failure",
@@ -183,8 +189,6 @@ class ReplicaGroupsJob:
 
 def groups_events(cfg: Config) -> list[dict]:
     """The union of the events in every group's last published ledger (membership.RunRecords)."""
-    from elastic_gpt.elastic.launcher import run_key
-    from elastic_gpt.elastic.membership import RunRecords, best_effort
     from elastic_gpt.train.goodput import merge_events
 
     ledgers = [(best_effort(RunRecords(group_run_key(run_key(cfg), g)).get, "progress") or {})
@@ -198,39 +202,24 @@ class _Outcome:
     reason: str = ""
     error: BaseException | None = None
     fatal: bool = False
-    """The error is permanent (`launcher.fatal_cause`): no fallback."""
+    """The error is permanent (`worker_group_job.fatal_cause`): no fallback."""
     metrics: dict = field(default_factory=dict)
 
 
-PLACEMENT_GROUP_RECORD = "placement_group"
-"""The group's current placement group, published by its rank 0 (`note_placement_group`)."""
-
-
-def note_placement_group(run_key: str) -> None:
-    """Worker side: publish this group's placement group, which the driver removes when it
-    stops the group's run for a fallback."""
-    from ray.util import get_current_placement_group
-
-    from elastic_gpt.elastic.membership import RunRecords, best_effort
-    pg = get_current_placement_group()
-    if pg is not None:
-        best_effort(RunRecords(run_key).put, PLACEMENT_GROUP_RECORD, {"id": pg.id.hex()})
-
-
 def _remove_group_placement_group(cfg: Config, group: int) -> None:
+    """The placement group the group's rank 0 published (worker.py), which outlives a dead
+    controller."""
     from ray.util import remove_placement_group
     from ray.util.placement_group import PlacementGroup, placement_group_table
 
-    from elastic_gpt.elastic.launcher import run_key
-    from elastic_gpt.elastic.membership import RunRecords, best_effort
     records = RunRecords(group_run_key(run_key(cfg), group))
-    rec = best_effort(records.get, PLACEMENT_GROUP_RECORD)
+    rec = best_effort(records.get, PLACEMENT_GROUP)
     if not rec:
         return
     pg = PlacementGroup(ray.PlacementGroupID.from_hex(rec["id"]))
     if placement_group_table(pg).get("state") not in (None, "REMOVED"):
         remove_placement_group(pg)
-    best_effort(records.delete, PLACEMENT_GROUP_RECORD)
+    best_effort(records.delete, PLACEMENT_GROUP)
 
 
 def _append_record(folder: str, **record) -> None:
@@ -241,7 +230,6 @@ def _append_record(folder: str, **record) -> None:
 
 
 def _is_fatal(error: BaseException) -> bool:
-    from elastic_gpt.elastic.launcher import fatal_cause
     return fatal_cause(error) is not None
 
 
@@ -297,70 +285,16 @@ def run_group(config: dict, run_id: str | None, group: int, lighthouse: str, siz
               gpu: bool, diagnostics: dict) -> dict:
     """Group `group`'s own Ray Train run; Ray restarts its workers after a failure (within the
     group's budget) or a drain, while the other groups' runs go on."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
-
     from elastic_gpt.config import config_from_dict
-    from elastic_gpt.elastic.controller import ElasticTorchTrainer
-    from elastic_gpt.elastic.launcher import _worker_env, run_key
-    from elastic_gpt.elastic.worker import train_loop_per_worker
 
     cfg = config_from_dict(config)
-    s = cfg.scaling
-    resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if gpu else {})}
     key = group_run_key(run_key(cfg), group)
-    trainer = ElasticTorchTrainer(
-        train_loop_per_worker, run_key=key,
-        max_failures_per_hour=cfg.elastic.max_failures_per_hour, tp=cfg.parallel.tp,
-        hsdp=cfg.parallel.hsdp,
-        train_loop_config={"config": config, "mlflow_run_id": run_id, "run_key": key,
-                           "replica_group": {"group": group, "lighthouse": lighthouse,
-                                             **diagnostics}},
-        scaling_config=ScalingConfig(num_workers=size, use_gpu=gpu, resources_per_worker=resources,
-                                     accelerator_type=s.accelerator_type),
-        torch_config=TorchConfig(backend="nccl" if gpu else "gloo",
-                                 timeout_s=cfg.elastic.hang_timeout_s),
-        run_config=RunConfig(
-            name=f"{cfg.run.name}-g{group}-{int(time.time())}", storage_path=cfg.run.storage_path,
-            failure_config=FailureConfig(max_failures=-1),  # the policy's budget decides
-            worker_runtime_env={"env_vars": _worker_env()}))
+    job = job_factory(cfg, gpu=gpu, num_workers=size, key=key,
+                      name=f"{cfg.run.name}-g{group}-{int(time.time())}")
+    trainer = job({"config": config, "mlflow_run_id": run_id, "run_key": key,
+                   "replica_group": {"group": group, "lighthouse": lighthouse, **diagnostics}})
     try:
         result = trainer.fit()
     except Exception as e:  # returned, not raised: one group's end is not the run's
         return {"group": group, "error": e}
     return {"group": group, "error": result.error, "metrics": dict(result.metrics or {})}
-
-
-# ---- worker side ---------------------------------------------------------------------------
-
-
-class LeaderMetrics:
-    """Logs a step's metrics only from the group leading its quorum (each step once in the one
-    MLflow run), with the number of live groups."""
-
-    def __init__(self, sink, replication):
-        self.sink, self.replication = sink, replication
-
-    def log(self, metrics: dict, step: int) -> None:
-        if self.replication.leads:
-            self.sink.log({**metrics, mn.TRAIN_REPLICA_GROUPS: self.replication.live_groups},
-                          step)
-
-    def flush(self, timeout_s: float) -> bool:
-        return self.sink.flush(timeout_s)
-
-    def close(self) -> None:
-        self.sink.close()
-
-
-def member_of(spec: dict, rank: int, world: int, metrics, cfg: Config):
-    """This worker's ReplicaGroup (from the loop config's `replica_group`) and its metric sink."""
-    from elastic_gpt.parallel.replicate import ReplicaGroup
-
-    replication = ReplicaGroup(
-        lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
-        groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,
-        collective_timeout_s=min(cfg.elastic.replica_collective_timeout_s,
-                                 cfg.elastic.hang_timeout_s),
-        record_dir=spec.get("record_dir"), state_hash=bool(spec.get("state_hash")))
-    return replication, LeaderMetrics(metrics, replication)

@@ -1,9 +1,10 @@
 """The Ray Train worker entry point: what runs in each worker process of an elastic job.
 
 It turns Ray's view of the worker (rank, world size, node) into the Trainer's collaborators, rank
-0's cluster membership and its MLflow metric logger, runs the Trainer, and reports to Ray Train
-when it returns. The Trainer itself knows nothing of Ray: what it needs from the cluster is made
-here.
+0's cluster membership, its MLflow metric logger and the fault-tolerance mode (the restart path,
+or this worker's replica group: C7 all-or-nothing step), runs the Trainer, and reports to Ray
+Train when it returns. The Trainer itself knows nothing of Ray: what it needs from the cluster is
+made here.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ import ray
 import ray.train
 import torch.distributed as dist
 
-from elastic_gpt.config import config_from_dict
-from elastic_gpt.elastic.membership import WorkerMembership
+from elastic_gpt.config import Config, config_from_dict
+from elastic_gpt.elastic.membership import PLACEMENT_GROUP, RunRecords, WorkerMembership, best_effort
 from elastic_gpt.errors import permanent_failure
 from elastic_gpt.tracking.metric_logger import MetricLogger
+from elastic_gpt.train.fault_tolerance import (
+    FaultTolerance,
+    LeaderMetrics,
+    ReplicaGroups,
+    RestartPath,
+)
 from elastic_gpt.train.trainer import Membership, MetricSink, NullMembership, NullMetricSink, Trainer
 
 
@@ -37,16 +44,18 @@ def train_loop_per_worker(loop_config: dict) -> None:
     replica = loop_config.get("replica_group")
     membership: Membership = (WorkerMembership(loop_config["run_key"], nodes, world)
                               if rank == 0 else NullMembership())
-    replication = None
+    fault_tolerance: FaultTolerance = RestartPath()
     if replica is not None:
-        from elastic_gpt.elastic.replica_groups import member_of, note_placement_group
-        replication, metrics = member_of(replica, rank, world, metrics, cfg)
+        groups = _replica_groups(replica, rank, world, cfg)
+        # Each step's metrics once in the one MLflow run (C5): from the group leading its quorum.
+        metrics = LeaderMetrics(metrics, groups)
+        fault_tolerance = groups
         if rank == 0:
-            note_placement_group(loop_config["run_key"])
+            _note_placement_group(loop_config["run_key"])
     # The layout groups ranks by these node ids, not by Ray Train's local/node ranks, which Ray
     # derives from node IPs (all equal on a one-machine test cluster).
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,
-                      membership=membership, rank_nodes=nodes, replication=replication)
+                      membership=membership, rank_nodes=nodes, fault_tolerance=fault_tolerance)
     try:
         summary = trainer.train()
     except Exception as e:
@@ -60,6 +69,29 @@ def train_loop_per_worker(loop_config: dict) -> None:
         membership.close()
         metrics.close()
     ray.train.report({"step": summary["step"]})  # the ledger travels in the checkpoints
+
+
+def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGroups:
+    """This worker's place in its replica group (the loop config's `replica_group`: which group,
+    the Lighthouse, the diagnostics of elastic/replica_groups.py)."""
+    from elastic_gpt.parallel.replicate import ReplicaGroup
+
+    return ReplicaGroups(ReplicaGroup(
+        lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
+        groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,
+        collective_timeout_s=min(cfg.elastic.replica_collective_timeout_s,
+                                 cfg.elastic.hang_timeout_s),
+        record_dir=spec.get("record_dir"), state_hash=bool(spec.get("state_hash"))))
+
+
+def _note_placement_group(run_key: str) -> None:
+    """Publish this group's placement group, which the driver removes when it stops the group's
+    run for a fallback (a dead controller's outlives it)."""
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group()
+    if pg is not None:
+        best_effort(RunRecords(run_key).put, PLACEMENT_GROUP, {"id": pg.id.hex()})
 
 
 def _newest_checkpoint_hint(cfg) -> str:

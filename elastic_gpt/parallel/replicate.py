@@ -16,8 +16,10 @@ group); group g of n takes data-parallel ranks g*D .. g*D + D-1 of n*D. The Trai
 rank's loss by that degree, so FSDP's in-group mean and the cross-group mean together give the sum
 over exactly G sequences (the token weighting of an uneven split is kept, not a mean of groups).
 
-`NoReplication` is today's behaviour (one group); nothing here imports Ray, and torchft is
-imported only when a `ReplicaGroup` is built.
+`ReplicaGroup` is this process's part in that, and knows nothing of the Trainer: the Trainer's loop
+drives it through `train/fault_tolerance.py` (`ReplicaGroups`, one of the two fault-tolerance
+modes; the other, the restart path, needs nothing from here). Nothing here imports Ray, and torchft
+is imported only when a `ReplicaGroup` is built.
 """
 
 from __future__ import annotations
@@ -49,60 +51,24 @@ def import_torchft():
     return torchft, ManagedProcessGroup, PGTransport
 
 
-class NoReplication:
-    """One worker group: every hook does nothing, every step commits."""
+class ReplicaGroup:
+    """This process's place in replica group `group` (0..N-1) of a run whose groups meet at the
+    Lighthouse `lighthouse`. `group_rank`/`group_size` are the rank inside the group (the default
+    process group is the group's own). `record_dir`: each rank appends one JSON line per step
+    attempt (quorum time, whether it healed, the outcome, and with `state_hash` a hash of its
+    shards of the parameters and optimizer state) - what the tests and the benchmark read.
 
-    leads = True
-    """This group writes checkpoints and logs metrics at this step."""
-    groups = 1
+    What each step's quorum said, for the Trainer's loop (`train/fault_tolerance.py`):"""
+
+    leads: bool
+    """This group leads this step's quorum (replica rank 0): it writes the checkpoint and logs the
+    metrics (C5 one MLflow run)."""
+    groups: int
     """Groups the run was configured with; fewer live is "degraded" time in the ledger."""
-    live_groups = 1
-    quorum_s = 0.0
-    """How long this step's quorum took: with a membership change, the survivors' wait for it."""
-    cleans_at_start = True
-    """Whether uncommitted checkpoint directories at start are leftovers (C4): not while other
-    replica groups may be writing one."""
-
-    def attach(self, model, optimizer, device: torch.device, run_state=None) -> None:
-        """`run_state`: (get, set) of state that belongs to the run, not to a group (the
-        goodput ledger): a healed group adopts its peer's."""
-
-    def membership_change(self) -> tuple[int, int] | None:
-        """(live groups before, after) when this step's quorum changed them."""
-        return None
-
-    def set_step(self, step: int) -> None:
-        """The step this group restored (0 for a fresh run)."""
-
-    def begin_step(self, dp_rank: int, dp_degree: int) -> tuple[int | None, int, int]:
-        """Quorum for the next step: (the step every live group is at, or None to keep the
-        Trainer's; this rank's data-parallel rank and the degree over all live groups)."""
-        return None, dp_rank, dp_degree
-
-    def reduce_gradients(self) -> None:
-        """After the backward, before clipping: where the gradients are averaged over the live
-        groups in one go rather than module by module."""
-
-    def reduce_stats(self, stats: torch.Tensor) -> None:
-        pass
-
-    def should_commit(self, step: int, stats: torch.Tensor) -> bool:
-        return True
-
-    def leave(self) -> None:
-        """This group takes part in no more steps (it was drained): the others go on without
-        waiting for it."""
-
-    def shutdown(self) -> None:
-        pass
-
-
-class ReplicaGroup(NoReplication):
-    """This process's membership in replica group `group` (0..N-1) of a run whose groups meet at
-    the Lighthouse `lighthouse`. `group_rank`/`group_size` are the rank inside the group (the
-    default process group is the group's own). `record_dir`: each rank appends one JSON line per
-    step attempt (quorum time, whether it healed, the outcome, and with `state_hash` a hash of
-    its shards of the parameters and optimizer state) - what the tests and the benchmark read."""
+    live_groups: int
+    """Groups in this step's quorum."""
+    quorum_s: float
+    """How long this step's quorum took: with a quorum change, the survivors' wait for it."""
 
     def __init__(self, *, lighthouse: str, group: int, group_rank: int, group_size: int,
                  groups: int, timeout_s: float = 30.0, collective_timeout_s: float | None = None,
@@ -117,7 +83,6 @@ class ReplicaGroup(NoReplication):
         self.replica_id: str | None = None
         self._left = False
         self.leads = group == 0
-        self.cleans_at_start = False
         self.groups = groups
         self.live_groups = 1
         self._change: tuple[int, int] | None = None
@@ -135,7 +100,9 @@ class ReplicaGroup(NoReplication):
     # ---- set-up ------------------------------------------------------------------------------
 
     def attach(self, model, optimizer, device: torch.device, run_state=None) -> None:
-        """Make the Manager and route every FSDP module's gradient through the managed group."""
+        """Make the Manager and route every FSDP module's gradient through the managed group.
+        `run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
+        ledger): a healed group adopts its peer's."""
         from torch.distributed.fsdp import FSDPModule
 
         torchft = self.torchft
@@ -165,7 +132,7 @@ class ReplicaGroup(NoReplication):
         # The id the Lighthouse knows this group by: torchft adds a fresh suffix per process,
         # so a restarted group is a new member, and a late word from this one cannot touch it.
         if self.group_rank == 0:
-            from elastic_gpt.elastic.lighthouse import LighthouseClient
+            from elastic_gpt.parallel.lighthouse_client import LighthouseClient
             self.replica_id = self.manager._store.get(self.torchft.manager.REPLICA_ID_KEY).decode()
             self._lighthouse_client = LighthouseClient(self.lighthouse)
         replicate = self._managed_pg(self.manager)
@@ -227,7 +194,9 @@ class ReplicaGroup(NoReplication):
         self.manager.load_state_dict({"step": step,
                                       "batches_committed": state["batches_committed"]})
 
-    def begin_step(self, dp_rank: int, dp_degree: int) -> tuple[int | None, int, int]:
+    def begin_step(self, dp_rank: int, dp_degree: int) -> tuple[int, int, int]:
+        """Quorum for the next step: (the step every live group is at, this rank's data-parallel
+        rank and the degree over all live groups)."""
         # Each step's quorum is the first thing every group does for it: a group that joins
         # forms its first quorum with the others' quorum of their next step, and is healed in it.
         self._healed_at = None
@@ -258,7 +227,8 @@ class ReplicaGroup(NoReplication):
             self._write(event="state", step=step, hash=self.local_state_hash())
         return step, replica_rank * dp_degree + dp_rank, self.live_groups * dp_degree
 
-    def membership_change(self) -> tuple[int, int] | None:
+    def quorum_change(self) -> tuple[int, int] | None:
+        """(live groups before, after) when this step's quorum changed them."""
         return self._change
 
     def reduce_gradients(self) -> None:

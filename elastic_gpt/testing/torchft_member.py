@@ -42,7 +42,7 @@ def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: s
     import torchft
     from torch.distributed import TCPStore
 
-    from elastic_gpt.elastic.lighthouse import LighthouseClient
+    from elastic_gpt.parallel.lighthouse_client import LighthouseClient
 
     state = torch.zeros(4)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

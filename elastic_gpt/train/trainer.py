@@ -3,8 +3,9 @@
 The `Trainer` runs under any torch process group that is already up: a Ray Train worker
 (elastic/worker.py makes one there), a test's gloo ranks, a benchmark in one process. It imports
 no Ray: what it needs from the cluster comes in as collaborators with do-nothing defaults, a
-`MetricSink` (where step metrics go) and a `Membership` (whether the group must checkpoint and
-restart), and a planned restart is raised as `errors.ElasticRestart`.
+`MetricSink` (where step metrics go), a `Membership` (whether the group must checkpoint and
+restart) and a `FaultTolerance` mode (`train/fault_tolerance.py`: the restart path, or a replica
+group, C7 all-or-nothing step), and a planned restart is raised as `errors.ElasticRestart`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ from elastic_gpt.parallel.fsdp import (
     resolve_reshard_after_forward,
 )
 from elastic_gpt.parallel.mesh import ParallelDims
-from elastic_gpt.parallel.replicate import NoReplication
 from elastic_gpt.parallel.tensor import loss_context
 from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
+from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer
@@ -137,15 +138,17 @@ class Trainer:
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
                  metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership(),
-                 rank_nodes: list[str] | None = None, replication: NoReplication | None = None):
+                 rank_nodes: list[str] | None = None,
+                 fault_tolerance: FaultTolerance = RestartPath()):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.dims = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
                                            rank_nodes=rank_nodes)
         self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
         self.tp_rank = self.dims.tp_rank(rank)
-        # Replica groups (parallel/replicate.py) split a step over every live group's ranks: the
-        # batch rank and degree are this rank's place in that split, else the data-parallel ones.
-        self.replication = replication or NoReplication()
+        # Replica groups (C7 all-or-nothing step) split a step over every live group's ranks:
+        # the batch rank and degree are this rank's place in that split, which the mode's
+        # `begin_step` says; on the restart path the data-parallel ones.
+        self.fault_tolerance = fault_tolerance
         self.batch_rank, self.batch_degree = self.dp_rank, self.dp_degree
         # The null defaults hold no state, so one instance can serve every Trainer.
         self.metrics, self.membership = metrics, membership
@@ -172,7 +175,7 @@ class Trainer:
         self.ledger = GoodputLedger(_attempt_started=self.started)
         # The ledger is the run's, not a group's: a replica group healed from a peer adopts the
         # peer's, so it stays one account whichever group leads (C5, C7).
-        self.replication.attach(self.model, self.optimizer, self.device, run_state=(
+        self.fault_tolerance.attach(self.model, self.optimizer, self.device, run_state=(
             lambda: self.ledger.to_dict(), lambda d: self.ledger.adopt(d)))
         self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
@@ -377,7 +380,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.forward_backward(batch)
-        self.replication.reduce_gradients()  # over the live replica groups, if any
+        self.fault_tolerance.reduce_gradients()  # over the live replica groups, if any
         grad_norm = self.clip_gradients()
         # One collective and one host sync per step for the metrics, not one per micro-batch.
         lo, hi = split_fingerprint(batch.fingerprint)
@@ -391,7 +394,7 @@ class Trainer:
         stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
         stats[0] = loss_sum
         dist.all_reduce(stats)
-        self.replication.reduce_stats(stats)  # over the live replica groups, if any
+        self.fault_tolerance.reduce_stats(stats)  # over the live replica groups, if any
         # The step's only host sync: everything the host needs in one transfer.
         loss_total, fp_lo, fp_hi, stop, grad_norm = torch.cat(
             [stats, grad_norm.detach().to(stats).reshape(1)]).tolist()
@@ -399,7 +402,7 @@ class Trainer:
             self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.plan.global_batch_size * self.gpt_cfg.seq_len)
         # C7: the step is applied by every live replica group or by none (then re-done).
-        committed = self.replication.should_commit(self.step, stats)
+        committed = self.fault_tolerance.should_commit(self.step, stats)
         if not committed:
             pass
         elif math.isfinite(loss) and math.isfinite(grad_norm):
@@ -463,32 +466,24 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
 
     def train(self) -> dict:
-        cfg = self.cfg
+        """The step loop. The fault-tolerance mode's hooks are called at fixed points (their
+        order: train/fault_tolerance.py); everything else is the same in every mode."""
+        cfg, ft = self.cfg, self.fault_tolerance
         if self.rank == 0:
             say(self.setup_line())
         self.restore()
-        # A replica group behind its live peers is healed from them at its first quorum.
-        self.replication.set_step(self.step)
-        if self.rank == 0 and self.replication.cleans_at_start:
-            self.store.remove_uncommitted()  # at a start nothing is in flight: leftovers (C4)
+        ft.on_start(self.step, self.rank, self.store)
         if self.rank == 0:
             event = self.ledger.on_resume(
                 restored_step=self.step, world_size=self.world_size,
                 previous=self.membership.previous, cause=self.membership.cause,
                 attempt_started=self.started)
-            if event and not self.replication.cleans_at_start:  # a replica group (C7)
-                say(f"[elastic-gpt] replica group restarted ({event['kind']}: "
-                    f"{event['detail'][:120]}); restored step {self.step}, healing from a live "
-                    "peer at its first quorum if the others are ahead")
-            elif event:
-                say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W "
-                    f"{event['from_world_size']} -> {event['to_world_size']}, resuming at step "
-                    f"{self.step} ({event['lost_steps']} step(s) to redo)")
+            if event:
+                ft.on_resume(event, self.step)
             # At once: an attempt that dies before its first step hands the next one what it
             # restored, and the steps lost before it are not counted twice.
             self.membership.publish(self.step, None, self.ledger.to_dict())
         stream = self._open_stream()
-        split = (self.batch_rank, self.batch_degree)
         tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
         last = None
         try:
@@ -501,34 +496,34 @@ class Trainer:
                         self.metrics.log({mn.EVENT_RECOVERY_S: event["recovery_s"],
                                           mn.EVENT_LOST_STEPS: event["lost_steps"]}, self.step)
                 t0 = time.perf_counter()
-                step, self.batch_rank, self.batch_degree = self.replication.begin_step(
-                    self.dp_rank, self.dp_degree)
-                if step is not None and (step, self.batch_rank, self.batch_degree) != \
-                        (self.step, *split):
+                planned = ft.begin_step(self.step, self.dp_rank, self.dp_degree)
+                if planned != (self.step, self.batch_rank, self.batch_degree):
                     # A new quorum (or a healed step): the prefetched batches were cut for
-                    # another split or step; re-plan from this step (C1, C2).
+                    # another split or step; re-plan from this step (C1 fixed global batch, C2
+                    # data order).
                     stream.close()
-                    self.step, split = step, (self.batch_rank, self.batch_degree)
+                    self.step, self.batch_rank, self.batch_degree = planned
                     stream = self._open_stream()
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
                 t_data = time.perf_counter() - t0
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
-                if not result.committed:  # re-done from its own batch, prefetched ones are ahead
+                if not result.committed:
+                    # Applied by no replica group (C7 all-or-nothing step): re-done from its own
+                    # batch; the prefetched ones are ahead of it.
                     self.ledger.on_lost_attempt(step_time)
-                    if self.rank == 0:
-                        say(f"[elastic-gpt] step {self.step + 1} not committed by the replica "
-                            "groups' quorum; re-doing it")
+                    ft.on_uncommitted(self.step)
                     stream.close()
                     stream = self._open_stream()
                     continue
                 self.step += 1
-                if self.stop_reason:  # a drained replica group: the others need not wait for it
-                    self.replication.leave()
-                waited = self._note_membership_change()
-                self.ledger.on_step(step_time - waited, degraded=self.replication.live_groups <
-                                    self.replication.groups)
+                if self.stop_reason:
+                    # Before the save: a drained replica group leaves the quorum now, so the
+                    # others' next quorum need not wait for it (C7 all-or-nothing step).
+                    ft.on_stop()
+                waited = self._note_quorum_change()
+                self.ledger.on_step(step_time - waited, degraded=ft.degraded)
                 tokens_per_s = tokens_per_step / step_time
                 metrics = {
                     mn.TRAIN_LOSS: result.loss, mn.TRAIN_LR: result.metrics["lr"],
@@ -558,7 +553,7 @@ class Trainer:
                 self.checkpointer.poll()  # a failed background write raises here
                 # The last step, and the step a planned restart resumes from, are always saved;
                 # of replica groups, the one leading this step's quorum saves.
-                if self.replication.leads:
+                if ft.leads:
                     self.checkpointer.save(self.step,
                                            force=self.step == end or bool(self.stop_reason))
                 self.membership.publish(self.step, step_time, self.ledger.to_dict())
@@ -570,25 +565,24 @@ class Trainer:
             self.checkpointer.finish()  # the last step is committed before we return
         finally:
             stream.close()
-            self.replication.shutdown()
+            ft.close()
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
 
-    def _note_membership_change(self) -> float:
-        """Replica groups (C7): a group left or joined at this step's quorum; the run went on.
-        Returns the seconds this step waited in that quorum (0 without a change)."""
-        change = self.replication.membership_change()
+    def _note_quorum_change(self) -> float:
+        """Replica groups (C7 all-or-nothing step): a group left or joined at this step's quorum;
+        the run went on. Returns the seconds this step waited in that quorum (0 without a
+        change): recovery in the ledger, not productive time."""
+        change = self.fault_tolerance.quorum_change()
         if change is None:
             return 0.0
-        before, after = change
-        waited = self.replication.quorum_s
-        event = self.ledger.on_membership(before, after, self.replication.groups, self.step,
-                                          waited_s=waited)
-        if self.rank == 0 and self.replication.leads:
-            say(f"[elastic-gpt] {event['kind']}: {before} -> {after} of "
-                f"{self.replication.groups} replica groups live at step {self.step} (waited "
-                f"{waited:.2f} s in its quorum)")
-        return waited
+        event = self.ledger.on_membership(change.before, change.after, change.groups, self.step,
+                                          waited_s=change.waited_s)
+        if self.rank == 0 and self.fault_tolerance.leads:
+            say(f"[elastic-gpt] {event['kind']}: {change.before} -> {change.after} of "
+                f"{change.groups} replica groups live at step {self.step} (waited "
+                f"{change.waited_s:.2f} s in its quorum)")
+        return change.waited_s
 
 
 def _progress_line(step: int, max_steps: int, m: dict) -> str:

@@ -1,0 +1,238 @@
+"""The fault-tolerance mode as the Trainer's loop sees it: one strategy object whose hooks
+`Trainer.train()` calls at fixed points, so the loop itself carries no mode (torchtitan's shape).
+
+Two modes (docs/replica-groups.md compares them; the planner weighs them):
+
+* `RestartPath`, the default: the worker group is the unit of failure. A lost worker, a drain or
+  a resize stops the whole group; Ray Train starts a new one (elastic/), which restores the newest
+  committed checkpoint (C3 bit-identical resume, C4 atomic commit). Every step commits, and the
+  one group saves and logs. It is the null object: each hook does nothing, or the plain thing.
+* `ReplicaGroups`, with `elastic.replica_groups: N` (C7 all-or-nothing step): this worker's group
+  is one of N that meet at the Lighthouse before every step. Its torchft side, `ReplicaGroup`
+  (`parallel/replicate.py`), forms the quorum, heals a group that is behind and averages the
+  gradients over the live groups; a step is applied by all of them or re-done by all; the group
+  leading the quorum saves and logs; a drained group leaves the quorum.
+
+The hooks, in the order the loop calls them:
+
+    attach(model, optimizer, device, run_state)  once, when the model and optimizer are built
+    on_start(step, rank, store)                  after the restore, before the first step
+    on_resume(event, step)                       rank 0, when this attempt continues another
+    begin_step(step, dp_rank, dp_degree)         before each attempt: the step and its split
+    reduce_gradients(), reduce_stats(stats),     inside `Trainer.train_step`
+      should_commit(step, stats)
+    on_uncommitted(step)                         an attempt applied nowhere: it is re-done
+    on_stop()                                    the last step before a planned restart committed
+    quorum_change()                              after each committed step
+    leads, degraded                              after each committed step: who saves, the ledger
+    close()                                      on the way out, after an error too
+
+Nothing here imports Ray; torchft only when a `ReplicaGroup` is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from elastic_gpt.console import say
+from elastic_gpt.tracking import metric_names as mn
+
+if TYPE_CHECKING:
+    import torch
+
+    from elastic_gpt.checkpoint.store import CheckpointStore
+    from elastic_gpt.parallel.replicate import ReplicaGroup
+
+
+@dataclass(frozen=True)
+class QuorumChange:
+    """A step's quorum had another number of live groups than the step before it."""
+
+    before: int
+    after: int
+    groups: int
+    """Groups the run was configured with."""
+    waited_s: float
+    """How long the step waited in that quorum: recovery, not productive time (the ledger)."""
+
+
+class FaultTolerance(Protocol):
+    """What the Trainer's loop asks of a fault-tolerance mode (the module docstring has the order)."""
+
+    leads: bool
+    """This rank's group writes this step's checkpoint (and logs its metrics)."""
+    degraded: bool
+    """Fewer groups are live than the run was configured with: the ledger's degraded time."""
+
+    def attach(self, model, optimizer, device: torch.device, run_state) -> None:
+        """`run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
+        ledger): a replica group healed from a peer adopts the peer's."""
+
+    def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
+        """This rank restored `step` (0 for a fresh run) and is about to train."""
+
+    def on_resume(self, event: dict, step: int) -> None:
+        """Rank 0, when the ledger says this attempt continues an earlier one: say how."""
+
+    def begin_step(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int, int]:
+        """Before each attempt at the step after `step`: (the step to train from, this rank's
+        batch rank and the batch degree of its split). When they differ from the loop's, the
+        loop re-plans its data stream from them (C1 fixed global batch, C2 data order)."""
+
+    def reduce_gradients(self) -> None:
+        """After the backward, before clipping."""
+
+    def reduce_stats(self, stats: torch.Tensor) -> None:
+        """`stats`: the step's loss sum, data fingerprint (two halves) and stop flag, already
+        summed over this group's ranks."""
+
+    def should_commit(self, step: int, stats: torch.Tensor) -> bool:
+        """Whether the optimizer steps; False: nothing is applied and the step is re-done."""
+
+    def on_uncommitted(self, step: int) -> None:
+        """The attempt at the step after `step` was applied nowhere; the loop re-does it."""
+
+    def on_stop(self) -> None:
+        """The step before a planned restart (a drain, a resize) committed: this group takes
+        part in no more steps. Called before that step's checkpoint is saved."""
+
+    def quorum_change(self) -> QuorumChange | None:
+        """After each committed step: the change in live groups at its quorum, if any."""
+
+    def close(self) -> None:
+        """The loop is over, or failed."""
+
+
+class RestartPath:
+    """One worker group, restarted as a whole (the null object of `FaultTolerance`)."""
+
+    leads = True
+    degraded = False
+
+    def attach(self, model, optimizer, device: torch.device, run_state) -> None:
+        pass
+
+    def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
+        if rank == 0:
+            # At a start nothing is in flight: uncommitted step folders are leftovers (C4
+            # atomic commit).
+            store.remove_uncommitted()
+
+    def on_resume(self, event: dict, step: int) -> None:
+        say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W {event['from_world_size']} "
+            f"-> {event['to_world_size']}, resuming at step {step} ({event['lost_steps']} "
+            "step(s) to redo)")
+
+    def begin_step(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int, int]:
+        return step, dp_rank, dp_degree
+
+    def reduce_gradients(self) -> None:
+        pass
+
+    def reduce_stats(self, stats: torch.Tensor) -> None:
+        pass
+
+    def should_commit(self, step: int, stats: torch.Tensor) -> bool:
+        return True
+
+    def on_uncommitted(self, step: int) -> None:
+        pass
+
+    def on_stop(self) -> None:
+        pass  # the whole group restarts: nobody waits for it
+
+    def quorum_change(self) -> QuorumChange | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicaGroups:
+    """This worker's part in `elastic.replica_groups: N` (C7 all-or-nothing step); `member` is its
+    torchft side (`parallel/replicate.py`)."""
+
+    def __init__(self, member: ReplicaGroup):
+        self.member = member
+
+    @property
+    def leads(self) -> bool:
+        """The group leading this step's quorum saves (and logs): each step once (C5)."""
+        return self.member.leads
+
+    @property
+    def live_groups(self) -> int:
+        return self.member.live_groups
+
+    @property
+    def degraded(self) -> bool:
+        return self.member.live_groups < self.member.groups
+
+    def attach(self, model, optimizer, device: torch.device, run_state) -> None:
+        self.member.attach(model, optimizer, device, run_state=run_state)
+
+    def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
+        # The quorum's step is the checkpoint's: a group behind its live peers is healed from
+        # them at its first quorum. Uncommitted step folders are not leftovers here: the group
+        # leading the quorum may be writing one (C4 atomic commit).
+        self.member.set_step(step)
+
+    def on_resume(self, event: dict, step: int) -> None:
+        say(f"[elastic-gpt] replica group restarted ({event['kind']}: "
+            f"{event['detail'][:120]}); restored step {step}, healing from a live "
+            "peer at its first quorum if the others are ahead")
+
+    def begin_step(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int, int]:
+        # The quorum fixes the step (a healed group jumps to its peers') and the split: this
+        # rank's place among every live group's data-parallel ranks.
+        return self.member.begin_step(dp_rank, dp_degree)
+
+    def reduce_gradients(self) -> None:
+        self.member.reduce_gradients()
+
+    def reduce_stats(self, stats: torch.Tensor) -> None:
+        self.member.reduce_stats(stats)
+
+    def should_commit(self, step: int, stats: torch.Tensor) -> bool:
+        return self.member.should_commit(step, stats)
+
+    def on_uncommitted(self, step: int) -> None:
+        if self.member.group_rank == 0:
+            say(f"[elastic-gpt] step {step + 1} not committed by the replica groups' quorum; "
+                "re-doing it")
+
+    def on_stop(self) -> None:
+        # A drained group: the others' next quorum forms without waiting for its heartbeat to
+        # time out.
+        self.member.leave()
+
+    def quorum_change(self) -> QuorumChange | None:
+        change = self.member.quorum_change()
+        if change is None:
+            return None
+        before, after = change
+        return QuorumChange(before, after, self.member.groups, self.member.quorum_s)
+
+    def close(self) -> None:
+        # Also after an error: the group leaves the quorum first, then stops.
+        self.member.shutdown()
+
+
+class LeaderMetrics:
+    """A metric sink that logs a step's metrics only from the group leading its quorum (each step
+    once in the one MLflow run, C5), with the number of live groups."""
+
+    def __init__(self, sink, replica_groups: ReplicaGroups):
+        self.sink, self.replica_groups = sink, replica_groups
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.replica_groups.leads:
+            self.sink.log({**metrics, mn.TRAIN_REPLICA_GROUPS: self.replica_groups.live_groups},
+                          step)
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.sink.flush(timeout_s)
+
+    def close(self) -> None:
+        self.sink.close()
