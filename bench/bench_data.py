@@ -28,7 +28,7 @@ from data_pipelines.cli import parse_size  # noqa: E402
 from data_pipelines.sources import list_inputs  # noqa: E402
 from data_pipelines.tokenize_job import prepare_data  # noqa: E402
 from elastic_gpt.data.manifest import load_manifest  # noqa: E402
-from elastic_gpt.data.order import BatchPlan  # noqa: E402
+from elastic_gpt.data.order import BatchSplit  # noqa: E402
 from elastic_gpt.data.stream import open_step_stream  # noqa: E402
 from elastic_gpt.data.tokenizers import get_tokenizer  # noqa: E402
 
@@ -98,12 +98,12 @@ def _model(manifest):
 def bench_reader(data: str, steps: int, model_steps: int) -> dict:
     m = load_manifest(data)
     torch.set_num_threads(CPUS)
-    plan = BatchPlan(global_batch_size=16, micro_batch_size=4)  # the default job's batch
+    plan = BatchSplit(global_batch_size=16, micro_batch_size=4)  # the default job's batch
     step_tokens = plan.global_batch_size * m.seq_len
     r = {}
 
     # Reader alone, one rank of W=1 (it reads the whole global batch), synchronous reads.
-    with open_step_stream(data, plan=plan, rank=0, world_size=1, start_step=0, seed=1,
+    with open_step_stream(data, batch_split=plan, rank=0, world_size=1, start_step=0, seed=1,
                           prefetch_steps=0) as s:
         next(s)
         t = time.perf_counter()
@@ -113,7 +113,7 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
 
     # The model consuming, with a prefetching stream: consumption rate and data_wait share.
     train_step = _model(m)
-    with open_step_stream(data, plan=plan, rank=0, world_size=1, start_step=0, seed=1,
+    with open_step_stream(data, batch_split=plan, rank=0, world_size=1, start_step=0, seed=1,
                           prefetch_steps=4) as s:
         train_step(next(s))  # warm-up step
         wait = total = 0.0
@@ -129,7 +129,7 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
     r["data_wait_share"] = wait / total
 
     # The optional Ray Data engine, same steps, start-up of its first chunk included.
-    with open_step_stream(data, plan=plan, rank=0, world_size=1, start_step=0, seed=1,
+    with open_step_stream(data, batch_split=plan, rank=0, world_size=1, start_step=0, seed=1,
                           engine="ray_data") as s:
         t = time.perf_counter()
         for _ in range(steps):
@@ -144,7 +144,7 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
         server.make_bucket()
         server.filesystem().put(data + "/", "corpus/ds/", recursive=True)
         so = server.storage_options()
-        with open_step_stream("s3://corpus/ds", plan=plan, rank=0, world_size=1, start_step=0,
+        with open_step_stream("s3://corpus/ds", batch_split=plan, rank=0, world_size=1, start_step=0,
                               seed=1, storage_options=so) as s:
             next(s)
             t = time.perf_counter()
@@ -156,10 +156,10 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
 
     # Bytes read per byte of tokens trained, all ranks together.
     for w in (1, 2, 3):
-        plan_w = BatchPlan(global_batch_size=48, micro_batch_size=4)
+        plan_w = BatchSplit(global_batch_size=48, micro_batch_size=4)
         read = 0
         for rank in range(w):
-            with open_step_stream(data, plan=plan_w, rank=rank, world_size=w, start_step=0,
+            with open_step_stream(data, batch_split=plan_w, rank=rank, world_size=w, start_step=0,
                                   seed=1, prefetch_steps=0) as s:
                 for _ in range(steps):
                     next(s)

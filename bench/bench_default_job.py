@@ -46,7 +46,7 @@ def plain_loop(cfg, steps: int, threads: int) -> float:
     import torch
 
     from elastic_gpt.data.manifest import load_manifest
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.model.gpt import GPT, token_losses
     from elastic_gpt.train.model_config import model_config_for
@@ -56,8 +56,8 @@ def plain_loop(cfg, steps: int, threads: int) -> float:
     gpt_cfg = model_config_for(cfg, load_manifest(cfg.data.path))
     model = GPT(gpt_cfg)
     opt = build_optimizer(model, cfg, fused=True)
-    plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    stream = open_step_stream(cfg.data.path, plan=plan, rank=0, world_size=1, start_step=0,
+    plan = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    stream = open_step_stream(cfg.data.path, batch_split=plan, rank=0, world_size=1, start_step=0,
                               seed=cfg.data.seed)
     batches = [next(stream) for _ in range(steps)]
     stream.close()

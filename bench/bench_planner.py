@@ -118,7 +118,7 @@ def _mem_worker(rank: int, world: int, cases: list, data: dict, steps: int) -> l
     import torch.distributed as dist
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.planner.tune_candidates import TrainSettings
     from elastic_gpt.planner.tune_worker import measure, warm_up_process
@@ -142,7 +142,7 @@ def _mem_worker(rank: int, world: int, cases: list, data: dict, steps: int) -> l
         c = copy.deepcopy(cfg)
         c.train.activation_checkpointing = ckpt
         trainer = Trainer(c, rank=rank, world_size=WORLD, mlflow_run_id=None)
-        stream = open_step_stream(c.data.path, plan=BatchPlan(G, mb), rank=rank,
+        stream = open_step_stream(c.data.path, batch_split=BatchSplit(G, mb), rank=rank,
                                   world_size=WORLD, start_step=0, seed=c.data.seed)
         trainer.train_step(next(stream))
         resharded = trainer.reshard_after_forward
@@ -172,7 +172,7 @@ def measure_memory_comm(root: str, steps: int = 2) -> list[dict]:
 
 
 def predict_memory_comm(row: dict) -> dict:
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.model.gpt import pad_vocab, preset_config
     from elastic_gpt.planner.memory import memory_per_gpu, model_shape
@@ -182,7 +182,7 @@ def predict_memory_comm(row: dict) -> dict:
     # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
     cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))
     shape = model_shape(cfg)
-    k = BatchPlan(G, mb).slots(WORLD)
+    k = BatchSplit(G, mb).slots(WORLD)
     # What the trainer ran: its grad sync and the resharding its Trainer resolved.
     ran = dict(grad_sync=row["grad_sync"], reshard_after_forward=row["reshard_after_forward"])
     mem = memory_per_gpu(shape, WORLD, mb, activation_checkpointing=ckpt, dtype="float32",
@@ -300,7 +300,7 @@ def _tp_worker(rank: int, world: int, case: tuple, data: str, steps: int) -> dic
     import torch.distributed as dist
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.train.trainer import Trainer
 
@@ -320,7 +320,7 @@ def _tp_worker(rank: int, world: int, case: tuple, data: str, steps: int) -> dic
     groups = {mesh.get_group(d).group_name: (d, mesh.get_group(d).size())
               for d in mesh.mesh_dim_names}
     dp = trainer.dims.dp_degree
-    stream = open_step_stream(cfg.data.path, plan=BatchPlan(G, mb), rank=trainer.dp_rank,
+    stream = open_step_stream(cfg.data.path, batch_split=BatchSplit(G, mb), rank=trainer.dp_rank,
                               world_size=dp, start_step=0, seed=cfg.data.seed)
     trainer.train_step(next(stream))  # warm-up: lazy init and first-step allocations
     tpc = functional_collective_counter(groups)
@@ -354,7 +354,7 @@ def measure_tp(root: str, steps: int = 2) -> list[dict]:
 
 
 def predict_tp(row: dict) -> dict:
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.model.gpt import pad_vocab, preset_config
     from elastic_gpt.planner.memory import model_shape
@@ -365,7 +365,7 @@ def predict_tp(row: dict) -> dict:
     shape = model_shape(cfg)
     net = Network(gpus_per_node=world // nodes, intra_node_gbps=10, inter_node_gbps=10)
     mesh = make_mesh(world, tp, hsdp == "on", net.gpus_per_node)
-    k = BatchPlan(G, mb).slots(mesh.dp)
+    k = BatchSplit(G, mb).slots(mesh.dp)
     st = step_time(shape, GPUS["H100"], net, world, mb, k, activation_checkpointing=ckpt,
                    dtype="float32", grad_sync=row["grad_sync"],
                    reshard_after_forward=row["reshard_after_forward"], tp=tp, hsdp=mesh.hsdp)

@@ -1,6 +1,6 @@
 """Recovery and scale-up time, lost steps and goodput under node loss: elastic-gpt's restart path,
-elastic-gpt's replica groups (C7) and a plain Ray Train elastic job with Ray's defaults, side by
-side on one multi-node Ray cluster on this machine.
+elastic-gpt's replica groups (C7 all-or-nothing step) and a plain Ray Train elastic job with Ray's
+defaults, side by side on one multi-node Ray cluster on this machine.
 
     .venv/bin/python bench/bench_recovery.py [--trials 5] [--goodput-s 200] [--skip-baseline]
         [--systems elastic-gpt,replica-groups,ray-train-defaults] [--steady-rounds 2]
@@ -319,7 +319,7 @@ def goodput(cluster, run, duration_s: float, every_s: float = KILL_EVERY_S,
             replace_after_s: float = 20.0):
     """A node lost every `every_s` seconds, a replacement `replace_after_s` later.
 
-    goodput: the ledger's (C5) productive time over the wall time between two of its
+    goodput: the ledger's (C5 one MLflow run) productive time over the wall time between two of its
     checkpoints (the first after the start, the newest at the end), where productive is the
     committed steps' time at whatever size the run had (degraded_share: the part of it with fewer
     replica groups), and recovery, re-done steps and checkpoint writes are not (the ledger's own

@@ -49,7 +49,7 @@ def plain_loop(data: str, steps: int, threads: int, warmup: int) -> list[float]:
     import torch
 
     from elastic_gpt.data.manifest import load_manifest
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.model.gpt import GPT, preset_config, token_losses
 
@@ -61,7 +61,7 @@ def plain_loop(data: str, steps: int, threads: int, warmup: int) -> list[float]:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95))
-    stream = open_step_stream(data, plan=BatchPlan(G, MB), rank=0, world_size=1, start_step=0,
+    stream = open_step_stream(data, batch_split=BatchSplit(G, MB), rank=0, world_size=1, start_step=0,
                               seed=1234)
     batches = [next(stream).tokens for _ in range(steps)]
     stream.close()
@@ -108,7 +108,7 @@ def _interleaved(data: str, rounds: int, per_round: int) -> dict:
         f"train.micro_batch_size={MB}", "train.max_steps=1000", "train.threads_per_worker=1",
         "scaling.cpus_per_worker=1", "checkpoint.path=/nonexistent-unused"])
     trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
-    stream = open_step_stream(data, plan=trainer.plan, rank=0, world_size=1, start_step=0,
+    stream = open_step_stream(data, batch_split=trainer.batch_split, rank=0, world_size=1, start_step=0,
                               seed=cfg.data.seed)
     model = GPT(preset_config(PRESET, vocab_size=256, seq_len=256))
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -129,8 +129,8 @@ def _interleaved(data: str, rounds: int, per_round: int) -> dict:
         trainer.train_step(batch)
         trainer.step += 1
 
-    plain_batches = open_step_stream(data, plan=trainer.plan, rank=0, world_size=1, start_step=0,
-                                     seed=cfg.data.seed)
+    plain_batches = open_step_stream(data, batch_split=trainer.batch_split, rank=0, world_size=1,
+                                     start_step=0, seed=cfg.data.seed)
     out = {"plain_wall": [], "plain_cpu": [], "trainer_wall": [], "trainer_cpu": []}
     try:
         for r in range(rounds + 1):  # round 0 warms both up and is dropped
@@ -170,7 +170,7 @@ def _scaling_worker(rank: int, world: int, data: str, steps: int, warmup: int, m
         "scaling.cpus_per_worker=1", "scaling.min_workers=1", f"scaling.max_workers={world}",
         "checkpoint.path=/nonexistent-unused", *overrides])
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
-    stream = open_step_stream(data, plan=trainer.plan, rank=trainer.dp_rank,
+    stream = open_step_stream(data, batch_split=trainer.batch_split, rank=trainer.dp_rank,
                               world_size=trainer.dp_degree, start_step=0, seed=cfg.data.seed)
     wall, cpu = [], []
     for _ in range(steps):

@@ -439,7 +439,7 @@ def _one_of(words: list[str]) -> str:
 def validate(cfg: Config) -> None:
     """The rules no single field's type can state: between fields, against the model presets,
     and the one field without a usable default (the dataset)."""
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.model.gpt import PRESETS
 
     if cfg.model.preset not in PRESETS:
@@ -463,9 +463,9 @@ def validate(cfg: Config) -> None:
                                    "scaling.max_workers": s.max_workers})
     if problem:
         raise ValueError(problem)
-    plan = BatchPlan(t.global_batch_size, t.micro_batch_size)
+    batch_split = BatchSplit(t.global_batch_size, t.micro_batch_size)
     # C1 fixed global batch, over the data-parallel degree
-    plan.check_world_size(s.max_workers, tp=tp)
+    batch_split.check_world_size(s.max_workers, tp=tp)
     if cfg.data.sources is not None:
         _check_sources(cfg.data)
     elif not cfg.data.path:

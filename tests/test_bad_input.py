@@ -1,4 +1,5 @@
-"""Bad input, as a new user makes it, across every subcommand (C6): each case exits 2 with one
+"""Bad input, as a new user makes it, across every subcommand (C6 clear errors): each case exits 2
+with one
 `elastic-gpt <cmd>: error: <what>; <fix>` line, no traceback, and leaves every dataset, checkpoint
 and MLflow store byte-for-byte as it was.
 

@@ -1,7 +1,7 @@
 """Chaos on a real multi-node Ray cluster. Each test trains to train.max_steps through a real fault
 and must end with the exact step count, every step's data_fingerprint equal to an uninterrupted
-reference run's (C2), and losses within float noise of it (bit-identical where the world size did
-not change, C3). Worker SIGKILL is covered in test_training.py."""
+reference run's (C2 data order), and losses within float noise of it (bit-identical where the world
+size did not change, C3 bit-identical resume). Worker SIGKILL is covered in test_training.py."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def events_of(summary) -> list[dict]:
 
 def assert_same_training(got: dict, ref: dict, exact: bool) -> None:
     assert sorted(got["loss"]) == list(range(1, STEPS + 1)), "every step trained, none skipped"
-    assert got["data_fingerprint"] == ref["data_fingerprint"], "same samples at every step (C2)"
+    assert got["data_fingerprint"] == ref["data_fingerprint"], \
+        "same samples at every step (C2 data order)"
     if exact:
-        assert got["loss"] == ref["loss"], "bit-identical losses (C3)"
+        assert got["loss"] == ref["loss"], "bit-identical losses (C3 bit-identical resume)"
     else:
         for s in range(1, STEPS + 1):
             assert got["loss"][s] == pytest.approx(ref["loss"][s], rel=1e-4, abs=1e-4), s

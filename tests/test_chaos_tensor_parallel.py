@@ -2,7 +2,7 @@
 tensor-parallel group per node, HSDP across the two: the nodes share one IP here, so only Ray's
 node ids tell them apart). One node is hard-killed mid-run: the run goes on at dp=1 on the
 other node from the newest checkpoint (resharded from the 2-node layout), ends at the exact
-step count, and trains on the same samples at every step as an uninterrupted run (C2)."""
+step count, and trains on the same samples at every step as an uninterrupted run (C2 data order)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import metric_by_step
 
 from elastic_gpt.config import load_config, resolve_paths
-from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.elastic.worker_group_job import run_key
 from elastic_gpt.testing.cluster import LocalCluster, progress, train_in_background, wait_for
@@ -51,9 +51,9 @@ def test_node_killed_under_tensor_parallelism_continues_at_dp_1(stdlib_dataset, 
     sizes = metric_by_step(cfg.tracking.uri, run, mn.TRAIN_WORLD_SIZE)
     assert sorted(fingerprints) == list(range(1, STEPS + 1)), "every step trained, none skipped"
     assert sizes[1] == 4 and sizes[STEPS] == 2, sizes  # 2 x tp 2, then 1 x tp 2
-    # What an uninterrupted run logs: the fingerprint of each step's G samples (C2).
-    plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    with open_step_stream(cfg.data.path, plan=plan, rank=0, world_size=1, start_step=0,
+    # What an uninterrupted run logs: the fingerprint of each step's G samples (C2 data order).
+    plan = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    with open_step_stream(cfg.data.path, batch_split=plan, rank=0, world_size=1, start_step=0,
                           seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window) as stream:
         # Logged at step s + 1: the fingerprint of the (s + 1)-th step's samples.
         expected = {s + 1: float(next(stream).fingerprint) for s in range(STEPS)}

@@ -1,6 +1,6 @@
-"""Checkpoint commit protocol (C4) with real DCP files on disk: torn steps are invisible or
-skipped, retention keeps the newest, leftovers are cleaned, loading refuses code in metadata; both
-checkpointers save on the same cadence and commit the same way."""
+"""Checkpoint commit protocol (C4 atomic commit) with real DCP files on disk: torn steps are
+invisible or skipped, retention keeps the newest, leftovers are cleaned, loading refuses code in
+metadata; both checkpointers save on the same cadence and commit the same way."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The `elastic-gpt` command as a user runs it: --help everywhere, and bad input (C6) gives one
-readable line, exit code 2, and leaves committed checkpoints untouched."""
+"""The `elastic-gpt` command as a user runs it: --help everywhere, and bad input (C6 clear errors)
+gives one readable line, exit code 2, and leaves committed checkpoints untouched."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def other_shape_checkpoint(tmp_path_factory, stdlib_dataset):
 
 
 def assert_one_error_line(code: int, capsys, message: str) -> None:
-    """Exit 2 and one `elastic-gpt train: error:` line on stderr that names the problem (C6)."""
+    """Exit 2 and one `elastic-gpt train: error:` line on stderr that names the problem (C6 clear
+    errors)."""
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()

@@ -1,8 +1,8 @@
 """What users already have keeps working across upgrades: a dataset, a config and a checkpoint
 written by an older main (tests/fixtures/main-v0, see its README) load with today's code, and the
 resumed run logs the same data fingerprints as the old uninterrupted run did and its losses
-(C3; to the bit on the machine that recorded them: within float32 rounding on another CPU,
-whose matmul kernels differ)."""
+(C3 bit-identical resume; to the bit on the machine that recorded them: within float32 rounding on
+another CPU, whose matmul kernels differ)."""
 
 from __future__ import annotations
 

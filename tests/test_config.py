@@ -1,5 +1,5 @@
-"""Configuration: overrides, validation messages (C6), field types and docstrings, dicts written
-by older code, and the LR schedule."""
+"""Configuration: overrides, validation messages (C6 clear errors), field types and docstrings,
+dicts written by older code, and the LR schedule."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def test_file_then_overrides():
     # tp > workers is the same rule: a group of fewer workers than tp holds no whole TP group.
     (["parallel.tp=4", "scaling.min_workers=2", "scaling.max_workers=2"],
      "must be multiples of parallel.tp=4"),
-    # C1 over the data-parallel degree: 8 workers at tp=2 are 4 data-parallel ranks.
+    # C1 fixed global batch over the data-parallel degree: 8 workers at tp=2 are 4 data-parallel
+    # ranks.
     (["parallel.tp=2", "train.global_batch_size=12", "train.micro_batch_size=4",
       "scaling.min_workers=2", "scaling.max_workers=8"],
      "gives 3 micro-batches, fewer than the 4 data-parallel ranks of scaling.max_workers=8 / "

@@ -1,5 +1,5 @@
-"""Weighted mixtures (data.sources): the interleave keeps C2 exactly (a pure function of the
-manifests, weights, seed and epoch; the same at W=1, 2 and 4; resumable mid-epoch at another
+"""Weighted mixtures (data.sources): the interleave keeps C2 data order exactly (a pure function of
+the manifests, weights, seed and epoch; the same at W=1, 2 and 4; resumable mid-epoch at another
 W), proportions follow the weights, sources must share tokenizer and seq_len, and the trainer
 logs the samples it has seen of each source."""
 
@@ -19,7 +19,7 @@ from elastic_gpt.data.mixture import (
     mixture_quotas,
     open_training_data,
 )
-from elastic_gpt.data.order import BatchPlan, SampleOrder
+from elastic_gpt.data.order import BatchSplit, SampleOrder
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.tracking import metric_names as mn
 
@@ -103,7 +103,7 @@ def _run_rows(data, plan, world, steps, start=0):
     """{run position: record bytes} and per-step fingerprints, from `world` rank streams."""
     rows, fps = {}, {}
     for rank in range(world):
-        with open_step_stream(data, plan=plan, rank=rank, world_size=world, start_step=start,
+        with open_step_stream(data, batch_split=plan, rank=rank, world_size=world, start_step=start,
                               seed=SEED, shuffle_window=WINDOW, prefetch_steps=0) as stream:
             mine = list(plan.rank_micro_batches(rank, world))
             for t in range(start, start + steps):
@@ -117,7 +117,7 @@ def _run_rows(data, plan, world, steps, start=0):
 
 def test_mixture_stream_is_identical_at_world_sizes_1_2_4_and_resumes_mid_epoch(sources):
     data = open_training_data(_data(sources, [2.0, 1.0, 0.5]))
-    plan = BatchPlan(global_batch_size=12, micro_batch_size=1)
+    plan = BatchSplit(global_batch_size=12, micro_batch_size=1)
     steps = data.epoch_samples // 12 + 3  # past the end of the first mixture epoch
     one = _run_rows(data, plan, 1, steps)
     assert _run_rows(data, plan, 2, steps) == one
@@ -138,7 +138,7 @@ def test_mixture_stream_is_identical_at_world_sizes_1_2_4_and_resumes_mid_epoch(
 
 def test_one_source_is_exactly_the_plain_dataset_order(sources):
     data = open_training_data(SimpleNamespace(path=sources[0], sources=None))
-    plan = BatchPlan(global_batch_size=8, micro_batch_size=2)
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=2)
     assert _run_rows(data, plan, 2, 5) == _run_rows(sources[0], plan, 2, 5)
     order = data.make_order(SEED, WINDOW)
     assert isinstance(order, SampleOrder) and not data.is_mixture
@@ -158,7 +158,7 @@ def test_sources_must_share_tokenizer_and_seq_len(sources, tmp_path):
         load_training_manifest(_data([sources[0], str(tmp_path / "missing")], [1.0, 1.0]))
     with pytest.raises(ValueError, match="ray_data engine reads one dataset"):
         open_step_stream(open_training_data(_data(sources[:2], [1.0, 1.0])),
-                         plan=BatchPlan(4, 1), rank=0, world_size=1, start_step=0, seed=0,
+                         batch_split=BatchSplit(4, 1), rank=0, world_size=1, start_step=0, seed=0,
                          engine="ray_data")
 
 

@@ -1,4 +1,4 @@
-"""The step stream: C2 order for any world size, resume at another size, integrity, S3."""
+"""The step stream: C2 data order for any world size, resume at another size, integrity, S3."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.fingerprint import sample_hash
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.data.order import BatchPlan, SampleOrder
+from elastic_gpt.data.order import BatchSplit, SampleOrder
 from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream
 
 pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
@@ -47,7 +47,7 @@ def run_positions(url, plan, world_size, steps, start_step=0, **kw):
     """{run position: row bytes} and the global fingerprint per step, from W rank streams."""
     rows, fps = {}, {}
     for rank in range(world_size):
-        with open_step_stream(url, plan=plan, rank=rank, world_size=world_size,
+        with open_step_stream(url, batch_split=plan, rank=rank, world_size=world_size,
                               start_step=start_step, seed=SEED, shuffle_window=WINDOW, **kw) as s:
             mine = list(plan.rank_micro_batches(rank, world_size))
             for t in range(start_step, start_step + steps):
@@ -63,12 +63,12 @@ def run_positions(url, plan, world_size, steps, start_step=0, **kw):
 
 
 def test_world_sizes_1_2_3_4_see_identical_steps(dataset):
-    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)  # 6 micro-batches
+    plan = BatchSplit(global_batch_size=12, micro_batch_size=2)  # 6 micro-batches
     ref_rows, ref_fps = run_positions(dataset, plan, 1, steps=8)
     for w in (2, 3, 4):  # 4 does not divide 6: ranks take 1 or 2 micro-batches
         rows, fps = run_positions(dataset, plan, w, steps=8)
         assert fps == ref_fps and rows == ref_rows
-    # And it is the C2 order: position p holds sample SampleOrder(...).samples_at(p).
+    # And it is the C2 data order: position p holds sample SampleOrder(...).samples_at(p).
     m = load_manifest(dataset)
     recs = [np.fromfile(f"{dataset}/{s.path}", dtype="<u2").reshape(-1, 17) for s in m.shards]
     order = SampleOrder(m.shard_sizes, SEED, WINDOW)
@@ -79,7 +79,7 @@ def test_world_sizes_1_2_3_4_see_identical_steps(dataset):
 
 def test_resume_at_another_world_size_sees_every_sample_of_the_epoch_once(dataset):
     m = load_manifest(dataset)
-    plan = BatchPlan(global_batch_size=8, micro_batch_size=2)
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=2)
     steps = -(-m.num_samples // 8)  # the last step runs into epoch 1
     cut = steps // 3
     before, fps_a = run_positions(dataset, plan, 2, steps=cut)
@@ -94,7 +94,7 @@ def test_resume_at_another_world_size_sees_every_sample_of_the_epoch_once(datase
 def test_next_epoch_is_a_new_shuffle_of_the_same_samples(dataset):
     m = load_manifest(dataset)
     n = m.num_samples
-    plan = BatchPlan(global_batch_size=n, micro_batch_size=1)  # one step = one epoch
+    plan = BatchSplit(global_batch_size=n, micro_batch_size=1)  # one step = one epoch
     rows, _ = run_positions(dataset, plan, 2, steps=2)
     e0 = [rows[p] for p in range(n)]
     e1 = [rows[p] for p in range(n, 2 * n)]
@@ -102,8 +102,8 @@ def test_next_epoch_is_a_new_shuffle_of_the_same_samples(dataset):
 
 
 def test_uneven_split_pads_with_a_zero_weight_repeat(dataset):
-    plan = BatchPlan(global_batch_size=8, micro_batch_size=2)  # 4 micro-batches over 3 ranks
-    with open_step_stream(dataset, plan=plan, rank=0, world_size=3, start_step=5,
+    plan = BatchSplit(global_batch_size=8, micro_batch_size=2)  # 4 micro-batches over 3 ranks
+    with open_step_stream(dataset, batch_split=plan, rank=0, world_size=3, start_step=5,
                           seed=SEED) as s:
         b = next(s)
     assert b.step == 5 and b.weights == [1.0, 0.0]
@@ -114,10 +114,10 @@ def test_uneven_split_pads_with_a_zero_weight_repeat(dataset):
 
 def test_a_rank_reads_only_its_own_samples(dataset):
     m = load_manifest(dataset)
-    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
+    plan = BatchSplit(global_batch_size=12, micro_batch_size=2)
     data_bytes = index_bytes = 0
     for rank in range(3):
-        with open_step_stream(dataset, plan=plan, rank=rank, world_size=3, start_step=0,
+        with open_step_stream(dataset, batch_split=plan, rank=rank, world_size=3, start_step=0,
                               seed=SEED, prefetch_steps=0) as s:
             for _ in range(4):
                 next(s)
@@ -145,11 +145,11 @@ def test_corrupt_shard_is_detected_and_named(dataset, tmp_path, damage):
         data[len(data) // 2] ^= 0x01
     target.write_bytes(bytes(data))
     m = load_manifest(str(ds))
-    plan = BatchPlan(global_batch_size=m.num_samples, micro_batch_size=1)  # touches every shard
+    plan = BatchSplit(global_batch_size=m.num_samples, micro_batch_size=1)  # touches every shard
     expect = {"flip": r"shard shard-00001.bin .*record \d+ .*does not match its checksum",
               "truncate": r"shard file shard-00001.bin .* has \d+ bytes, the manifest says",
               "index": r"shard shard-00001.bin .*record \d+ .*checksum in shard-00001.idx"}[damage]
-    with open_step_stream(str(ds), plan=plan, rank=0, world_size=1, start_step=0,
+    with open_step_stream(str(ds), batch_split=plan, rank=0, world_size=1, start_step=0,
                           seed=SEED) as s, pytest.raises(CorruptShardError, match=expect):
         next(s)
 
@@ -177,7 +177,7 @@ def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
     fs.put(dataset + "/", "corpus/stream-ds/", recursive=True)
     so = s3.storage_options()
     url = "s3://corpus/stream-ds"
-    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
+    plan = BatchSplit(global_batch_size=12, micro_batch_size=2)
     _, local = run_positions(dataset, plan, 2, steps=5)
     _, remote = run_positions(url, plan, 2, steps=5, storage_options=so)
     assert remote == local
@@ -186,8 +186,8 @@ def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
     blob = bytearray(fs.cat_file("corpus/stream-ds/shard-00000.bin"))
     blob[3] ^= 0xFF
     fs.pipe("corpus/stream-ds/shard-00000.bin", bytes(blob))
-    plan = BatchPlan(global_batch_size=m.num_samples, micro_batch_size=1)
-    with open_step_stream(url, plan=plan, rank=0, world_size=1, start_step=0, seed=SEED,
+    plan = BatchSplit(global_batch_size=m.num_samples, micro_batch_size=1)
+    with open_step_stream(url, batch_split=plan, rank=0, world_size=1, start_step=0, seed=SEED,
                           storage_options=so) as s, \
             pytest.raises(CorruptShardError, match="shard-00000.bin .*record 0 "):
         next(s)
@@ -195,10 +195,10 @@ def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
 
 @pytest.mark.slow
 def test_ray_data_engine_gives_the_same_steps(dataset, ray_local):
-    """The optional Ray Data reader honours C2 exactly like the default thread reader."""
-    plan = BatchPlan(global_batch_size=12, micro_batch_size=2)
+    """The optional Ray Data reader honours C2 data order exactly like the default thread reader."""
+    plan = BatchSplit(global_batch_size=12, micro_batch_size=2)
     for rank in range(2):
-        kw = dict(plan=plan, rank=rank, world_size=2, start_step=3, seed=SEED,
+        kw = dict(batch_split=plan, rank=rank, world_size=2, start_step=3, seed=SEED,
                   shuffle_window=WINDOW)
         with open_step_stream(dataset, **kw) as a, \
                 RayDataStepStream(load_manifest(dataset), chunk_steps=4, **kw) as b:

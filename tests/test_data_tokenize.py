@@ -1,4 +1,5 @@
-"""prepare-data: round trip, determinism, redo-only-missing, input formats, bad input (C6)."""
+"""prepare-data: round trip, determinism, redo-only-missing, input formats, bad input (C6 clear
+errors)."""
 
 from __future__ import annotations
 

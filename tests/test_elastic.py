@@ -156,7 +156,7 @@ def test_the_wait_for_a_quorum_change_is_recovery_not_productive_time():
     ledger = GoodputLedger(_attempt_started=10.0)
     ledger.on_first_step_started(now=10.0)
     ledger.on_step(1.0)
-    event = ledger.on_membership(2, 1, 2, step=2, waited_s=1.5)
+    event = ledger.on_quorum_change(2, 1, 2, step=2, waited_s=1.5)
     ledger.on_step(0.25, degraded=True)  # the step's time less its quorum's wait (Trainer)
     s = ledger.summary()
     assert (s["productive_s"], s["recovery_s"], s["degraded_s"]) == (1.25, 1.5, 0.25)
@@ -172,7 +172,7 @@ def test_a_resumed_ledger_keeps_what_happened_after_the_checkpoint_it_restored()
     for _ in range(8):
         live.on_step(1.0)
     checkpointed = live.to_dict()
-    live.on_membership(1, 2, 2, step=9)
+    live.on_quorum_change(1, 2, 2, step=9)
     for _ in range(2):
         live.on_step(1.0)
     live.on_checkpoint(0.5)
@@ -210,7 +210,7 @@ def test_a_healed_group_adopts_its_peers_ledger_and_keeps_the_events_only_it_saw
     peer = GoodputLedger(_attempt_started=0.0)
     peer.on_first_step_started(now=0.0)
     peer.on_step(5.0)
-    lost = peer.on_membership(2, 1, 2, step=5, waited_s=0.1)
+    lost = peer.on_quorum_change(2, 1, 2, step=5, waited_s=0.1)
     lost["at"] = 10.0
     # The restarted group: why it restarted is in its own ledger alone.
     mine = GoodputLedger(_attempt_started=20.0)

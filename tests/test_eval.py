@@ -55,7 +55,7 @@ def _eval_worker(rank: int, world: int, overrides: list[str]) -> dict:
 
     cfg = load_config(None, overrides)
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
-    stream = open_step_stream(trainer.data, plan=trainer.plan, rank=trainer.dp_rank,
+    stream = open_step_stream(trainer.data, batch_split=trainer.batch_split, rank=trainer.dp_rank,
                               world_size=trainer.dp_degree, start_step=0, seed=cfg.data.seed)
     batch = next(stream)
     stream.close()

@@ -1,6 +1,6 @@
-"""FSDP2 data parallelism (C1) with real gloo process groups: the loss and the full gradient of a
-step are the same at W=1, 2 and 4 (4 divides the 6 micro-batches unevenly: 2, 2, 1, 1 with a
-zero-weight repeat), and accumulating 6 micro-batches equals one batch of 12, with every
+"""FSDP2 data parallelism (C1 fixed global batch) with real gloo process groups: the loss and the
+full gradient of a step are the same at W=1, 2 and 4 (4 divides the 6 micro-batches unevenly: 2, 2,
+1, 1 with a zero-weight repeat), and accumulating 6 micro-batches equals one batch of 12, with every
 reshard_after_forward / grad_sync choice. The ranks run under elastic_gpt.testing.gloo.run_gloo,
 which must fail the test when any rank fails."""
 
@@ -21,7 +21,7 @@ def _worker(rank: int, world: int, overrides: list[str]) -> dict | None:
 
     cfg = load_config("jobs/configs/mini.yaml", overrides)
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
-    stream = open_step_stream(cfg.data.path, plan=trainer.plan, rank=rank, world_size=world,
+    stream = open_step_stream(cfg.data.path, batch_split=trainer.batch_split, rank=rank, world_size=world,
                               start_step=0, seed=cfg.data.seed)
     batch = next(stream)
     stream.close()

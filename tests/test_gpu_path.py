@@ -226,7 +226,7 @@ def test_trainer_on_cpu_is_fused_and_autocasts_only_for_bf16(trainers, stdlib_da
         autocast = []
         tr.model.h[0].register_forward_pre_hook(lambda m, a, seen=autocast: seen.append(
             (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
-        stream = open_step_stream(stdlib_dataset, plan=tr.plan, rank=0, world_size=1,
+        stream = open_step_stream(stdlib_dataset, batch_split=tr.batch_split, rank=0, world_size=1,
                                   start_step=0, seed=tr.cfg.data.seed)
         try:
             result = tr.train_step(next(stream))
@@ -246,16 +246,16 @@ def test_trainer_on_cpu_is_fused_and_autocasts_only_for_bf16(trainers, stdlib_da
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
 def test_batches_for_a_gpu_arrive_pinned(stdlib_dataset):
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
-    with open_step_stream(stdlib_dataset, plan=BatchPlan(4, 2), rank=0, world_size=1,
+    with open_step_stream(stdlib_dataset, batch_split=BatchSplit(4, 2), rank=0, world_size=1,
                           start_step=0, seed=1, pin_memory=True) as stream:
         assert all(t.is_pinned() for t in next(stream).tokens)
 
 
 def test_batches_for_the_cpu_are_not_pinned(stdlib_dataset):
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
-    with open_step_stream(stdlib_dataset, plan=BatchPlan(4, 2), rank=0, world_size=1,
+    with open_step_stream(stdlib_dataset, batch_split=BatchSplit(4, 2), rank=0, world_size=1,
                           start_step=0, seed=1) as stream:
         assert not any(t.is_pinned() for t in next(stream).tokens)

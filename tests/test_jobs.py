@@ -1,6 +1,6 @@
 """Run it where users run it: `ray job submit` against a head started with `ray start --head` and a
 second node started with `ray start --address`, then `ray job stop` and a resubmit that resumes
-the same run (C5). Also what a submission with bad input says (C6).
+the same run (C5 one MLflow run). Also what a submission with bad input says (C6 clear errors).
 
 The Ray nodes are `ray start --block` processes of our own: SIGTERM to their pids stops every
 process they started (never the stop-everything CLI, which would also stop clusters it did not start)."""
@@ -261,7 +261,8 @@ def test_submit_stop_resubmit_resumes_the_same_run(nodes, stdlib_dataset, tmp_pa
     final = CheckpointStore(ckpt).latest()
     assert final.step == STEPS and final.state["mlflow_run_id"] == run_id
 
-    # One MLflow run across both submissions (C5), every step logged, closed as FINISHED.
+    # One MLflow run across both submissions (C5 one MLflow run), every step logged, closed as
+    # FINISHED.
     client = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("elastic-gpt").experiment_id])
     assert [r.info.run_id for r in runs] == [run_id]

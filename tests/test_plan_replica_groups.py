@@ -11,7 +11,7 @@ import yaml
 
 from elastic_gpt.cli import main
 from elastic_gpt.config import load_config
-from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.model.gpt import preset_config
 from elastic_gpt.planner.cli import add_cli_arguments, run_from_args
 from elastic_gpt.planner.inputs import PlanInputs
@@ -109,7 +109,7 @@ def test_the_plans_replica_figures_are_its_formulas():
     assert lay.memory.total <= plan.usable_bytes and lay.mesh.world == lay.group_gpus
     assert lay.n_groups * lay.group_gpus == 512 and lay.groups_lost == 1
     assert lay.mesh == make_mesh(lay.group_gpus, c.tp, c.hsdp, 8)
-    assert c.micro_batches_per_rank == BatchPlan(1024, c.micro_batch).slots(512 // c.tp)
+    assert c.micro_batches_per_rank == BatchSplit(1024, c.micro_batch).slots(512 // c.tp)
     assert lay.heal_bytes == pytest.approx(12 * shape.local_params(c.tp) / lay.mesh.dp_shard)
     assert lay.heal_s == pytest.approx(8 * lay.heal_bytes / 320e9 + 20e-6)
     group_nodes = lay.group_gpus // 8
@@ -138,7 +138,7 @@ def test_the_plans_replica_figures_are_its_formulas():
                                    lay.n_groups))
     # while a group is away the survivors take its micro-batches (C1 fixed global batch: the
     # slowest rank's ceil)
-    k_away = BatchPlan(1024, c.micro_batch).slots((lay.n_groups - 1) * lay.mesh.dp)
+    k_away = BatchSplit(1024, c.micro_batch).slots((lay.n_groups - 1) * lay.mesh.dp)
     assert k_away > k and lay.degraded_step_s > lay.step_s
     away = step_time(shape, plan.gpu, Network(8, 370, 320), lay.group_gpus, c.micro_batch,
                      k_away, activation_checkpointing=c.activation_checkpointing,

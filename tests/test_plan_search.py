@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from elastic_gpt.config import load_config
-from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
 from elastic_gpt.model.gpt import preset_config
 from elastic_gpt.planner.cli import add_cli_arguments, inputs_from_args, run_from_args
@@ -144,7 +144,7 @@ def test_elastic_floor_counts_the_chosen_resharding():
     assert not c.reshard_after_forward
 
     def fits(w: int, reshard: bool) -> bool:
-        k = BatchPlan(256, c.micro_batch).slots(w)
+        k = BatchSplit(256, c.micro_batch).slots(w)
         return memory_per_gpu(kept.shape, w, c.micro_batch, grad_sync=c.grad_sync,
                               activation_checkpointing=c.activation_checkpointing,
                               micro_batches_per_rank=k,

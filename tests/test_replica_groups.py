@@ -1,6 +1,6 @@
-"""Replica groups (C7) on a real multi-node Ray cluster with a real Lighthouse: 2 groups
-of 2 workers of the tiny model, a node per group, each group its own Ray Train run. One run takes
-every fault in turn, each while the other group keeps stepping:
+"""Replica groups (C7 all-or-nothing step) on a real multi-node Ray cluster with a real Lighthouse:
+2 groups of 2 workers of the tiny model, a node per group, each group its own Ray Train run. One run
+takes every fault in turn, each while the other group keeps stepping:
 
 - (a, b) a worker of group 1 SIGKILLed: group 0 goes on after at most one stalled step (no
   restart, no checkpoint read, its step never goes back); Ray restarts group 1's run, which heals
@@ -51,7 +51,7 @@ HEARTBEAT_S = 1.0
 HANG_TIMEOUT_S = 10.0
 COLLECTIVE_TIMEOUT_S = 2.0
 # 6 micro-batches over 2 groups x 2 ranks: blocks of 1 and 2, so the cross-group average must
-# keep the token weighting (C1); alone, a group splits them 3 + 3.
+# keep the token weighting (C1 fixed global batch); alone, a group splits them 3 + 3.
 ARGS = ["model.preset=tiny", "train.global_batch_size=6", "train.micro_batch_size=1",
         f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=100",
         "train.dtype=float32", "data.prefetch_steps=2", "eval.samples=0",
@@ -167,7 +167,8 @@ def _faults(cluster, folder: str) -> dict:
         return healed and _steps_together_after(at["worker"], 4)(recs)
     _, together = _wait_records(folder, rejoined, what="group 1 healed and stepping")
 
-    # (g) the Lighthouse, past a checkpoint step: the fallback re-does some steps (C4 + C7).
+    # (g) the Lighthouse, past a checkpoint step: the fallback re-does some steps (C4 atomic commit
+    # + C7 all-or-nothing step).
     past = together[-1]["step"] // CHECKPOINT_EVERY * CHECKPOINT_EVERY + 3
     recs, _ = _wait_records(folder, lambda recs: [
         r for r in recs if r.get("event") == "step" and r["committed"] and r["step"] >= past],
@@ -251,8 +252,8 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     steps = [r for r in recs if r.get("event") == "step" and r["rank"] == 0]
     committed = [r for r in steps if r["committed"]]
 
-    # The run ends at max_steps with its last step committed to storage (C4), written by the
-    # group leading that step.
+    # The run ends at max_steps with its last step committed to storage (C4 atomic commit), written
+    # by the group leading that step.
     assert summary["step"] == STEPS
     assert CheckpointStore(cfg.checkpoint.path).latest().step == STEPS
 
@@ -284,7 +285,7 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
         assert _state_near(recs, j["group"], j) == _state_near(recs, 1 - j["group"], j), j
 
     # (g) The Lighthouse lost: every group restarted once more and restored the newest
-    # checkpoint, whose state is the live state of that step (C3).
+    # checkpoint, whose state is the live state of that step (C3 bit-identical resume).
     restarts = [r for r in recs if r["event"] == "start" and at["lighthouse"] < r["t"] < at["drain"]]
     assert sorted((r["group"], r["rank"]) for r in restarts) == [
         (g, rank) for g in range(2) for rank in range(WORKERS)], restarts
@@ -328,8 +329,9 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
         vanished_alone - before
     assert not any(process_alive(pid) for pid in at["vanished_pids"])
 
-    # (c), (d) C7 with C1/C2: every step committed by each live group, on the data of the
-    # uninterrupted run, with its loss within float noise (through every fault).
+    # (c), (d) C7 all-or-nothing step with C1 fixed global batch/C2 data order: every step committed
+    # by each live group, on the data of the uninterrupted run, with its loss within float noise
+    # (through every fault).
     ref_loss, ref_fp, tokens = reference
     for s in range(STEPS):
         at_s = [r for r in committed if r["step"] == s]
@@ -338,8 +340,8 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
             assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
             assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=2e-3), s
 
-    # One run for the user (C5): the ledger counts the degraded time, the groups lost and
-    # joined and the fallback (with the steps it re-did); MLflow has the live groups per step.
+    # One run for the user (C5 one MLflow run): the ledger counts the degraded time, the groups lost
+    # and joined and the fallback (with the steps it re-did); MLflow has the live groups per step.
     import mlflow
     kinds = [e["kind"] for e in summary["events"]]
     assert {"replica group lost", "replica group joined", "failure"} <= set(kinds), kinds

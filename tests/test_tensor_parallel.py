@@ -1,5 +1,5 @@
-"""Tensor parallelism and HSDP with real gloo process groups (C1, C2, C3 over the data-parallel
-rank and degree):
+"""Tensor parallelism and HSDP with real gloo process groups (C1 fixed global batch, C2 data order,
+C3 bit-identical resume over the data-parallel rank and degree):
 
 - a step's loss, every parameter's full gradient and the clipped norm are the same at tp=2
   (W=2), dp=2 x tp=2 (W=4) and HSDP 2 x 2 (two "nodes" named by rank_nodes) as at W=1;
@@ -27,7 +27,7 @@ def _step_worker(rank: int, world: int, overrides: list[str], nodes: list[str] |
 
     cfg = load_config("jobs/configs/mini.yaml", overrides)
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None, rank_nodes=nodes)
-    stream = open_step_stream(cfg.data.path, plan=trainer.plan, rank=trainer.dp_rank,
+    stream = open_step_stream(cfg.data.path, batch_split=trainer.batch_split, rank=trainer.dp_rank,
                               world_size=trainer.dp_degree, start_step=0, seed=cfg.data.seed)
     batch = next(stream)
     stream.close()
@@ -158,7 +158,7 @@ def test_checkpoints_reshard_between_data_and_tensor_parallel(stdlib_dataset, tm
     seen.update(train(stdlib_dataset, ckpt, tp=1, stop_at=STEPS)["seen"])  # back, from step 4
     assert sorted(seen) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
-        assert seen[s][1] == whole[s][1], f"step {s} trained on other samples (C2)"
+        assert seen[s][1] == whole[s][1], f"step {s} trained on other samples (C2 data order)"
         assert seen[s][0] == pytest.approx(whole[s][0], abs=2e-3), f"step {s}"
 
     # The tensor-parallel session's last checkpoint holds GPT-2's layout: Hugging Face's model

@@ -1,6 +1,6 @@
 """MLflow tracking: a real `mlflow server` (artifacts proxied through it) holds everything a user
 looks for in a run; no secret reaches MLflow or the driver's output; an unreachable server or Ray
-address degrades or fails with one clear line (C6)."""
+address degrades or fails with one clear line (C6 clear errors)."""
 
 from __future__ import annotations
 
@@ -412,7 +412,8 @@ def test_a_local_store_that_cannot_be_opened_is_a_config_error(tmp_path):
         resolve_run(f"sqlite:///{blocker}/sub/mlflow.db", "e", "r", None, {})
 
 
-# ---------------------------------------------------------------------------- bad input (C6)
+# ---------------------------------------------------------------------------- bad input (C6 clear
+# errors)
 
 @pytest.mark.slow
 def test_missing_config_is_one_line_and_exit_2(tmp_path):
@@ -500,7 +501,7 @@ def test_server_run_has_config_cluster_versions_metrics_events_plot_and_model(se
     [dataset] = run.inputs.dataset_inputs
     assert dataset.dataset.name == "stdlib" and dataset.dataset.source_type == "local"
 
-    for key in mn.STEP_METRICS:  # one numbering: after step k is step k (C5)
+    for key in mn.STEP_METRICS:  # one numbering: after step k is step k (C5 one MLflow run)
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == \
             list(range(1, STEPS + 1)), key
     metrics = run.data.metrics

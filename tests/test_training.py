@@ -1,5 +1,6 @@
-"""End to end on a real Ray cluster: FSDP2 training, resume bit-identically (C3), reshard on resume
-at another world size, checkpoints on a real S3-protocol server, export and generate."""
+"""End to end on a real Ray cluster: FSDP2 training, resume bit-identically (C3 bit-identical
+resume), reshard on resume at another world size, checkpoints on a real S3-protocol server, export
+and generate."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_reference_run_trains_checkpoints_to_s3_and_logs_every_metric(env, refer
     assert store.verify(8) is None and store.read_state(8)["samples_seen"] == STEPS * 12
     assert store.read_run_info()["mlflow_run_id"] == s["run_id"]
     loss = reference["loss"]
-    assert sorted(loss) == list(range(1, STEPS + 1))  # after step k is step k (C5)
+    assert sorted(loss) == list(range(1, STEPS + 1))  # after step k is step k (C5 one MLflow run)
     assert loss[STEPS] < loss[1] - 0.5, f"loss did not fall: {loss}"
     import mlflow
     run = mlflow.MlflowClient(env["uri"]).get_run(s["run_id"])
@@ -81,7 +82,8 @@ def test_reference_run_trains_checkpoints_to_s3_and_logs_every_metric(env, refer
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2), (2, 3)])
 def test_resume_at_another_world_size_continues_the_same_run(env, reference, first, second):
     """Stop after the step-4 checkpoint at W=first, resume at W=second: resharded load, the same
-    samples per step (C2), the same losses up to float reduction order (C3), one MLflow run (C5)."""
+    samples per step (C2 data order), the same losses up to float reduction order (C3 bit-identical
+    resume), one MLflow run (C5 one MLflow run)."""
     name = f"resize-{first}-{second}"
     a, _ = train(env, name, "run.stop_at_step=4", workers=first)
     assert a["step"] == 4
@@ -99,7 +101,7 @@ def test_resume_at_another_world_size_continues_the_same_run(env, reference, fir
 def test_worker_killed_after_a_checkpoint_resumes_bit_identically(env, reference):
     """SIGKILL a training worker once step 2 is committed: Ray Train restarts the group at the
     same size, it resumes from the newest committed checkpoint, and every step after it has the
-    reference run's loss to the bit (C3) and the same data (C2)."""
+    reference run's loss to the bit (C3 bit-identical resume) and the same data (C2 data order)."""
     from elastic_gpt.testing.cluster import training_workers
 
     ckpt = env["root"] + "/ckpt-killed"

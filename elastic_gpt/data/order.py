@@ -70,7 +70,7 @@ class SampleOrder:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSplit:
     """How one step's global batch is cut into micro-batches and spread over ranks (C1 fixed global
     batch)."""
 

@@ -1,6 +1,6 @@
 """Per-rank streaming reader: step t of rank r, read from the shards in the C2 data order.
 
-Each rank computes which samples its micro-batches of step t hold (`BatchPlan` + `SampleOrder`,
+Each rank computes which samples its micro-batches of step t hold (`BatchSplit` + `SampleOrder`,
 pure functions of manifest, seed and position) and reads exactly those records with ranged reads,
 adjacent records of a shard coalesced into one request, all requests of a step issued together
 (`fs.cat_ranges`: concurrent on object stores). A background thread keeps `prefetch_steps` steps
@@ -25,7 +25,7 @@ import torch
 
 from elastic_gpt.data.fingerprint import FINGERPRINT_MASK, sample_hash, sample_hashes
 from elastic_gpt.data.manifest import Manifest, describe_storage_error, load_manifest
-from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW, BatchPlan, SampleOrder
+from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW, BatchSplit, SampleOrder
 from elastic_gpt.errors import FatalTrainingError
 
 __all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
@@ -148,28 +148,28 @@ class ShardReader:
         return allrec[take], allhash[take]
 
 
-def rank_samples(order: SampleOrder, plan: BatchPlan, rank: int, world_size: int,
+def rank_samples(order: SampleOrder, batch_split: BatchSplit, rank: int, world_size: int,
                  step: int) -> list[tuple[int, int]]:
     """(shard, record) of every sample rank `rank` trains on at `step`, micro-batch by
     micro-batch: the C1 fixed global batch split of the C2 data order."""
     samples = []
-    for j in plan.rank_micro_batches(rank, world_size):
-        pos = plan.micro_batch_positions(step, j)
+    for j in batch_split.rank_micro_batches(rank, world_size):
+        pos = batch_split.micro_batch_positions(step, j)
         samples.extend(order.samples_at(pos.start, pos.stop))
     return samples
 
 
-def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, plan: BatchPlan,
+def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, batch_split: BatchSplit,
                   rank: int, world_size: int, pin_memory: bool = False) -> StepBatch:
     """StepBatch from the rank's records (in rank_samples order) and their hashes."""
-    n_real = len(plan.rank_micro_batches(rank, world_size))
-    m = plan.micro_batch_size
+    n_real = len(batch_split.rank_micro_batches(rank, world_size))
+    m = batch_split.micro_batch_size
     wide = torch.from_numpy(np.ascontiguousarray(records, dtype=np.int64))
     if pin_memory:  # page-locked: the copy to the GPU is a real async DMA, not a staged memcpy
         wide = wide.pin_memory()
     tokens = [wide[i * m:(i + 1) * m] for i in range(n_real)]
     weights = [1.0] * n_real
-    for _ in range(plan.slots(world_size) - n_real):
+    for _ in range(batch_split.slots(world_size) - n_real):
         # A zero-weight repeat keeps the collectives in step (C1 fixed global batch).
         tokens.append(tokens[-1])
         weights.append(0.0)
@@ -181,7 +181,7 @@ class StepStream:
     """Iterator of StepBatch for steps start_step, start_step + 1, ... (endless: epochs go on,
     epoch = position // num_samples), produced by a prefetch thread."""
 
-    def __init__(self, manifest, *, plan: BatchPlan, rank: int, world_size: int,
+    def __init__(self, manifest, *, batch_split: BatchSplit, rank: int, world_size: int,
                  start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                  prefetch_steps: int = 4, storage_options: dict | None = None,
                  pin_memory: bool = False):
@@ -189,9 +189,9 @@ class StepStream:
         mixture.py: one dataset or a weighted mixture), which brings its own order and reader."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        if plan.num_micro_batches < world_size:
-            plan.check_world_size(world_size)
-        self.plan, self.rank, self.world_size = plan, rank, world_size
+        if batch_split.num_micro_batches < world_size:
+            batch_split.check_world_size(world_size)
+        self.batch_split, self.rank, self.world_size = batch_split, rank, world_size
         if isinstance(manifest, Manifest):
             self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
             self.reader = ShardReader(manifest, storage_options)
@@ -216,9 +216,9 @@ class StepStream:
 
     def build_step(self, step: int) -> StepBatch:
         """Read and assemble one step's batch for this rank (what the thread runs)."""
-        samples = rank_samples(self.order, self.plan, self.rank, self.world_size, step)
+        samples = rank_samples(self.order, self.batch_split, self.rank, self.world_size, step)
         records, hashes = self.reader.read(samples)
-        return assemble_step(step, records, hashes, self.plan, self.rank, self.world_size,
+        return assemble_step(step, records, hashes, self.batch_split, self.rank, self.world_size,
                              self.pin_memory)
 
     def _produce(self, step: int) -> None:
@@ -279,7 +279,7 @@ class StepStream:
             pass
 
 
-def open_step_stream(data_url, *, plan: BatchPlan, rank: int, world_size: int,
+def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size: int,
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                      prefetch_steps: int = 4, storage_options: dict | None = None,
                      engine: str = "thread", pin_memory: bool = False) -> StepStream:
@@ -301,15 +301,15 @@ def open_step_stream(data_url, *, plan: BatchPlan, rank: int, world_size: int,
         if engine == "ray_data":
             raise ValueError("the ray_data engine reads one dataset; a mixture (data.sources) "
                              "is read by the thread engine")
-        return StepStream(data_url, plan=plan, rank=rank, world_size=world_size,
+        return StepStream(data_url, batch_split=batch_split, rank=rank, world_size=world_size,
                           start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                           prefetch_steps=prefetch_steps, storage_options=storage_options,
                           pin_memory=pin_memory)
     if engine == "ray_data":
-        return RayDataStepStream(manifest, plan=plan, rank=rank, world_size=world_size,
+        return RayDataStepStream(manifest, batch_split=batch_split, rank=rank, world_size=world_size,
                                  start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                                  prefetch_steps=prefetch_steps, storage_options=storage_options)
-    return StepStream(manifest, plan=plan, rank=rank, world_size=world_size,
+    return StepStream(manifest, batch_split=batch_split, rank=rank, world_size=world_size,
                       start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                       prefetch_steps=prefetch_steps, storage_options=storage_options,
                       pin_memory=pin_memory)
@@ -360,11 +360,11 @@ def _read_steps(batch: dict, cfg: str) -> dict:
                                 ShardReader(m, c["storage_options"]))
     c = json.loads(cfg)
     order, reader = _REMOTE_READERS[cfg]
-    plan = BatchPlan(c["G"], c["m"])
+    batch_split = BatchSplit(c["G"], c["m"])
     out = {"step": [], "records": [], "hashes": [], "bytes": []}
     for step in batch["id"]:
         before = reader.bytes_read
-        records, hashes = reader.read(rank_samples(order, plan, c["rank"], c["W"], int(step)))
+        records, hashes = reader.read(rank_samples(order, batch_split, c["rank"], c["W"], int(step)))
         out["step"].append(int(step))
         out["records"].append(records)
         out["hashes"].append(hashes.astype(np.int64))  # < 2**52: int64 is exact
@@ -376,17 +376,17 @@ class RayDataStepStream:
     """`StepStream` interface over Ray Data: steps are read in chunks of `chunk_steps` by a
     Ray Data pipeline (`preserve_order`, so rows arrive in step order). Needs `ray.init()`."""
 
-    def __init__(self, manifest: Manifest, *, plan: BatchPlan, rank: int, world_size: int,
+    def __init__(self, manifest: Manifest, *, batch_split: BatchSplit, rank: int, world_size: int,
                  start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                  prefetch_steps: int = 4, storage_options: dict | None = None,
                  chunk_steps: int = 256, num_readers: int = 1):
-        plan.check_world_size(world_size)
-        self.manifest, self.plan, self.rank, self.world_size = manifest, plan, rank, world_size
+        batch_split.check_world_size(world_size)
+        self.manifest, self.batch_split, self.rank, self.world_size = manifest, batch_split, rank, world_size
         self.next_step = start_step
         self.bytes_read = 0
         self._cfg = json.dumps({
             "url": manifest.url, "storage_options": storage_options, "seed": seed,
-            "window": shuffle_window, "G": plan.global_batch_size, "m": plan.micro_batch_size,
+            "window": shuffle_window, "G": batch_split.global_batch_size, "m": batch_split.micro_batch_size,
             "rank": rank, "W": world_size}, sort_keys=True)
         self._chunk, self._readers, self._prefetch = chunk_steps, num_readers, prefetch_steps
         self._it = None
@@ -423,7 +423,7 @@ class RayDataStepStream:
         self.next_step += 1
         self.bytes_read += int(row["bytes"])
         return assemble_step(int(row["step"]), row["records"], row["hashes"].astype(np.uint64),
-                             self.plan, self.rank, self.world_size)
+                             self.batch_split, self.rank, self.world_size)
 
     def close(self) -> None:
         self._it = None

@@ -2,7 +2,7 @@
 run the Ray Train job, and publish the run's artifacts.
 
 Everything that can be wrong with the user's input is checked here, before a worker starts or a
-byte is written (C6).
+byte is written (C6 clear errors).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def preflight(cfg: Config):
         if val is not None:
             check_shard_sizes(val)
     gpt_cfg = model_config_for(cfg, manifest)
-    if cfg.elastic.replica_groups != "off":  # C7: groups that fit the workers, and torchft
+    if cfg.elastic.replica_groups != "off":  # C7 all-or-nothing step: groups that fit, torchft
         from elastic_gpt.elastic.replica_groups import group_size
         from elastic_gpt.parallel.replicate import import_torchft
         group_size(cfg)
@@ -76,8 +76,8 @@ def preflight(cfg: Config):
             raise ValueError(
                 f"checkpoint {latest.url} was trained with train.global_batch_size="
                 f"{latest.state['global_batch_size']}, this config says "
-                f"{cfg.train.global_batch_size}; the global batch is fixed for a run (C1): use the "
-                "old value or a fresh checkpoint.path")
+                f"{cfg.train.global_batch_size}; the global batch is fixed for a run (C1 fixed "
+                "global batch): use the old value or a fresh checkpoint.path")
     return manifest, gpt_cfg, store, latest
 
 
@@ -185,10 +185,6 @@ def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
         raise ConnectionError(f"nothing answers at {host}:{port}: {e}") from None
 
 
-_worker_env = worker_env
-"""The old private name, still imported by the planner (elastic_gpt/planner/): to go once it
-imports `worker_group_job.worker_env`."""
-
 
 def build_trainer_factory(cfg: Config):
     """The restart path's one worker group of min..max workers: check what the trainer needs of
@@ -234,7 +230,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     try:
         if cfg.elastic.replica_groups == "off":
             trainer_ready = build_trainer_factory(cfg)
-        else:  # C7: one Ray Train run per replica group (docs/replica-groups.md)
+        else:  # C7 all-or-nothing step: one Ray Train run per replica group (docs/replica-groups.md)
             from elastic_gpt.elastic.replica_groups import replica_group_factory
             trainer_ready = replica_group_factory(cfg)
         run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
@@ -247,7 +243,7 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
             result = trainer_ready(run_id).fit()
         except Exception as e:
             cause = fatal_cause(e)
-            if cause is not None:  # bad input found by a worker: one line, exit 2 (C6)
+            if cause is not None:  # bad input found by a worker: one line, exit 2 (C6 clear errors)
                 raise ValueError(str(cause).strip().splitlines()[-1]) from None
             if _is_training_failure(e):  # the policy stopped retrying (policies.py)
                 raise FailureBudgetSpent(budget_spent_line(cfg, "the run failed", e)) from e
@@ -266,7 +262,8 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     # The ledger travels in the checkpoints (Ray Train V2 keeps reported metrics only with
     # reported checkpoints, and we keep our own), so the newest one has every attempt's events.
     ledger = GoodputLedger.from_dict(final.state.get("ledger") if final else None)
-    # Replica groups: the checkpoint's ledger is its writer's; the others' events join it (C7).
+    # Replica groups: the checkpoint's ledger is its writer's; the others' events join it (C7
+    # all-or-nothing step).
     ledger.events = merge_events(ledger.events, getattr(result, "events", None) or [])
     summary = {"run_id": run_id, "step": final.step if final else 0,
                "checkpoint": final.url if final else None, "metrics": dict(result.metrics or {}),
@@ -313,8 +310,9 @@ def _close_stopped_run(cfg: Config, run_id: str | None, reason: str, status: str
 
 
 def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | None:
-    """The run to continue (its id is stored with the checkpoints, C5) or a new one, with the
-    model shape and compute dtype the workers resolve and the training data as its inputs."""
+    """The run to continue (its id is stored with the checkpoints, C5 one MLflow run) or a new one,
+    with the model shape and compute dtype the workers resolve and the training data as its
+    inputs."""
     import torch
 
     from elastic_gpt.data.mixture import open_training_data

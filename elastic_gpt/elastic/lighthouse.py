@@ -1,4 +1,5 @@
-"""The replica groups' Lighthouse (C7): torchft's quorum service, told when a group is gone.
+"""The replica groups' Lighthouse (C7 all-or-nothing step): torchft's quorum service, told when a
+group is gone.
 
 torchft's `Manager` (one per process; the Rust `ManagerServer` of each group's rank 0) speaks to a
 Lighthouse over gRPC (`torchft.LighthouseService`: `Quorum`, a long poll that returns the next

@@ -1,4 +1,4 @@
-"""Driver side of `elastic.replica_groups: N` (C7, docs/replica-groups.md).
+"""Driver side of `elastic.replica_groups: N` (C7 all-or-nothing step, docs/replica-groups.md).
 
 One Lighthouse (torchft's protocol, `lighthouse.py`), held by a Ray actor on the driver's node, and
 one Ray Train run per replica group, each driven from a Ray task on the driver's node. Each group's
@@ -12,8 +12,8 @@ it supports groups of exactly one worker (no FSDP inside a group) and its exampl
 
 **Fallback.** Without a Lighthouse no group can form a quorum, and with every group gone there is
 no peer to heal from: in both cases the driver stops what is left and starts a new Lighthouse and
-every group again, which restore the newest committed checkpoint (still written, C4): the restart
-path. Each fallback is charged to the same sliding-hour budget.
+every group again, which restore the newest committed checkpoint (still written, C4 atomic commit):
+the restart path. Each fallback is charged to the same sliding-hour budget.
 
 Each group's Ray Train job is built as the restart path's is (`worker_group_job.py`). Worker side
 (`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroups`, and its
@@ -177,8 +177,9 @@ class ReplicaGroupsJob:
             ray.kill(lighthouse)
 
     def _record_fallback(self, reason: str) -> None:
-        """Tell every group's next attempt why it restarts (the goodput ledger's event, C5);
-        uncommitted checkpoint folders are leftovers now that no group runs (C4)."""
+        """Tell every group's next attempt why it restarts (the goodput ledger's event, C5 one
+        MLflow run); uncommitted checkpoint folders are leftovers now that no group runs (C4 atomic
+        commit)."""
         from elastic_gpt.checkpoint.store import CheckpointStore
 
         for g in range(self.cfg.elastic.replica_groups):

@@ -47,7 +47,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     fault_tolerance: FaultTolerance = RestartPath()
     if replica is not None:
         groups = _replica_groups(replica, rank, world, cfg)
-        # Each step's metrics once in the one MLflow run (C5): from the group leading its quorum.
+        # Each step's metrics once (C5 one MLflow run): from the group leading its quorum.
         metrics = LeaderMetrics(metrics, groups)
         fault_tolerance = groups
         if rank == 0:

@@ -1,4 +1,5 @@
-"""The training side's half of the replica groups' Lighthouse (C7 replica groups): its `Leave`.
+"""The training side's half of the replica groups' Lighthouse (C7 all-or-nothing step): its
+`Leave`.
 
 torchft's own Lighthouse protocol (`Quorum`, `Heartbeat`) is spoken by torchft's Manager. The one
 request this project adds, `Leave` (a group's rank 0 says it takes part in no more steps, so the

@@ -1,4 +1,5 @@
-"""Replica groups: torchft as the fault-tolerant replicate dimension of HSDP (C7).
+"""Replica groups: torchft as the fault-tolerant replicate dimension of HSDP (C7 all-or-nothing
+step).
 
 Each replica group is a complete FSDP2 (and tensor-parallel) group of its own that holds the whole
 sharded model; a torchft `Manager` per process joins the groups through a shared Lighthouse.
@@ -11,10 +12,11 @@ averaged over the live groups through torchft's `ManagedProcessGroup` (on CPU al
 call after the backward); `should_commit()` then decides for every group at once whether the
 optimizer steps, or the step is re-done.
 
-C1 across groups: the step's micro-batches are split over (live groups x data-parallel ranks of a
-group); group g of n takes data-parallel ranks g*D .. g*D + D-1 of n*D. The Trainer scales each
-rank's loss by that degree, so FSDP's in-group mean and the cross-group mean together give the sum
-over exactly G sequences (the token weighting of an uneven split is kept, not a mean of groups).
+C1 fixed global batch across groups: the step's micro-batches are split over (live groups x
+data-parallel ranks of a group); group g of n takes data-parallel ranks g*D .. g*D + D-1 of n*D. The
+Trainer scales each rank's loss by that degree, so FSDP's in-group mean and the cross-group mean
+together give the sum over exactly G sequences (the token weighting of an uneven split is kept, not
+a mean of groups).
 
 `ReplicaGroup` is this process's part in that, and knows nothing of the Trainer: the Trainer's loop
 drives it through `train/fault_tolerance.py` (`ReplicaGroups`, one of the two fault-tolerance
@@ -41,7 +43,7 @@ FT_MISSING = ("elastic.replica_groups needs torchft, which is not installed; pip
 
 
 def import_torchft():
-    """torchft, or the one-line error that says how to get it (C6)."""
+    """torchft, or the one-line error that says how to get it (C6 clear errors)."""
     try:
         import torchft
         from torchft.checkpointing.pg_transport import PGTransport

@@ -4,7 +4,7 @@ what would fit when nothing does.
 
 The tensor-parallel rule is parallel/tp_rules.py's, with the degrees the step-time model is made
 for (`TP_DEGREES`). Micro-batch sizes divide the global batch (C1 fixed global batch,
-data/order.py's `BatchPlan`).
+data/order.py's `BatchSplit`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import math
 
-from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GPU, GiB
 from elastic_gpt.model.gpt import GPTConfig
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
@@ -101,11 +101,11 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
     syncs = ["microbatch", "step"] if p.grad_sync == "auto" else [p.grad_sync]
     reshards = _reshard_choices(p)
     if p.micro_batch_size:  # C1 fixed global batch: the micro-batch divides it (one clear line)
-        BatchPlan(G, p.micro_batch_size).check_world_size(min(m.dp for m in meshes))
+        BatchSplit(G, p.micro_batch_size).check_world_size(min(m.dp for m in meshes))
     out = []
     for mesh in meshes:
         for mb in _micro_batch_sizes(p, G, mesh.dp):
-            k = BatchPlan(G, mb).slots(mesh.dp)
+            k = BatchSplit(G, mb).slots(mesh.dp)
             for ckpt, sync, reshard in itertools.product(ckpts, syncs, reshards):
                 mem = memory_per_gpu(shape, p.n_gpus, mb, activation_checkpointing=ckpt,
                                      dtype=p.dtype, grad_sync=sync, micro_batches_per_rank=k,
@@ -161,7 +161,7 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
     step = net.gpus_per_node if c.hsdp else c.tp
     for w in range(step, p.n_gpus + 1, step):
         mesh = make_mesh(w, c.tp, c.hsdp, net.gpus_per_node)
-        k = BatchPlan(G, c.micro_batch).slots(mesh.dp)
+        k = BatchSplit(G, c.micro_batch).slots(mesh.dp)
         mem = memory_per_gpu(shape, w, c.micro_batch,
                              activation_checkpointing=c.activation_checkpointing, dtype=p.dtype,
                              grad_sync=c.grad_sync, micro_batches_per_rank=k,
@@ -357,8 +357,8 @@ def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Net
     best, best_key = None, None
     for mesh in meshes:
         for mb in _micro_batch_sizes(p, G, n * mesh.dp):
-            k = BatchPlan(G, mb).slots(n * mesh.dp)
-            k_away = BatchPlan(G, mb).slots((n - lost) * mesh.dp)
+            k = BatchSplit(G, mb).slots(n * mesh.dp)
+            k_away = BatchSplit(G, mb).slots((n - lost) * mesh.dp)
             for ckpt, sync, reshard in itertools.product(ckpts, syncs, _reshard_choices(p)):
                 kw = dict(activation_checkpointing=ckpt, dtype=p.dtype, grad_sync=sync,
                           reshard_after_forward=reshard, context_bytes=p.context_gib * GiB,

@@ -122,7 +122,8 @@ def run_tune(args) -> int:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from elastic_gpt.data.mixture import load_training_manifest
-    from elastic_gpt.elastic.launcher import _worker_env, connect_ray, use_gpu
+    from elastic_gpt.elastic.launcher import connect_ray
+    from elastic_gpt.elastic.worker_group_job import use_gpu, worker_env
     from elastic_gpt.model.gpt import count_params
     from elastic_gpt.parallel.fsdp import reshard_label, resolve_dtype
     from elastic_gpt.planner.memory import model_shape
@@ -178,7 +179,7 @@ def run_tune(args) -> int:
                 "(compiling on CPU costs minutes)")
         s = cfg.scaling
         resources = {"CPU": s.cpus_per_worker, **({"GPU": 1} if gpu else {})}
-        env = {**_worker_env(), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+        env = {**worker_env(), "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
         trainer = TorchTrainer(
             tune_loop_per_worker,
             train_loop_config={

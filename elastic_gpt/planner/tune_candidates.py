@@ -120,9 +120,9 @@ def predicted_bytes(shape, world: int, G: int, cand: TrainSettings, dtype: str, 
     its mesh had (dp_shard; None: every data-parallel rank, as without HSDP), the run's
     train.grad_sync and the reshard_after_forward its Trainer resolved (CPU: no CUDA context, no
     fragmentation)."""
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.planner.memory import memory_per_gpu
-    k = BatchPlan(G, cand.micro_batch).slots(world // cand.tp)
+    k = BatchSplit(G, cand.micro_batch).slots(world // cand.tp)
     extra = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
     return memory_per_gpu(shape, world, cand.micro_batch,
                           activation_checkpointing=cand.activation_checkpointing, dtype=dtype,

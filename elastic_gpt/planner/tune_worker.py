@@ -155,10 +155,10 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     nodes, as the trainer's worker does), run warm-up + timed steps; this rank's figures."""
     import torch
 
-    from elastic_gpt.data.order import BatchPlan
+    from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.parallel.mesh import ParallelDims
-    from elastic_gpt.train.trainer import Trainer, _device
+    from elastic_gpt.train.trainer import Trainer, worker_device
 
     c = copy.deepcopy(cfg)
     c.train.micro_batch_size = cand.micro_batch
@@ -167,14 +167,14 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     c.parallel.tp = cand.tp
     c.parallel.hsdp = "on" if cand.hsdp else "off"
     warmup = 2 if cand.compile else 1
-    device = _device()
+    device = worker_device()
     # Batches are read before the baseline: the measured peak is the trainer's, not the reader's.
     # The ranks of one tensor-parallel group read the same micro-batches (C2 data order is over the
     # data-parallel rank); the layout and its rank arithmetic are the Trainer's (ParallelDims).
     dims = ParallelDims.for_nodes(world, tp=cand.tp, hsdp=c.parallel.hsdp, rank_nodes=rank_nodes)
     from elastic_gpt.data.mixture import open_training_data
     stream = open_step_stream(open_training_data(c.data),
-                              plan=BatchPlan(c.train.global_batch_size, cand.micro_batch),
+                              batch_split=BatchSplit(c.train.global_batch_size, cand.micro_batch),
                               rank=dims.dp_rank(rank), world_size=dims.dp_degree, start_step=0,
                               seed=c.data.seed,
                               shuffle_window=c.data.shuffle_window, prefetch_steps=1)
@@ -252,12 +252,12 @@ def tune_loop_per_worker(loop_config: dict) -> None:
 
     from elastic_gpt.config import config_from_dict
     from elastic_gpt.parallel.fsdp import resolve_dtype, resolve_reshard_after_forward
-    from elastic_gpt.train.trainer import _device
+    from elastic_gpt.train.trainer import worker_device
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     cfg = config_from_dict(loop_config["config"])
-    device = _device()
+    device = worker_device()
     budget, others = memory_budget(device, ctx.get_local_world_size())
     if loop_config.get("budget_bytes"):
         budget = int(loop_config["budget_bytes"])

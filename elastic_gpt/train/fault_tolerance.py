@@ -158,7 +158,8 @@ class ReplicaGroups:
 
     @property
     def leads(self) -> bool:
-        """The group leading this step's quorum saves (and logs): each step once (C5)."""
+        """The group leading this step's quorum saves (and logs): each step once (C5 one MLflow
+        run)."""
         return self.member.leads
 
     @property
@@ -221,7 +222,7 @@ class ReplicaGroups:
 
 class LeaderMetrics:
     """A metric sink that logs a step's metrics only from the group leading its quorum (each step
-    once in the one MLflow run, C5), with the number of live groups."""
+    once: C5 one MLflow run), with the number of live groups."""
 
     def __init__(self, sink, replica_groups: ReplicaGroups):
         self.sink, self.replica_groups = sink, replica_groups

@@ -77,7 +77,7 @@ class GoodputLedger:
         self.lost_s += seconds
         self.lost_steps += 1
 
-    def on_membership(self, before: int, after: int, groups: int, step: int,
+    def on_quorum_change(self, before: int, after: int, groups: int, step: int,
                       waited_s: float = 0.0) -> dict:
         """Replica groups left or joined the quorum at `step`; the run did not stop (C7
         all-or-nothing step), but it waited `waited_s` in that quorum (a lost group's heartbeat

@@ -30,7 +30,7 @@ from elastic_gpt.console import say
 from elastic_gpt.data.fingerprint import join_fingerprint, split_fingerprint
 from elastic_gpt.data.manifest import open_validation_manifest
 from elastic_gpt.data.mixture import open_training_data
-from elastic_gpt.data.order import BatchPlan
+from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
@@ -125,7 +125,8 @@ class StepResult:
     fingerprint: int
     metrics: dict = field(default_factory=dict)
     committed: bool = True
-    """False: a replica group's quorum refused the step (C7); nothing was applied, re-do it."""
+    """False: a replica group's quorum refused the step (C7 all-or-nothing step); nothing was
+    applied, re-do it."""
 
 
 class Trainer:
@@ -154,11 +155,11 @@ class Trainer:
         self.metrics, self.membership = metrics, membership
         self.mlflow_run_id = mlflow_run_id
         self.started = time.time()
-        self.device = _device()
+        self.device = worker_device()
         threads = cfg.train.threads_per_worker or cfg.scaling.cpus_per_worker
         torch.set_num_threads(threads)
         self.threads = threads
-        self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+        self.batch_split = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         # One dataset (data.path) or a weighted mixture (data.sources); the reference manifest
         # fixes the tokenizer, vocabulary and seq_len.
         self.data = open_training_data(cfg.data)
@@ -174,7 +175,8 @@ class Trainer:
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
         # The ledger is the run's, not a group's: a replica group healed from a peer adopts the
-        # peer's, so it stays one account whichever group leads (C5, C7).
+        # peer's, so it stays one account whichever group leads (C5 one MLflow run, C7
+        # all-or-nothing step).
         self.fault_tolerance.attach(self.model, self.optimizer, self.device, run_state=(
             lambda: self.ledger.to_dict(), lambda d: self.ledger.adopt(d)))
         self.stop_reason: str | None = None
@@ -232,7 +234,7 @@ class Trainer:
                 say(f"[elastic-gpt] no evaluation: {why}")
             return None
         evaluator = Evaluator(
-            val, samples=ev.samples, micro_batch_size=self.plan.micro_batch_size,
+            val, samples=ev.samples, micro_batch_size=self.batch_split.micro_batch_size,
             seq_len=self.gpt_cfg.seq_len, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
             count_rank=self.tp_rank == 0, device=self.device)
         if self.rank == 0 and not evaluator.has_byte_counts:
@@ -278,13 +280,14 @@ class Trainer:
         """What this group runs, so a log shows the choices `auto` settings made."""
         t = self.cfg.train
         policy = reshard_label(self.reshard_after_forward, t.reshard_after_forward)
+        split = self.batch_split
         return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.threads} thread(s) each | "
                 f"{self.dims.describe()} | "
                 f"model {self.n_params / 1e6:,.1f}M params, "
                 f"{str(self.compute_dtype).removeprefix('torch.')} | global batch "
-                f"{self.plan.global_batch_size} = micro-batches of {self.plan.micro_batch_size}, "
-                f"{self.plan.slots(self.dp_degree)} per data-parallel rank | "
+                f"{split.global_batch_size} = micro-batches of {split.micro_batch_size}, "
+                f"{split.slots(self.dp_degree)} per data-parallel rank | "
                 f"FSDP2 reshard_after_forward={policy}, grad_sync={t.grad_sync}")
 
     # ---- restore -----------------------------------------------------------------------------
@@ -303,8 +306,9 @@ class Trainer:
         state = latest.state
         self.step = state["step"]
         self.ledger = GoodputLedger.from_dict(state.get("ledger"))
-        assert state["samples_seen"] == self.step * self.plan.global_batch_size, \
-            "the global batch size changed inside a run (C1); the checkpoint's cursor disagrees"
+        assert state["samples_seen"] == self.step * self.batch_split.global_batch_size, \
+            "the global batch size changed inside a run (C1 fixed global batch); the checkpoint's " \
+            "cursor disagrees"
         if self.rank == 0:
             say(f"[elastic-gpt] resumed from {latest.url} at step {self.step} "
                 f"(saved by {state['world_size']} workers at tp {state.get('tp', 1)}, now "
@@ -314,12 +318,12 @@ class Trainer:
 
     def forward_backward(self, batch) -> torch.Tensor:
         """Accumulate this rank's gradients for one step; returns its summed token loss."""
-        cfg, plan = self.cfg, self.plan
+        cfg, batch_split = self.cfg, self.batch_split
         T = self.gpt_cfg.seq_len
-        global_tokens = plan.global_batch_size * T
+        global_tokens = batch_split.global_batch_size * T
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        first_mb = plan.rank_micro_batches(self.batch_rank, self.batch_degree).start
+        first_mb = batch_split.rank_micro_batches(self.batch_rank, self.batch_degree).start
         per_micro_batch_sync = cfg.train.grad_sync == "microbatch"
         for k, (tokens, weight) in enumerate(zip(batch.tokens, batch.weights)):
             tokens = tokens.to(self.device, non_blocking=True)
@@ -345,7 +349,7 @@ class Trainer:
                 # Each rank's loss is its share of the mean over exactly G*T tokens. FSDP averages
                 # gradients over the data-parallel ranks, so scaling by their number makes the
                 # reduction a sum: the gradient is the mean over exactly G sequences at any
-                # data-parallel degree, even with uneven micro-batches (C1).
+                # data-parallel degree, even with uneven micro-batches (C1 fixed global batch).
                 # Across replica groups the degree is all live groups' ranks, and the cross-group
                 # mean turns back into a sum the same way.
                 (summed * (weight * self.batch_degree / global_tokens)).backward()
@@ -400,8 +404,9 @@ class Trainer:
             [stats, grad_norm.detach().to(stats).reshape(1)]).tolist()
         if stop > 0:
             self.stop_reason = self.membership.reason or "membership change"
-        loss = loss_total / (self.plan.global_batch_size * self.gpt_cfg.seq_len)
-        # C7: the step is applied by every live replica group or by none (then re-done).
+        loss = loss_total / (self.batch_split.global_batch_size * self.gpt_cfg.seq_len)
+        # C7 all-or-nothing step: the step is applied by every live replica group or by none (then
+        # re-done).
         committed = self.fault_tolerance.should_commit(self.step, stats)
         if not committed:
             pass
@@ -423,7 +428,7 @@ class Trainer:
         """This rank's batches from self.step on, for its place in the step's split."""
         cfg = self.cfg
         return open_step_stream(
-            self.data, plan=self.plan, rank=self.batch_rank, world_size=self.batch_degree,
+            self.data, batch_split=self.batch_split, rank=self.batch_rank, world_size=self.batch_degree,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
             prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
 
@@ -431,15 +436,15 @@ class Trainer:
 
     def _flush_metrics(self) -> None:
         # The metrics of every step up to a checkpoint are made durable before the checkpoint is
-        # committed, so a hard kill right after a commit loses no step's record (C5).
+        # committed, so a hard kill right after a commit loses no step's record (C5 one MLflow run).
         if not self.metrics.flush(5.0):
             log.warning("step metrics not yet stored in MLflow at the step-%d checkpoint", self.step)
 
     def trainer_state(self) -> dict:
         return {
             "step": self.step,
-            "samples_seen": self.step * self.plan.global_batch_size,
-            "epoch": self.step * self.plan.global_batch_size // self.data.epoch_samples,
+            "samples_seen": self.step * self.batch_split.global_batch_size,
+            "epoch": self.step * self.batch_split.global_batch_size // self.data.epoch_samples,
             "world_size": self.world_size,
             "tp": self.dims.tp,
             "mlflow_run_id": self.mlflow_run_id,
@@ -447,7 +452,7 @@ class Trainer:
             "data": {**self.data.describe(), "seed": self.cfg.data.seed,
                      "shuffle_window": self.cfg.data.shuffle_window},
             "train_seed": self.cfg.train.seed,
-            "global_batch_size": self.plan.global_batch_size,
+            "global_batch_size": self.batch_split.global_batch_size,
             "ledger": self.ledger.to_dict(),
             "tokenizer": {"name": tokenizer_name(self.tokenizer), "eos_id": self.manifest.eos_id,
                           "vocab_size": self.manifest.vocab_size},
@@ -484,7 +489,7 @@ class Trainer:
             # restored, and the steps lost before it are not counted twice.
             self.membership.publish(self.step, None, self.ledger.to_dict())
         stream = self._open_stream()
-        tokens_per_step = self.plan.global_batch_size * self.gpt_cfg.seq_len
+        tokens_per_step = self.batch_split.global_batch_size * self.gpt_cfg.seq_len
         last = None
         try:
             end = min(cfg.train.max_steps, cfg.run.stop_at_step or cfg.train.max_steps)
@@ -532,9 +537,9 @@ class Trainer:
                     (self.peak * self.world_size),
                     mn.TRAIN_WORLD_SIZE: self.world_size,
                     # Micro-batches per rank of this step's split (over every live replica
-                    # group's ranks with replica groups, C7).
-                    mn.TRAIN_GRAD_ACCUM: self.plan.slots(self.batch_degree),
-                    mn.TRAIN_SAMPLES_SEEN: self.step * self.plan.global_batch_size,
+                    # group's ranks with replica groups, C7 all-or-nothing step).
+                    mn.TRAIN_GRAD_ACCUM: self.batch_split.slots(self.batch_degree),
+                    mn.TRAIN_SAMPLES_SEEN: self.step * self.batch_split.global_batch_size,
                     mn.TRAIN_STEP_TIME_S: step_time, mn.DATA_WAIT_S: t_data,
                     mn.DATA_FINGERPRINT: result.fingerprint,
                 }
@@ -542,8 +547,8 @@ class Trainer:
                     counts = self.data_order.source_counts(metrics[mn.TRAIN_SAMPLES_SEEN])
                     for source, count in zip(self.data.sources, counts):
                         metrics[mn.source_samples_seen(source.name)] = count
-                # One step numbering everywhere (C5): self.step is now the number of optimizer
-                # steps done, the console's "step k/N" and the checkpoint folder step_<k>.
+                # One step numbering everywhere (C5 one MLflow run): self.step is now the number of
+                # optimizer steps done, the console's "step k/N" and the checkpoint folder step_<k>.
                 self.metrics.log(metrics, self.step)
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
@@ -576,7 +581,7 @@ class Trainer:
         change = self.fault_tolerance.quorum_change()
         if change is None:
             return 0.0
-        event = self.ledger.on_membership(change.before, change.after, change.groups, self.step,
+        event = self.ledger.on_quorum_change(change.before, change.after, change.groups, self.step,
                                           waited_s=change.waited_s)
         if self.rank == 0 and self.fault_tolerance.leads:
             say(f"[elastic-gpt] {event['kind']}: {change.before} -> {change.after} of "
@@ -599,7 +604,8 @@ def _min_lr(cfg: Config) -> float:
     return cfg.train.min_lr if cfg.train.min_lr is not None else cfg.train.lr / 10
 
 
-def _device() -> torch.device:
+def worker_device() -> torch.device:
+    """The device this worker trains on (`tune` measures on the same one)."""
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
