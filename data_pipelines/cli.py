@@ -14,13 +14,12 @@ import json
 import logging
 import os
 import sys
-import traceback
 
 from data_pipelines.engines import ENGINES
 from data_pipelines.sources import BAD_UTF8_POLICIES
 from data_pipelines.tokenize_job import format_summary, prepare_data
 from elastic_gpt.console import setup_logging
-from elastic_gpt.errors import user_error_line
+from elastic_gpt.errors import exit_for_error
 
 PREPARE_DESCRIPTION = ("Tokenize text from any fsspec URL or glob into fixed-length token shards "
                        "plus manifest.json (a Ray Data job).")
@@ -126,16 +125,7 @@ def run_command(command: str, func, args: argparse.Namespace, verbose: bool = Fa
               "parts are kept)", file=sys.stderr)
         return 130
     except Exception as e:
-        line = user_error_line(e)
-        if line is None:  # not an error any check of ours names: a bug, so show where it is
-            traceback.print_exc()
-            print(f"{command}: internal error ({type(e).__name__}); this is a bug in "
-                  "data_pipelines, please report it with the traceback above", file=sys.stderr)
-            return 1
-        if verbose:
-            traceback.print_exc()
-        print(f"{command}: error: {line}", file=sys.stderr)
-        return 2
+        return exit_for_error(command, e, verbose, "data_pipelines")
 
 
 def build_parser(prog: str = "python -m data_pipelines prepare") -> argparse.ArgumentParser:

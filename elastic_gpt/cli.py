@@ -18,7 +18,7 @@ import traceback
 
 from elastic_gpt.arguments import non_negative_float, positive_int
 from elastic_gpt.console import first_line, say, setup_logging
-from elastic_gpt.errors import FailureBudgetSpent, user_error_line
+from elastic_gpt.errors import FailureBudgetSpent, exit_for_error
 
 
 def _train(args) -> int:
@@ -142,16 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: failed: {first_line(e)}", file=sys.stderr)
         return 1
     except Exception as e:
-        line = user_error_line(e)
-        if line is None:  # not an error any check of ours names: a bug, so show where it is
-            traceback.print_exc()
-            print(f"{prog}: internal error ({type(e).__name__}); this is a bug in elastic-gpt, "
-                  "please report it with the traceback above", file=sys.stderr)
-            return 1
-        if args.verbose:
-            traceback.print_exc()
-        print(f"{prog}: error: {line}", file=sys.stderr)
-        return 2
+        return exit_for_error(prog, e, args.verbose, "elastic-gpt")
 
 
 if __name__ == "__main__":

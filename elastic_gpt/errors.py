@@ -15,6 +15,8 @@ name), so the Trainer can raise and classify without importing Ray, botocore or 
 from __future__ import annotations
 
 import errno
+import sys
+import traceback
 
 from elastic_gpt.console import first_line
 
@@ -175,3 +177,19 @@ def user_error_line(exc: BaseException) -> str | None:
             return f"a service did not answer ({first_line(e)}); check the address and the network"
     return None
 
+
+
+def exit_for_error(prog: str, exc: BaseException, verbose: bool, project: str) -> int:
+    """Print what a command-line user sees for `exc` and return the exit code: one line and 2
+    for an error they can fix (the traceback too with --verbose), the traceback and 1 for a bug
+    (`project` names who to report it to)."""
+    line = user_error_line(exc)
+    if line is None:  # not an error any check of ours names: a bug, so show where it is
+        traceback.print_exception(exc)
+        print(f"{prog}: internal error ({type(exc).__name__}); this is a bug in {project}, "
+              "please report it with the traceback above", file=sys.stderr)
+        return 1
+    if verbose:
+        traceback.print_exception(exc)
+    print(f"{prog}: error: {line}", file=sys.stderr)
+    return 2

@@ -12,6 +12,7 @@ from elastic_gpt.errors import (
     ElasticRestart,
     FatalTrainingError,
     StorageFullError,
+    exit_for_error,
     permanent_failure,
     user_error_line,
 )
@@ -115,3 +116,25 @@ def test_user_errors_get_one_line(make, line):
                                   lambda: RuntimeError("z"), lambda: TypeError("w")])
 def test_bugs_get_no_line_so_the_cli_shows_the_traceback(make):
     assert user_error_line(make()) is None
+
+
+def test_the_command_line_boundary_prints_one_line_for_a_user_error_and_a_traceback_for_a_bug(
+        capsys):
+    def bad_input():
+        raise ValueError("data.path is empty; point it")
+
+    user = raised(bad_input)
+    assert exit_for_error("prog x", user, verbose=False, project="proj") == 2
+    err = capsys.readouterr().err
+    assert err == "prog x: error: data.path is empty; point it\n"
+
+    assert exit_for_error("prog x", user, verbose=True, project="proj") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.endswith("prog x: error: data.path is empty; point it\n")
+
+    bug = raised(lambda: {}["missing"])
+    assert exit_for_error("prog x", bug, verbose=False, project="proj") == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError" in err
+    assert err.endswith("prog x: internal error (KeyError); this is a bug in proj, please report "
+                        "it with the traceback above\n")

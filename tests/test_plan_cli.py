@@ -3,24 +3,16 @@ forced --tp / --hsdp, and bad input as one line with exit code 2 (pure Python)."
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import yaml
+from planner_helpers import cli
 
 from elastic_gpt.cli import main
 from elastic_gpt.config import load_config
-from elastic_gpt.planner.cli import add_cli_arguments, inputs_from_args, run_from_args
+from elastic_gpt.planner.cli import inputs_from_args, run_from_args
 from elastic_gpt.planner.inputs import PlanInputs
 from elastic_gpt.planner.report import plan_summary, training_config
 from elastic_gpt.planner.training_plan import plan_training, trainer_parallel_keys
-
-
-def cli(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    return parser.parse_args(list(argv))
-
 
 # ----------------------------------------------------------------------------- CLI
 

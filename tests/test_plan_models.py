@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from planner_helpers import within
 
 from elastic_gpt.hardware import get_gpu
 from elastic_gpt.model.gpt import GPTConfig, preset_config
@@ -27,11 +28,6 @@ from elastic_gpt.planner.step_time import (
     tp_traffic,
 )
 from elastic_gpt.planner.training_plan import plan_training
-
-
-def within(value: float, expected: float, rel: float = 0.10) -> bool:
-    return abs(value - expected) <= rel * abs(expected)
-
 
 # ----------------------------------------------------------------------------- published results
 

@@ -3,17 +3,17 @@ formulas, the layouts it weighs, and the config it writes (pure Python)."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
 import yaml
+from planner_helpers import cli, load_config_from
 
 from elastic_gpt.cli import main
 from elastic_gpt.config import load_config
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.model.gpt import preset_config
-from elastic_gpt.planner.cli import add_cli_arguments, run_from_args
+from elastic_gpt.planner.cli import run_from_args
 from elastic_gpt.planner.inputs import PlanInputs
 from elastic_gpt.planner.memory import model_shape
 from elastic_gpt.planner.reliability import goodput
@@ -26,20 +26,6 @@ from elastic_gpt.planner.replica_group_model import (
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
 from elastic_gpt.planner.step_time import Network, make_mesh, ring_bytes, step_time
 from elastic_gpt.planner.training_plan import plan_training
-
-
-def cli(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def load_config_from(written: dict, tmp_path):
-    """A config the planner wrote, through the trainer's own loader and validation."""
-    out = tmp_path / "written.yaml"
-    out.write_text(yaml.safe_dump(written))
-    return load_config(str(out), ["data.path=/tmp/any-dataset"])
-
 
 A100_175B = dict(model="gpt3-175b", gpu="A100-80GB", tokens=300e9)
 

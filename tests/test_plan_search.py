@@ -4,41 +4,23 @@ nothing fits (pure Python)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
 import pytest
 import yaml
+from planner_helpers import cli, load_config_from, within
 
-from elastic_gpt.config import load_config
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
 from elastic_gpt.model.gpt import preset_config
-from elastic_gpt.planner.cli import add_cli_arguments, inputs_from_args, run_from_args
+from elastic_gpt.planner.cli import inputs_from_args, run_from_args
 from elastic_gpt.planner.inputs import DAY, PlanError, PlanInputs
 from elastic_gpt.planner.memory import memory_per_gpu, model_shape, training_flops_per_token
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
 from elastic_gpt.planner.search import tp_problem
 from elastic_gpt.planner.step_time import Network
 from elastic_gpt.planner.training_plan import default_global_batch, default_lr, plan_training
-
-
-def within(value: float, expected: float, rel: float = 0.10) -> bool:
-    return abs(value - expected) <= rel * abs(expected)
-
-
-def cli(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cli_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def load_config_from(written: dict, tmp_path):
-    """A config the planner wrote, through the trainer's own loader and validation."""
-    out = tmp_path / "written.yaml"
-    out.write_text(yaml.safe_dump(written))
-    return load_config(str(out), ["data.path=/tmp/any-dataset"])
 
 
 def test_plan_picks_a_fitting_config_and_reports_throughput():
