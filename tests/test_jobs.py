@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 
@@ -292,3 +293,38 @@ def test_submit_stop_resubmit_resumes_the_same_run(nodes, stdlib_dataset, tmp_pa
     bad_logs = nodes.ray("logs", "job-missing-config").stdout
     assert "elastic-gpt train: error: config file jobs/configs/missing.yaml does not exist" in bad_logs
     assert "Traceback" not in bad_logs
+
+
+def test_the_data_pipelines_run_as_ray_jobs(nodes, tmp_path):
+    """`python -m data_pipelines prepare` as a Ray Data job on the cluster and the compatible
+    `jobs/prepare_data.py` in one process, submitted side by side: both commit a dataset, and the
+    same input makes the same shards whichever way it ran."""
+    from elastic_gpt.data.manifest import load_manifest, validation_url
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:12]
+    out = {"ray": str(tmp_path / "ray"), "local": str(tmp_path / "local")}
+    for engine, command in (("ray", ["-m", "data_pipelines", "prepare"]),
+                            ("local", ["jobs/prepare_data.py"])):
+        sub = nodes.ray("submit", "--submission-id", f"prepare-{engine}", "--working-dir", ".",
+                        "--runtime-env", "jobs/runtime_env.yaml", "--no-wait", "--", "python",
+                        *command, "--input", *files, "--output", out[engine], "--tokenizer",
+                        "bytes", "--seq-len", "64", "--part-bytes", "64KB", "--val-docs", "2",
+                        "--engine", engine, "--no-progress")
+        assert sub.returncode == 0, sub.stdout + sub.stderr
+    for engine in out:
+        job = f"prepare-{engine}"
+        assert wait_for_status(nodes, job, {"SUCCEEDED", "FAILED"}, 240) == "SUCCEEDED", \
+            nodes.ray("logs", job).stdout[-4000:]
+    train = {engine: load_manifest(url) for engine, url in out.items()}
+    val = {engine: load_manifest(validation_url(url)) for engine, url in out.items()}
+    assert len(train["ray"].shards) > 1 and train["ray"].num_samples > 0
+    for manifests in (train, val):
+        assert manifests["ray"].shards == manifests["local"].shards
+        assert manifests["ray"].num_samples == manifests["local"].num_samples
+    assert sorted(os.listdir(out["ray"])) == sorted(os.listdir(out["local"]))
+    for name in os.listdir(out["ray"]):
+        if name.endswith((".bin", ".idx")):
+            with open(os.path.join(out["ray"], name), "rb") as a, \
+                    open(os.path.join(out["local"], name), "rb") as b:
+                assert a.read() == b.read(), name
