@@ -1,6 +1,7 @@
 """Run it where users run it: `ray job submit` against a head started with `ray start --head` and a
 second node started with `ray start --address`, then `ray job stop` and a resubmit that resumes
-the same run (C5 one MLflow run). Also what a submission with bad input says (C6 clear errors).
+the same run (C5 one MLflow run); what a submission with bad input says (C6 clear errors); and
+the data pipelines submitted as Ray jobs.
 
 The Ray nodes are `ray start --block` processes of our own: SIGTERM to their pids stops every
 process they started (never the stop-everything CLI, which would also stop clusters it did not start)."""
@@ -296,35 +297,48 @@ def test_submit_stop_resubmit_resumes_the_same_run(nodes, stdlib_dataset, tmp_pa
 
 
 def test_the_data_pipelines_run_as_ray_jobs(nodes, tmp_path):
-    """`python -m data_pipelines prepare` as a Ray Data job on the cluster and the compatible
-    `jobs/prepare_data.py` in one process, submitted side by side: both commit a dataset, and the
-    same input makes the same shards whichever way it ran."""
+    """`python -m data_pipelines prepare` as a Ray Data job over the cluster's nodes and the
+    compatible `jobs/prepare_data.py` in one process, both writing to S3
+    (a real S3-protocol server on loopback: a multi-node job needs storage every node sees):
+    both commit a dataset, and the same input makes the same shards whichever way it ran."""
     from elastic_gpt.data.manifest import load_manifest, validation_url
+    from elastic_gpt.testing.s3_server import S3Server
 
-    stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:12]
-    out = {"ray": str(tmp_path / "ray"), "local": str(tmp_path / "local")}
-    for engine, command in (("ray", ["-m", "data_pipelines", "prepare"]),
-                            ("local", ["jobs/prepare_data.py"])):
-        sub = nodes.ray("submit", "--submission-id", f"prepare-{engine}", "--working-dir", ".",
-                        "--runtime-env", "jobs/runtime_env.yaml", "--no-wait", "--", "python",
-                        *command, "--input", *files, "--output", out[engine], "--tokenizer",
-                        "bytes", "--seq-len", "64", "--part-bytes", "64KB", "--val-docs", "2",
-                        "--engine", engine, "--no-progress")
-        assert sub.returncode == 0, sub.stdout + sub.stderr
-    for engine in out:
-        job = f"prepare-{engine}"
-        assert wait_for_status(nodes, job, {"SUCCEEDED", "FAILED"}, 240) == "SUCCEEDED", \
-            nodes.ray("logs", job).stdout[-4000:]
-    train = {engine: load_manifest(url) for engine, url in out.items()}
-    val = {engine: load_manifest(validation_url(url)) for engine, url in out.items()}
-    assert len(train["ray"].shards) > 1 and train["ray"].num_samples > 0
-    for manifests in (train, val):
-        assert manifests["ray"].shards == manifests["local"].shards
-        assert manifests["ray"].num_samples == manifests["local"].num_samples
-    assert sorted(os.listdir(out["ray"])) == sorted(os.listdir(out["local"]))
-    for name in os.listdir(out["ray"]):
-        if name.endswith((".bin", ".idx")):
-            with open(os.path.join(out["ray"], name), "rb") as a, \
-                    open(os.path.join(out["local"], name), "rb") as b:
-                assert a.read() == b.read(), name
+    server = S3Server()
+    try:
+        bucket, options = server.make_bucket(), server.storage_options()
+        stdlib = sysconfig.get_paths()["stdlib"]
+        fs = server.filesystem()
+        for name in sorted(f for f in os.listdir(stdlib) if f.endswith(".py"))[:12]:
+            fs.put(os.path.join(stdlib, name), f"{bucket}/raw/{name}")
+        out = {"ray": f"s3://{bucket}/ray", "local": f"s3://{bucket}/local"}
+        # One after the other: the nodes of this test share one machine and so one session
+        # folder, and each node unpacks a job's working dir there when it first needs it,
+        # replacing the copy a running job on the other node stands in.
+        for engine, command in (("ray", ["-m", "data_pipelines", "prepare"]),
+                                ("local", ["jobs/prepare_data.py"])):
+            job = f"prepare-{engine}"
+            sub = nodes.ray("submit", "--submission-id", job, "--working-dir", ".",
+                            "--runtime-env", "jobs/runtime_env.yaml", "--", "python", *command,
+                            "--input", f"s3://{bucket}/raw/*.py", "--output", out[engine],
+                            "--storage-options", json.dumps(options), "--tokenizer", "bytes",
+                            "--seq-len", "64", "--part-bytes", "64KB", "--val-docs", "2",
+                            "--engine", engine, "--no-progress")
+            assert wait_for_status(nodes, job, {"SUCCEEDED", "FAILED"}, 60) == "SUCCEEDED", \
+                sub.stdout[-4000:] + sub.stderr[-2000:]
+            assert f"prepared {out[engine]}:" in sub.stdout and f"tokenizing ({engine})" in \
+                sub.stdout, sub.stdout[-4000:]
+        train = {e: load_manifest(url, options) for e, url in out.items()}
+        val = {e: load_manifest(validation_url(url), options) for e, url in out.items()}
+        assert len(train["ray"].shards) > 1 and train["ray"].num_samples > 0
+        for manifests in (train, val):
+            assert manifests["ray"].shards == manifests["local"].shards
+            assert manifests["ray"].num_samples == manifests["local"].num_samples
+        names = {e: sorted(p.rsplit("/", 1)[1] for p in fs.ls(url.removeprefix("s3://")))
+                 for e, url in out.items()}
+        assert names["ray"] == names["local"] and "manifest.json" in names["ray"]
+        for name in names["ray"]:
+            if name.endswith((".bin", ".idx")):
+                assert fs.cat(f"{bucket}/ray/{name}") == fs.cat(f"{bucket}/local/{name}"), name
+    finally:
+        server.stop()
