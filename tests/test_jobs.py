@@ -71,8 +71,11 @@ class RayNodes:
     def _start_nodes(self) -> None:
         self._wait_for_job_server()
         for attempt in range(3):  # Ray gives a raylet 30 s to register: too short on a busy box
+            # A temp folder of its own, as on a machine of its own: each node unpacks a job's
+            # working dir into its session folder, and in a shared one the worker's unpacking
+            # would replace the files under a job's driver on the head.
             self._start(f"worker{attempt}", f"--address=127.0.0.1:{self.gcs_port}",
-                        "--num-cpus=1", *self._ports())
+                        "--num-cpus=1", f"--temp-dir={self.temp_dir}/w{attempt}", *self._ports())
             if self._wait_for_nodes(2, worker=self.procs[-1]):
                 return
         raise AssertionError("the worker node did not join:\n" + self._tail("worker2"))
@@ -312,9 +315,6 @@ def test_the_data_pipelines_run_as_ray_jobs(nodes, tmp_path):
         for name in sorted(f for f in os.listdir(stdlib) if f.endswith(".py"))[:12]:
             fs.put(os.path.join(stdlib, name), f"{bucket}/raw/{name}")
         out = {"ray": f"s3://{bucket}/ray", "local": f"s3://{bucket}/local"}
-        # One after the other: the nodes of this test share one machine and so one session
-        # folder, and each node unpacks a job's working dir there when it first needs it,
-        # replacing the copy a running job on the other node stands in.
         for engine, command in (("ray", ["-m", "data_pipelines", "prepare"]),
                                 ("local", ["jobs/prepare_data.py"])):
             job = f"prepare-{engine}"
