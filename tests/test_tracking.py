@@ -166,11 +166,14 @@ def test_finish_run_publishes_the_ledger_and_survives_a_failing_model_export(tmp
     assert "config/resolved.yaml" in [f.path for f in client.list_artifacts(run_id, "config")]
 
 
-def test_experiment_is_marked_as_model_training(tmp_path):
+def test_experiment_is_marked_as_model_training(tmp_path, monkeypatch):
     """MLflow 3 reads the experiment-kind tag to choose the experiment's view; without it an
     experiment reads as GenAI. New experiments get it, old ones that lack it too; a kind a user
     chose is kept."""
     import mlflow
+    # Experiments made here with MLflow's defaults keep their artifacts in ./mlruns: the
+    # test's folder, not the checkout.
+    monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     resolve_run(uri, "new", "r", None, {})
