@@ -178,7 +178,6 @@ def user_error_line(exc: BaseException) -> str | None:
     return None
 
 
-
 def exit_for_error(prog: str, exc: BaseException, verbose: bool, project: str) -> int:
     """Print what a command-line user sees for `exc` and return the exit code: one line and 2
     for an error they can fix (the traceback too with --verbose), the traceback and 1 for a bug

@@ -331,9 +331,8 @@ def test_the_data_pipelines_run_as_ray_jobs(nodes, tmp_path):
         train = {e: load_manifest(url, options) for e, url in out.items()}
         val = {e: load_manifest(validation_url(url), options) for e, url in out.items()}
         assert len(train["ray"].shards) > 1 and train["ray"].num_samples > 0
-        for manifests in (train, val):
+        for manifests in (train, val):  # shard by shard: sizes, sample counts, sha256
             assert manifests["ray"].shards == manifests["local"].shards
-            assert manifests["ray"].num_samples == manifests["local"].num_samples
         names = {e: sorted(p.rsplit("/", 1)[1] for p in fs.ls(url.removeprefix("s3://")))
                  for e, url in out.items()}
         assert names["ray"] == names["local"] and "manifest.json" in names["ray"]
