@@ -35,12 +35,11 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_gpt.config import load_config
+    from elastic_gpt.cost_model.memory import model_shape
+    from elastic_gpt.cost_model.memory_settings import resolve_memory_settings
+    from elastic_gpt.hardware import gpu_for_device
     from elastic_gpt.model.gpt import GPT, flops_per_token, preset_config, token_losses
-    from elastic_gpt.parallel.fsdp import (
-        init_sharded_weights,
-        parallelize,
-        resolve_reshard_after_forward,
-    )
+    from elastic_gpt.parallel.fsdp import device_memory_bytes, init_sharded_weights, parallelize
     from elastic_gpt.train.optimizer import build_optimizer
     from elastic_gpt.train.throughput import peak_flops
 
@@ -49,8 +48,12 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     with torch.device("meta"):
         model = GPT(cfg)
     # What the trainer's default (train.reshard_after_forward=auto) resolves to on this device.
-    reshard = resolve_reshard_after_forward(
-        "auto", sum(p.numel() for p in model.parameters()), torch.bfloat16, device)
+    reshard = resolve_memory_settings(
+        model_shape(cfg), world_size=1, tp=1, workers_per_node=[1], micro_batch=batch,
+        micro_batches_per_rank=1, activation_checkpointing=ac, dtype="bfloat16",
+        device_bytes=device_memory_bytes(device),
+        gpu=gpu_for_device(torch.cuda.get_device_name(device)) if cuda else None,
+    ).reshard_after_forward
     parallelize(model, init_device_mesh(device.type, (1,)), compute_dtype=torch.bfloat16,
                 activation_checkpointing=ac, compile=compile, reshard_after_forward=reshard)
     model.to_empty(device=device)

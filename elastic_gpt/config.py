@@ -131,11 +131,13 @@ class TrainSection:
     reshard_after_forward: Literal["auto", "always", "never"] = "auto"
     """always: free each block's gathered weights after forward and gather again in backward
     (ZeRO-3, least memory, 2L - 1 all-gathers per micro-batch); never: keep them from a step's
-    first forward to its last backward (L all-gathers per step); auto: never while the gathered
-    model fits in 1/8 of every worker's memory. `elastic-gpt plan` writes always or never."""
-    grad_sync: Literal["step", "microbatch"] = "step"
+    first forward to its last backward (L all-gathers per step); auto: as the planner would
+    choose for this group, from its memory and step-time models (docs/planner.md, "Settings
+    resolved at run time"). `elastic-gpt plan` writes always or never."""
+    grad_sync: Literal["auto", "step", "microbatch"] = "auto"
     """step: reduce-scatter gradients once per step, after the last micro-batch (fp32 gradients
-    accumulate unsharded); microbatch: after every micro-batch (sharded, more communication)."""
+    accumulate unsharded: 4 bytes per parameter of a tensor-parallel rank); microbatch: after
+    every micro-batch (sharded, more communication); auto: as the planner would choose."""
     seed: int = 0
     """Seeds weight init and dropout (dropout RNG is derived from (seed, step, micro-batch))."""
     log_every: AtLeastOne = 1
@@ -169,7 +171,8 @@ class ParallelSection:
     hsdp: Literal["auto", "on", "off"] = "auto"
     """on: FSDP shards within a node and replicates across nodes (all-gathers stay on the
     intra-node links, gradients are all-reduced across nodes); off: one FSDP group over every
-    data-parallel rank; auto: on when the group spans nodes with the same worker count each."""
+    data-parallel rank; auto: as the planner would choose for this group (on needs nodes with the
+    same worker count, and a node's share of the model state on every GPU)."""
 
 
 @dataclass

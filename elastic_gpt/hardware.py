@@ -21,6 +21,8 @@ from pathlib import Path
 import yaml
 
 GiB = 1024**3
+GB = 1e9
+"""Bandwidths are in GB/s = 1e9 bytes/s; memory is reported in GiB."""
 PRICES_AS_OF = "2025-06"
 
 

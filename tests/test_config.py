@@ -45,7 +45,7 @@ def test_file_then_overrides():
     (["train.dtype=fp8"], "train.dtype='fp8' must be auto, float32 or bfloat16"),
     (["train.reshard_after_forward=sometimes"],
      "train.reshard_after_forward='sometimes' must be auto, always or never"),
-    (["train.grad_sync=never"], "train.grad_sync='never' must be step or microbatch"),
+    (["train.grad_sync=never"], "train.grad_sync='never' must be auto, step or microbatch"),
     (["scaling.use_gpu=sometimes"], "scaling.use_gpu='sometimes' must be auto, true or false"),
     (["scaling.use_gpu=1"], "scaling.use_gpu=1 must be auto, true or false"),
     (["checkpoint.async_save=yes please"], "checkpoint.async_save='yes please' must be true or false"),

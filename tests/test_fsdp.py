@@ -6,6 +6,8 @@ which must fail the test when any rank fails."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -73,15 +75,18 @@ def test_gradient_accumulation_equals_one_large_batch(single, stdlib_dataset, tm
         torch.testing.assert_close(big["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def _agree_worker(rank: int, world: int) -> dict:
-    from elastic_gpt.parallel.fsdp import agree_on_resharding
-    mixed = agree_on_resharding(rank == 1, torch.device("cpu"))  # only rank 1 lacks memory
-    neither = agree_on_resharding(False, torch.device("cpu"))
-    return {"mixed": mixed, "neither": neither}
+def _device_bytes_worker(rank: int, world: int) -> dict:
+    from elastic_gpt.parallel.fsdp import device_memory_bytes, group_device_bytes
+    # As on nodes of different sizes: rank 1 shares its host with 3 other workers.
+    os.environ["LOCAL_WORLD_SIZE"] = "4" if rank == 1 else "1"
+    return {"own": device_memory_bytes(torch.device("cpu")),
+            "group": group_device_bytes(torch.device("cpu"))}
 
 
-def test_ranks_agree_to_reshard_when_any_one_needs_to():
-    assert run_gloo(_agree_worker, 2) == [{"mixed": True, "neither": False}] * 2
+def test_ranks_resolve_memory_settings_from_the_smallest_device_of_the_group():
+    got = run_gloo(_device_bytes_worker, 2)
+    assert got[1]["own"] < got[0]["own"]
+    assert [g["group"] for g in got] == [got[1]["own"]] * 2
 
 
 def _fails_on_rank_1(rank: int, world: int) -> None:

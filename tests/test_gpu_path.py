@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 from elastic_gpt.config import load_config
 from elastic_gpt.model.gpt import GPT, GPTConfig, preset_config, token_losses
 from elastic_gpt.parallel.fsdp import (
+    device_memory_bytes,
     init_sharded_weights,
     mixed_precision_policy,
     parallelize,
     resolve_dtype,
-    resolve_reshard_after_forward,
 )
 from elastic_gpt.testing.gloo import gloo_group
 from elastic_gpt.torch_internals import CheckpointWrapper
@@ -54,23 +54,19 @@ def test_resolve_dtype_picks_bf16_only_on_cuda():
     assert resolve_dtype("float32", torch.device("cuda")) == torch.float32
 
 
-def test_reshard_after_forward_auto_keeps_the_gathered_model_only_while_it_is_small(monkeypatch):
-    cpu, gib = torch.device("cpu"), 1 << 30
-    assert resolve_reshard_after_forward("always", 10, torch.float32, cpu) is True
-    assert resolve_reshard_after_forward("never", 10**12, torch.float32, cpu) is False
+def test_a_worker_counts_on_its_gpu_or_its_share_of_the_host(monkeypatch):
+    gib = 1 << 30
     # The GPU's memory: a stand-in for torch.cuda, which this machine lacks (80 GiB, an H100).
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: type("Props", (), {"total_memory": 80 * gib})())
-    h100 = torch.device("cuda", 0)
-    assert resolve_reshard_after_forward("auto", 1_300_000_000, torch.bfloat16, h100) is False
-    assert resolve_reshard_after_forward("auto", 7_000_000_000, torch.bfloat16, h100) is True
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert device_memory_bytes(torch.device("cuda", 0)) == 80 * gib
     # On CPU the host's memory is shared by the workers of the node.
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    n = host // 4 // 10  # fp32 gathered model = 1/10 of the host
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert resolve_reshard_after_forward("auto", n, torch.float32, cpu) is False
+    assert device_memory_bytes(torch.device("cpu")) == host
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert resolve_reshard_after_forward("auto", n, torch.float32, cpu) is True
+    assert device_memory_bytes(torch.device("cpu")) == host // 2
 
 
 @pytest.mark.parametrize("reshard", [True, False])

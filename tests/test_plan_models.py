@@ -8,18 +8,14 @@ import dataclasses
 import pytest
 from planner_helpers import within
 
-from elastic_gpt.hardware import get_gpu
-from elastic_gpt.model.gpt import GPTConfig, preset_config
-from elastic_gpt.planner.inputs import DAY, PlanInputs
-from elastic_gpt.planner.memory import (
+from elastic_gpt.cost_model.memory import (
     activation_bytes_per_layer,
     memory_per_gpu,
     model_shape,
     training_flops_per_token,
     zero_model_state_bytes,
 )
-from elastic_gpt.planner.reliability import goodput, optimal_interval_s, young_interval_s
-from elastic_gpt.planner.step_time import (
+from elastic_gpt.cost_model.step_time import (
     Network,
     make_mesh,
     ring_bytes,
@@ -27,6 +23,10 @@ from elastic_gpt.planner.step_time import (
     time_to_train_s,
     tp_traffic,
 )
+from elastic_gpt.hardware import get_gpu
+from elastic_gpt.model.gpt import GPTConfig, preset_config
+from elastic_gpt.planner.inputs import DAY, PlanInputs
+from elastic_gpt.planner.reliability import goodput, optimal_interval_s, young_interval_s
 from elastic_gpt.planner.training_plan import plan_training
 
 # ----------------------------------------------------------------------------- published results

@@ -11,11 +11,12 @@ from planner_helpers import cli, load_config_from
 
 from elastic_gpt.cli import main
 from elastic_gpt.config import load_config
+from elastic_gpt.cost_model.memory import model_shape
+from elastic_gpt.cost_model.step_time import Network, make_mesh, ring_bytes, step_time
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.model.gpt import preset_config
 from elastic_gpt.planner.cli import run_from_args
 from elastic_gpt.planner.inputs import PlanInputs
-from elastic_gpt.planner.memory import model_shape
 from elastic_gpt.planner.reliability import goodput
 from elastic_gpt.planner.replica_group_model import (
     COLLECTIVE_TIMEOUT_S,
@@ -24,7 +25,6 @@ from elastic_gpt.planner.replica_group_model import (
     replica_groups_problem,
 )
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
-from elastic_gpt.planner.step_time import Network, make_mesh, ring_bytes, step_time
 from elastic_gpt.planner.training_plan import plan_training
 
 A100_175B = dict(model="gpt3-175b", gpu="A100-80GB", tokens=300e9)

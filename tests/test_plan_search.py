@@ -11,15 +11,15 @@ import pytest
 import yaml
 from planner_helpers import cli, load_config_from, within
 
+from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape, training_flops_per_token
+from elastic_gpt.cost_model.step_time import Network
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GPUS, get_gpu, load_overrides
 from elastic_gpt.model.gpt import preset_config
 from elastic_gpt.planner.cli import inputs_from_args, run_from_args
 from elastic_gpt.planner.inputs import DAY, PlanError, PlanInputs
-from elastic_gpt.planner.memory import memory_per_gpu, model_shape, training_flops_per_token
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
 from elastic_gpt.planner.search import tp_problem
-from elastic_gpt.planner.step_time import Network
 from elastic_gpt.planner.training_plan import default_global_batch, default_lr, plan_training
 
 

@@ -360,6 +360,30 @@ def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
     assert mn.SYSTEM_CPU_PERCENT in client.get_run(run_id).data.metrics
 
 
+def test_metric_logger_params_a_run_already_holds_never_hold_back_the_metrics(tmp_path, caplog):
+    import mlflow
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    client.log_param(run_id, "resolved.w2.grad_sync", "step")  # an earlier attempt's
+    logger = MetricLogger(uri, run_id, flush_every_s=60, system_every_s=None)
+    with caplog.at_level("WARNING"):
+        # One batch: w2's is refused (params are immutable), w4's is new.
+        logger.log_params({"resolved.w2.grad_sync": "microbatch",
+                           "resolved.w4.grad_sync": "microbatch"})
+        logger.log({mn.TRAIN_LOSS: 0.5}, 1)
+        assert logger.flush(timeout_s=60)
+        logger.log({mn.TRAIN_LOSS: 0.25}, 2)
+        assert logger.flush(timeout_s=60)
+    logger.close()
+    params = client.get_run(run_id).data.params
+    assert params["resolved.w2.grad_sync"] == "step"
+    assert [m.step for m in client.get_metric_history(run_id, mn.TRAIN_LOSS)] == [1, 2]
+    assert params["resolved.w4.grad_sync"] == "microbatch"  # sent with the refused one
+    assert any("kept the run's earlier value of resolved.w2.grad_sync" in r.message
+               for r in caplog.records)
+
+
 @pytest.mark.slow  # bound by MLflow's retry back-off, not by CPU
 def test_unreachable_server_degrades_quickly_with_a_warning(caplog):
     uri = f"http://user:{PASSWORD}@127.0.0.1:{free_port()}"  # nothing listens there

@@ -191,6 +191,9 @@ def test_the_loop_calls_the_fault_tolerance_hooks_at_fixed_points(stdlib_dataset
         def log(self, metrics, step):
             self.logged.append((step, metrics[mn.TRAIN_LOSS], metrics[mn.DATA_FINGERPRINT]))
 
+        def log_params(self, params):
+            pass
+
         def flush(self, timeout_s):
             return True
 

@@ -11,8 +11,8 @@ import pytest
 
 from elastic_gpt.cli import build_parser, main
 from elastic_gpt.config import load_config
+from elastic_gpt.cost_model.memory import model_shape
 from elastic_gpt.data.manifest import load_manifest
-from elastic_gpt.planner.memory import model_shape
 from elastic_gpt.planner.tune import pick_winner, tuned_config_dict
 from elastic_gpt.planner.tune_candidates import (
     TrainSettings,
@@ -192,7 +192,7 @@ def test_tune_measures_tp_next_to_fsdp_and_writes_the_winners_layout(
     for row, pred in zip(rows, res["predicted_bytes"]):
         cand = TrainSettings(4, row["activation_checkpointing"], False, row["tp"])
         assert pred == pytest.approx(predicted_bytes(
-            shape, 2, 8, cand, "float32", False, grad_sync=cfg.train.grad_sync,
+            shape, 2, 8, cand, "float32", False, grad_sync=row["grad_sync"],
             reshard_after_forward=row["reshard_after_forward"], dp_shard=row["dp_shard"]))
     by_tp = {(r["tp"], r["activation_checkpointing"]): p
              for r, p in zip(rows, res["predicted_bytes"])}
@@ -221,13 +221,14 @@ def test_the_planner_column_predicts_what_the_trainer_ran(stdlib_dataset, ray_cl
     printed = capsys.readouterr().out
     assert rc == 0, printed
     res = json.loads(table.read_text())
-    assert res["reshard_after_forward"] is resharded and res["grad_sync"] == grad_sync
-    assert f"reshard_after_forward={'always' if resharded else 'never (auto)'}" in printed
+    label = "always" if resharded else "never (auto)"
+    assert res["reshard_after_forward"] == label and res["grad_sync"] == grad_sync
+    assert f"reshard_after_forward={label}" in printed
     cfg = load_config("jobs/configs/mini.yaml", overrides(tmp_path, stdlib_dataset, *extra))
     shape = model_shape(model_config_for(cfg, load_manifest(stdlib_dataset)))
     assert shape.cfg.n_layer == 4
     for row, pred in zip(res["rows"], res["predicted_bytes"]):
-        assert row["reshard_after_forward"] is resharded, row
+        assert row["reshard_after_forward"] is resharded and row["grad_sync"] == grad_sync, row
         cand = TrainSettings(row["micro_batch"], row["activation_checkpointing"], row["compile"])
         ran = predicted_bytes(shape, 2, 8, cand, "float32", False, grad_sync=grad_sync,
                               reshard_after_forward=resharded)

@@ -81,41 +81,22 @@ def shard_placement(param: torch.nn.Parameter) -> Shard | None:
     return None
 
 
-# `reshard_after_forward: auto` keeps the gathered weights when they take at most this share of
-# the device's memory. Keeping them (through backward and across the micro-batches of a step, see
-# Trainer.forward_backward) turns (2L - 1) all-gathers per micro-batch into L per step; on 2 CPU
-# workers over gloo a step took 7-16% less time (docs/performance.md). ZeRO-3's memory saving only
-# matters when the gathered model is a large part of the memory. The planner decides per plan
-# from its memory model and writes an explicit always/never (docs/planner.md).
-KEEP_GATHERED_MAX_FRACTION = 1 / 8
-
-
-def resolve_reshard_after_forward(policy: str, n_params: int, compute_dtype: torch.dtype,
-                                  device: torch.device) -> bool:
-    """This rank's wish. always: ZeRO-3 (re-gather each block in backward, every micro-batch);
-    never: keep the gathered weights from the first forward of a step to its last backward (one
-    all-gather per block per step); auto: never while the gathered weights fit in
-    KEEP_GATHERED_MAX_FRACTION of the device's memory. Ranks must agree (`agree_on_resharding`)."""
-    if policy in ("always", "never"):
-        return policy == "always"
-    gathered = n_params * compute_dtype.itemsize
-    return gathered > KEEP_GATHERED_MAX_FRACTION * device_memory_bytes(device)
-
-
-def agree_on_resharding(wish: bool, device: torch.device) -> bool:
-    """Reshard if any rank needs to: `auto` reads each worker's own memory, and workers on nodes
-    of different sizes could decide differently, pairing one rank's backward re-gathers with
-    another rank's next collective (a hang or a wrong result)."""
+def group_device_bytes(device: torch.device) -> int:
+    """Collective: the smallest `device_memory_bytes` of the group's ranks. Settings resolved
+    from memory (train/run_memory.py) must be the same on every rank, and workers on nodes of
+    different sizes see different memory: one rank's backward re-gathers paired with another's
+    next collective would hang or be wrong."""
+    own = device_memory_bytes(device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return wish
-    flag = torch.tensor([float(wish)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        return own
+    box = torch.tensor([float(own)], dtype=torch.float64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN)
+    return int(box.item())
 
 
 def reshard_label(resharded: bool, policy: str) -> str:
-    """What a log line calls the resharding that ran: always or never, and " (auto)" when the
-    `train.reshard_after_forward: auto` rule chose it."""
+    """What a log line calls the resharding that ran: always or never, and " (auto)" when
+    `train.reshard_after_forward: auto` chose it."""
     return ("always" if resharded else "never") + (" (auto)" if policy == "auto" else "")
 
 

@@ -5,17 +5,18 @@ one: the node MTBFs (Llama 3's interruptions on-demand, AWS's spot interruption 
 restart time (Ray Train's defaults, docs/design.md), the matmul efficiency; the heartbeat bounds
 are the trainer's config's (`elastic.replica_heartbeat_timeout_s`).
 
-Units: bytes, seconds, FLOP/s; GB/s = 1e9 bytes/s; GiB = 2**30 bytes (GPU memory is reported so).
+Units: bytes, seconds, FLOP/s; GB/s and GiB as hardware.py defines them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_gpt.cost_model.memory import CONTEXT_GIB, FRAGMENTATION, MEMORY_MARGIN
+from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
 from elastic_gpt.hardware import GPU, GPUS
 from elastic_gpt.model.gpt import GPTConfig, preset_config
 
-GB = 1e9
 HOUR = 3600.0
 DAY = 86400.0
 
@@ -48,8 +49,7 @@ class PlanInputs:
     gpus_per_node: int | None = None
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
-    efficiency: float = 0.6
-    """Achieved fraction of peak FLOP/s for the model's matmuls (big bf16 GEMMs reach 0.6-0.8)."""
+    efficiency: float = MATMUL_EFFICIENCY
     achieved_flops_per_gpu: float | None = None
     """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces
     the compute + communication model for step time (Narayanan et al. report 140e12 on A100)."""
@@ -69,10 +69,9 @@ class PlanInputs:
     """on: FSDP2 shards within a node and replicates across nodes; off: shards over every
     data-parallel rank; auto: the faster that fits."""
     dtype: str = "bfloat16"
-    memory_margin: float = 0.10
-    """Fraction of GPU memory left free on purpose (spikes, allocator rounding)."""
-    context_gib: float = 1.0
-    fragmentation: float = 0.05
+    memory_margin: float = MEMORY_MARGIN
+    context_gib: float = CONTEXT_GIB
+    fragmentation: float = FRAGMENTATION
     on_demand_usd: float | None = None
     spot_usd: float | None = None
     hardware: dict[str, GPU] = field(default_factory=lambda: dict(GPUS))

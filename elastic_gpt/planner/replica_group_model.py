@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass, field
 
 from elastic_gpt.config import ElasticSection
+from elastic_gpt.cost_model.memory import FP32, Memory, ModelShape
+from elastic_gpt.cost_model.step_time import LayoutCandidate, Mesh, Network, ring_bytes
 from elastic_gpt.planner.inputs import HOUR
-from elastic_gpt.planner.memory import FP32, Memory, ModelShape
 from elastic_gpt.planner.reliability import Reliability, young_interval_s
-from elastic_gpt.planner.step_time import LayoutCandidate, Mesh, Network, ring_bytes
 
 COLLECTIVE_TIMEOUT_S = ElasticSection.replica_collective_timeout_s
 """The trainer's default `elastic.replica_collective_timeout_s`: a lost node's group is dropped

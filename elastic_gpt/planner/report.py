@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from elastic_gpt.hardware import PRICES_AS_OF, GiB
+from elastic_gpt.cost_model.memory import dtype_bytes
+from elastic_gpt.cost_model.step_time import LayoutCandidate
+from elastic_gpt.hardware import GB, PRICES_AS_OF, GiB
 from elastic_gpt.model.gpt import PRESETS, preset_config
-from elastic_gpt.planner.inputs import DAY, GB, HOUR
-from elastic_gpt.planner.memory import dtype_bytes
+from elastic_gpt.planner.inputs import DAY, HOUR
 from elastic_gpt.planner.replica_group_model import COLLECTIVE_TIMEOUT_S, FaultTolerance
-from elastic_gpt.planner.step_time import LayoutCandidate
 from elastic_gpt.planner.training_plan import Plan, trainer_parallel_keys
 
 

@@ -13,40 +13,35 @@ import dataclasses
 import itertools
 import math
 
-from elastic_gpt.data.order import BatchSplit
-from elastic_gpt.hardware import GPU, GiB
-from elastic_gpt.model.gpt import GPTConfig
-from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
-from elastic_gpt.planner.inputs import GB, PlanError, PlanInputs
-from elastic_gpt.planner.memory import (
+from elastic_gpt.cost_model.memory import (
     CHECKPOINT_BYTES_PER_PARAM,
     Memory,
     ModelShape,
     memory_per_gpu,
     training_flops_per_token,
 )
+from elastic_gpt.cost_model.step_time import (
+    LayoutCandidate,
+    Mesh,
+    Network,
+    choice_key,
+    make_mesh,
+    step_time,
+    time_to_train_s,
+)
+from elastic_gpt.data.order import BatchSplit
+from elastic_gpt.hardware import GB, GPU, GiB
+from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
+from elastic_gpt.planner.inputs import PlanError, PlanInputs
 from elastic_gpt.planner.replica_group_model import (
     ReplicaLayout,
     cross_group_allreduce,
     replica_groups_problem,
 )
-from elastic_gpt.planner.step_time import (
-    LayoutCandidate,
-    Mesh,
-    Network,
-    make_mesh,
-    step_time,
-    time_to_train_s,
-)
 
 TP_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner weighs: a TP group lives inside one node (8 GPUs)."""
-
-
-def choice_key(c: LayoutCandidate) -> tuple:
-    """Fastest step; ties (one GPU: no communication to save) go to the larger micro-batch, then
-    the smaller footprint, then the simpler mesh."""
-    return (c.step.step_s, -c.micro_batch, c.memory.total, c.tp, c.hsdp)
 
 
 def tp_problem(tp: int, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> str | None:

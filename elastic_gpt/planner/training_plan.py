@@ -12,18 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from elastic_gpt.hardware import GPU, GiB, get_gpu
-from elastic_gpt.model.gpt import GPTConfig
-from elastic_gpt.planner.inputs import (
-    DEFAULT_HEARTBEAT_S,
-    GB,
-    HOUR,
-    MIN_HEARTBEAT_S,
-    PlanError,
-    PlanInputs,
-    resolve_model,
-)
-from elastic_gpt.planner.memory import (
+from elastic_gpt.cost_model.memory import (
     CHECKPOINT_BYTES_PER_PARAM,
     Memory,
     ModelShape,
@@ -32,6 +21,23 @@ from elastic_gpt.planner.memory import (
     model_shape,
     training_flops_per_token,
 )
+from elastic_gpt.cost_model.step_time import (
+    LayoutCandidate,
+    Mesh,
+    Network,
+    choice_key,
+    time_to_train_s,
+)
+from elastic_gpt.hardware import GB, GPU, GiB, get_gpu
+from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.planner.inputs import (
+    DEFAULT_HEARTBEAT_S,
+    HOUR,
+    MIN_HEARTBEAT_S,
+    PlanError,
+    PlanInputs,
+    resolve_model,
+)
 from elastic_gpt.planner.reliability import Reliability, reliability
 from elastic_gpt.planner.replica_group_model import (
     FaultTolerance,
@@ -39,7 +45,6 @@ from elastic_gpt.planner.replica_group_model import (
     replica_reliability,
 )
 from elastic_gpt.planner.search import (
-    choice_key,
     layout_candidates,
     mesh_choices,
     mesh_floor_memory,
@@ -47,7 +52,6 @@ from elastic_gpt.planner.search import (
     replica_layouts,
     what_would_fit,
 )
-from elastic_gpt.planner.step_time import LayoutCandidate, Mesh, Network, time_to_train_s
 
 
 @dataclass

@@ -121,12 +121,12 @@ def run_tune(args) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from elastic_gpt.cost_model.memory import model_shape
     from elastic_gpt.data.mixture import load_training_manifest
     from elastic_gpt.elastic.launcher import connect_ray
     from elastic_gpt.elastic.worker_group_job import use_gpu, worker_env
     from elastic_gpt.model.gpt import count_params
     from elastic_gpt.parallel.fsdp import reshard_label, resolve_dtype
-    from elastic_gpt.planner.memory import model_shape
     from elastic_gpt.train.model_config import model_config_for
 
     cfg = load_config(args.config, args.overrides)
@@ -203,19 +203,21 @@ def run_tune(args) -> int:
     with result.checkpoint.as_directory() as d, open(os.path.join(d, TABLE_FILE)) as f:
         out = json.load(f)
     rows = out["rows"]
-    grad_sync = cfg.train.grad_sync
     predicted = [predicted_bytes(shape, world, G, settings_of(r), dtype, gpu,
-                                 grad_sync=grad_sync,
+                                 grad_sync=r["grad_sync"],
                                  reshard_after_forward=r["reshard_after_forward"],
                                  dp_shard=r.get("dp_shard"))
                  for r in rows]
     winner = pick_winner(rows)
     method = next((r["method"] for r in rows if r["method"]), "")
     budget_b = rows[0]["budget_bytes"]
-    # auto resolves by what one rank gathers (its tensor-parallel shard), so it can differ by tp
+    # auto resolves per layout (train/run_memory.py), so it can differ from row to row
     ran = {r["reshard_after_forward"] for r in rows}
     policy = (reshard_label(ran.pop(), cfg.train.reshard_after_forward) if len(ran) == 1
-              else f"{cfg.train.reshard_after_forward} (per row, by tp)")
+              else f"{cfg.train.reshard_after_forward} (per row)")
+    syncs = {r["grad_sync"] for r in rows}
+    grad_sync = (syncs.pop() + (" (auto)" if cfg.train.grad_sync == "auto" else "")
+                 if len(syncs) == 1 else f"{cfg.train.grad_sync} (per row)")
     spans_nodes = len(set(out["rank_nodes"])) > 1
     print(f"\nmemory: {method}; budget {budget_b / GiB:.2f} GiB per worker, "
           f"{args.memory_margin:.0%} kept free; the trainer ran reshard_after_forward={policy}, "
@@ -226,8 +228,8 @@ def run_tune(args) -> int:
             json.dump({"rows": rows, "predicted_bytes": predicted, "winner": winner,
                        "memory_method": method, "world_size": world, "device": device,
                        "grad_sync": grad_sync, "tp_choices": tps,
-                       "rank_nodes": out["rank_nodes"],
-                       "reshard_after_forward": out["reshard_after_forward"]}, f, indent=1)
+                       "rank_nodes": out["rank_nodes"], "reshard_after_forward": policy},
+                      f, indent=1)
     if winner is None:
         usable = budget_b * (1 - args.memory_margin)
         measured = [r for r in rows if r["held_bytes"] and not r["oom"]]

@@ -120,8 +120,8 @@ def predicted_bytes(shape, world: int, G: int, cand: TrainSettings, dtype: str, 
     its mesh had (dp_shard; None: every data-parallel rank, as without HSDP), the run's
     train.grad_sync and the reshard_after_forward its Trainer resolved (CPU: no CUDA context, no
     fragmentation)."""
+    from elastic_gpt.cost_model.memory import memory_per_gpu
     from elastic_gpt.data.order import BatchSplit
-    from elastic_gpt.planner.memory import memory_per_gpu
     k = BatchSplit(G, cand.micro_batch).slots(world // cand.tp)
     extra = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
     return memory_per_gpu(shape, world, cand.micro_batch,
@@ -138,8 +138,8 @@ def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: flo
     degrees `tps` tune will measure; else one line naming what would (more workers, a bigger chip
     or more memory per worker). reshard_after_forward is the run's train setting: `never` keeps
     every block gathered, so the floor is higher."""
+    from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
     from elastic_gpt.planner.inputs import PlanError, PlanInputs
-    from elastic_gpt.planner.memory import memory_per_gpu, model_shape
     from elastic_gpt.planner.search import tp_problem as plan_tp_problem
     from elastic_gpt.planner.training_plan import plan_training
     if gpu is not None:  # a GPU of the table, or its memory replaced by --memory-budget-gib

@@ -160,12 +160,7 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     from elastic_gpt.parallel.mesh import ParallelDims
     from elastic_gpt.train.trainer import Trainer, worker_device
 
-    c = copy.deepcopy(cfg)
-    c.train.micro_batch_size = cand.micro_batch
-    c.train.activation_checkpointing = cand.activation_checkpointing
-    c.train.compile = cand.compile
-    c.parallel.tp = cand.tp
-    c.parallel.hsdp = "on" if cand.hsdp else "off"
+    c = candidate_config(cfg, cand)
     warmup = 2 if cand.compile else 1
     device = worker_device()
     # Batches are read before the baseline: the measured peak is the trainer's, not the reader's.
@@ -204,17 +199,44 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
         else:
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
     peak = mem.peak()
-    # What the Trainer resolved for train.reshard_after_forward (auto: by its size against the
-    # device's memory): the planner's prediction for this row must assume the same.
-    resharded = trainer.reshard_after_forward if trainer is not None else None
     del trainer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"step_s": statistics.median(times) if times else None, "peak_bytes": peak,
             "baseline_bytes": mem.baseline, "oom": oom, "error": error, "method": mem.method,
-            "reshard_after_forward": resharded, "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard}
+            "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard}
+
+
+def candidate_config(cfg: Config, cand: TrainSettings) -> Config:
+    c = copy.deepcopy(cfg)
+    c.train.micro_batch_size = cand.micro_batch
+    c.train.activation_checkpointing = cand.activation_checkpointing
+    c.train.compile = cand.compile
+    c.parallel.tp = cand.tp
+    c.parallel.hsdp = "on" if cand.hsdp else "off"
+    return c
+
+
+def trainer_resolves(cfg: Config, cand: TrainSettings, *, world: int, device,
+                     rank_nodes: list[str]) -> dict:
+    """Collective: the train.grad_sync and train.reshard_after_forward a Trainer of this
+    candidate resolves (train/run_memory.py, the same call), known even for rows where no Trainer
+    could be built; the planner's prediction for the row assumes them."""
+    from elastic_gpt.data.mixture import open_training_data
+    from elastic_gpt.data.order import BatchSplit
+    from elastic_gpt.parallel.fsdp import resolve_dtype
+    from elastic_gpt.train.model_config import model_config_for
+    from elastic_gpt.train.run_memory import resolve_run_memory
+    c = candidate_config(cfg, cand)
+    split = BatchSplit(c.train.global_batch_size, cand.micro_batch)
+    settings = resolve_run_memory(
+        c, model_config_for(c, open_training_data(c.data).manifest), world_size=world,
+        rank_nodes=rank_nodes, micro_batch=cand.micro_batch,
+        micro_batches_per_rank=split.slots(world // cand.tp), device=device,
+        compute_dtype=resolve_dtype(c.train.dtype, device))
+    return {"grad_sync": settings.grad_sync,
+            "reshard_after_forward": settings.reshard_after_forward}
 
 
 def warm_up_process(cfg: Config, cand: TrainSettings, *, rank: int, world: int,
@@ -230,18 +252,16 @@ def agree(row: dict, device) -> dict:
     the others until the process group's timeout."""
     import torch
     import torch.distributed as dist
-    reshard = {None: -1.0, False: 0.0, True: 1.0}[row.get("reshard_after_forward")]
     t = torch.tensor([row["step_s"] or 0.0, row["peak_bytes"], row["baseline_bytes"],
                       float(row["oom"]), float(row["error"] is not None),
-                      float(row["step_s"] is None), reshard], dtype=torch.float64, device=device)
+                      float(row["step_s"] is None)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, row["error"])
     failed = t[3].item() > 0 or t[4].item() > 0 or t[5].item() > 0
     return {"step_s": None if failed else t[0].item(), "peak_bytes": int(t[1].item()),
             "baseline_bytes": int(t[2].item()), "oom": t[3].item() > 0,
-            "error": next((e for e in errors if e), None), "method": row["method"],
-            "reshard_after_forward": None if t[6].item() < 0 else t[6].item() > 0}
+            "error": next((e for e in errors if e), None), "method": row["method"]}
 
 
 def tune_loop_per_worker(loop_config: dict) -> None:
@@ -251,7 +271,6 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     import torch.distributed as dist
 
     from elastic_gpt.config import config_from_dict
-    from elastic_gpt.parallel.fsdp import resolve_dtype, resolve_reshard_after_forward
     from elastic_gpt.train.trainer import worker_device
 
     ctx = ray.train.get_context()
@@ -270,14 +289,6 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     layouts = layout_for_nodes([TrainSettings(**c) for c in loop_config["candidates"]], nodes,
                                loop_config["hsdp"])
     G, T = cfg.train.global_batch_size, loop_config["seq_len"]
-    dtype = resolve_dtype(cfg.train.dtype, device)
-
-    def trainer_reshards(tp: int) -> bool:
-        # The Trainer's own rule with its own inputs (what FSDP gathers on a rank is its
-        # tensor-parallel shard): known even for rows where no Trainer could be built (the
-        # planner predicts those rows with it).
-        return resolve_reshard_after_forward(cfg.train.reshard_after_forward,
-                                             loop_config["n_params"] // tp, dtype, device)
 
     # One untimed pass per layout and checkpointing setting first: thread pools, kernels, gloo
     # buffers, DTensor's sharding-propagation caches and checkpointing's recompute path are
@@ -298,8 +309,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
                             and r["hsdp"] == cand.hsdp), None)
         if refused or smaller_oom:
             row = {"step_s": None, "peak_bytes": 0, "baseline_bytes": 0, "oom": not refused,
-                   "error": None, "method": "", "reshard_after_forward": None,
-                   "dp_replicate": None, "dp_shard": None}
+                   "error": None, "method": "", "dp_replicate": None, "dp_shard": None}
             if refused:
                 row["refused"] = refused
             else:
@@ -312,8 +322,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
             row = agree(measured, device)
             row.update(dp_replicate=measured["dp_replicate"], dp_shard=measured["dp_shard"])
         row.update(asdict(cand))
-        if row["reshard_after_forward"] is None:
-            row["reshard_after_forward"] = trainer_reshards(cand.tp)
+        row.update(trainer_resolves(cfg, cand, world=world, device=device, rank_nodes=nodes))
         row["tokens_per_s"] = G * T / row["step_s"] if row["step_s"] else None
         # What the worker holds at the candidate's peak, against its share of the device.
         held = row["peak_bytes"] + (row["baseline_bytes"] if device.type == "cpu" else others)
@@ -327,8 +336,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
                 + _row_summary(row))
     # Ray Train V2 keeps reported metrics only with a checkpoint: the table travels as one
     # (through run.storage_path, so it reaches the driver from any node); no model state is saved.
-    table = {"rows": rows, "device": device.type, "world_size": world,
-             "reshard_after_forward": trainer_reshards(1), "rank_nodes": nodes}
+    table = {"rows": rows, "device": device.type, "world_size": world, "rank_nodes": nodes}
     with tempfile.TemporaryDirectory() as d:
         checkpoint = None
         if rank == 0:

@@ -17,6 +17,7 @@ from elastic_gpt.console import first_line
 from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.tracking.client import bounded_http, mlflow_client
 from elastic_gpt.tracking.redaction import redact
+from elastic_gpt.tracking.runs import log_params
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ class MetricLogger:
         for k, v in metrics.items():
             self._q.put((k, float(v), ts, step))
 
+    def log_params(self, params: dict[str, str]) -> None:
+        """Params (immutable in MLflow): one the run already holds with another value is dropped
+        with a warning, never retried, so it cannot hold back the metrics queued after it."""
+        self._q.put(("__params__", dict(params)))
+        self._wake.set()
+
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Block until everything logged so far is stored (True), or `timeout_s` passed (False).
         Call it before committing a checkpoint: a job stopped right after the commit then has
@@ -68,6 +75,7 @@ class MetricLogger:
     def _run(self) -> None:
         from mlflow.entities import Metric
         client, pending, warned, next_sample, final_tries = None, [], False, 0.0, 0
+        params: dict[str, str] = {}
         while True:
             self._wake.wait(self.flush_every_s)
             self._wake.clear()
@@ -83,8 +91,12 @@ class MetricLogger:
                     break
                 if item[0] == "__flush__":
                     flushes.append(item[1])
+                elif item[0] == "__params__":
+                    params.update(item[1])
                 else:
                     pending.append(item)
+            if params:
+                params = self._send_params(client, params)
             if pending:
                 try:
                     client = client or mlflow_client(self.uri)
@@ -115,6 +127,33 @@ class MetricLogger:
                         log.warning("MLflow: %d metric values could not be sent to %s",
                                     len(pending), redact(self.uri))
                     return
+
+
+    def _send_params(self, client, params: dict[str, str]) -> dict[str, str]:
+        """What is left to send: nothing once stored or refused, all of it if the server is
+        away (retried with the next batch)."""
+        from mlflow.exceptions import MlflowException
+        try:
+            client = client or mlflow_client(self.uri)
+            with bounded_http(max_retries=2, timeout_s=30):
+                try:
+                    log_params(client, self.run_id, params)
+                except MlflowException as e:
+                    if e.error_code != "INVALID_PARAMETER_VALUE":
+                        raise
+                    # One param the run holds with another value refuses the whole batch:
+                    # one by one, so only that one is dropped.
+                    for key, value in params.items():
+                        try:
+                            log_params(client, self.run_id, {key: value})
+                        except MlflowException as one:
+                            if one.error_code != "INVALID_PARAMETER_VALUE":
+                                raise
+                            log.warning("MLflow kept the run's earlier value of %s (%s)", key,
+                                        redact(first_line(one)))
+            return {}
+        except Exception:
+            return params
 
 
 class SystemSampler:

@@ -232,6 +232,9 @@ class LeaderMetrics:
             self.sink.log({**metrics, mn.TRAIN_REPLICA_GROUPS: self.replica_groups.live_groups},
                           step)
 
+    def log_params(self, params: dict[str, str]) -> None:
+        self.sink.log_params(params)
+
     def flush(self, timeout_s: float) -> bool:
         return self.sink.flush(timeout_s)
 

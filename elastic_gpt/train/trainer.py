@@ -34,14 +34,13 @@ from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
+from elastic_gpt.hardware import GiB
 from elastic_gpt.model.gpt import GPT, flops_per_token, token_losses
 from elastic_gpt.parallel.fsdp import (
-    agree_on_resharding,
     init_sharded_weights,
     parallelize,
     reshard_label,
     resolve_dtype,
-    resolve_reshard_after_forward,
 )
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.tensor import loss_context
@@ -51,6 +50,7 @@ from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer
+from elastic_gpt.train.run_memory import resolve_run_memory
 from elastic_gpt.train.schedule import lr_at
 from elastic_gpt.train.throughput import peak_flops
 
@@ -61,6 +61,8 @@ class MetricSink(Protocol):
     """Where step metrics go (MLflow's `MetricLogger` on rank 0 of a tracked run)."""
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_params(self, params: dict[str, str]) -> None: ...
 
     def flush(self, timeout_s: float) -> bool:
         """Block until everything logged is stored; False if `timeout_s` passed first."""
@@ -73,6 +75,9 @@ class NullMetricSink:
     """Drops every metric: ranks other than 0, untracked runs, tests and benchmarks."""
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_params(self, params: dict[str, str]) -> None:
         pass
 
     def flush(self, timeout_s: float) -> bool:
@@ -142,15 +147,7 @@ class Trainer:
                  rank_nodes: list[str] | None = None,
                  fault_tolerance: FaultTolerance = RestartPath()):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.dims = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
-                                           rank_nodes=rank_nodes)
-        self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
-        self.tp_rank = self.dims.tp_rank(rank)
-        # Replica groups (C7 all-or-nothing step) split a step over every live group's ranks:
-        # the batch rank and degree are this rank's place in that split, which the mode's
-        # `begin_step` says; on the restart path the data-parallel ones.
         self.fault_tolerance = fault_tolerance
-        self.batch_rank, self.batch_degree = self.dp_rank, self.dp_degree
         # The null defaults hold no state, so one instance can serve every Trainer.
         self.metrics, self.membership = metrics, membership
         self.mlflow_run_id = mlflow_run_id
@@ -167,6 +164,24 @@ class Trainer:
         self.data_order = self.data.make_order(cfg.data.seed, cfg.data.shuffle_window)
         self.gpt_cfg = model_config_for(cfg, self.manifest)
         self.compute_dtype = resolve_dtype(cfg.train.dtype, self.device)
+        # The layout as configured first (a tp the nodes cannot hold is one clear line), then
+        # what `auto` leaves to memory, resolved for this group (train/run_memory.py).
+        dp_degree = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
+                                           rank_nodes=rank_nodes).dp_degree
+        self.memory_settings = resolve_run_memory(
+            cfg, self.gpt_cfg, world_size=world_size, rank_nodes=rank_nodes,
+            micro_batch=self.batch_split.micro_batch_size,
+            micro_batches_per_rank=self.batch_split.slots(dp_degree), device=self.device,
+            compute_dtype=self.compute_dtype)
+        self.dims = ParallelDims.for_nodes(
+            world_size, tp=cfg.parallel.tp, hsdp="on" if self.memory_settings.hsdp else "off",
+            rank_nodes=rank_nodes)
+        self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
+        self.tp_rank = self.dims.tp_rank(rank)
+        # Replica groups (C7 all-or-nothing step) split a step over every live group's ranks:
+        # the batch rank and degree are this rank's place in that split, which the mode's
+        # `begin_step` says; on the restart path the data-parallel ones.
+        self.batch_rank, self.batch_degree = self.dp_rank, self.dp_degree
         self.dims.build_mesh(self.device.type)
         self.model = self._build_model()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
@@ -197,10 +212,7 @@ class Trainer:
             model = GPT(self.gpt_cfg)
         t = self.cfg.train
         self.n_params = sum(p.numel() for p in model.parameters())
-        # What FSDP gathers on one rank is its tensor-parallel shard of the model.
-        self.reshard_after_forward = agree_on_resharding(resolve_reshard_after_forward(
-            t.reshard_after_forward, self.n_params // self.dims.tp, self.compute_dtype,
-            self.device), self.device)
+        self.reshard_after_forward = self.memory_settings.reshard_after_forward
         parallelize(model, self.dims.fsdp_mesh, compute_dtype=self.compute_dtype,
                     activation_checkpointing=t.activation_checkpointing, compile=t.compile,
                     reshard_after_forward=self.reshard_after_forward,
@@ -280,7 +292,8 @@ class Trainer:
         """What this group runs, so a log shows the choices `auto` settings made."""
         t = self.cfg.train
         policy = reshard_label(self.reshard_after_forward, t.reshard_after_forward)
-        split = self.batch_split
+        ms, split = self.memory_settings, self.batch_split
+        sync = ms.grad_sync + (" (auto)" if t.grad_sync == "auto" else "")
         return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.threads} thread(s) each | "
                 f"{self.dims.describe()} | "
@@ -288,7 +301,21 @@ class Trainer:
                 f"{str(self.compute_dtype).removeprefix('torch.')} | global batch "
                 f"{split.global_batch_size} = micro-batches of {split.micro_batch_size}, "
                 f"{split.slots(self.dp_degree)} per data-parallel rank | "
-                f"FSDP2 reshard_after_forward={policy}, grad_sync={t.grad_sync}")
+                f"FSDP2 reshard_after_forward={policy}, grad_sync={sync} | predicted peak "
+                f"{ms.memory.total / GiB:,.1f} of {ms.usable_bytes / GiB:,.1f} GiB usable per "
+                f"worker")
+
+    def _record_memory_settings(self) -> None:
+        """The resolved settings and the predicted peak as the run's params, keyed by the group's
+        size (a resized group resolves again), and a warning when the prediction does not fit."""
+        ms = self.memory_settings
+        self.metrics.log_params({f"resolved.w{self.world_size}.{k}": v
+                                 for k, v in ms.params().items()})
+        if not ms.fits:
+            say(f"[elastic-gpt] warning: the predicted peak, {ms.memory.total / GiB:,.1f} GiB per "
+                f"worker, is above the {ms.usable_bytes / GiB:,.1f} GiB usable; lower "
+                "train.micro_batch_size, turn on train.activation_checkpointing, raise "
+                "parallel.tp, or run `elastic-gpt plan` for a layout that fits")
 
     # ---- restore -----------------------------------------------------------------------------
 
@@ -318,13 +345,13 @@ class Trainer:
 
     def forward_backward(self, batch) -> torch.Tensor:
         """Accumulate this rank's gradients for one step; returns its summed token loss."""
-        cfg, batch_split = self.cfg, self.batch_split
+        batch_split = self.batch_split
         T = self.gpt_cfg.seq_len
         global_tokens = batch_split.global_batch_size * T
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         first_mb = batch_split.rank_micro_batches(self.batch_rank, self.batch_degree).start
-        per_micro_batch_sync = cfg.train.grad_sync == "microbatch"
+        per_micro_batch_sync = self.memory_settings.grad_sync == "microbatch"
         for k, (tokens, weight) in enumerate(zip(batch.tokens, batch.weights)):
             tokens = tokens.to(self.device, non_blocking=True)
             x, y = tokens[:, :T], tokens[:, 1:T + 1]
@@ -476,6 +503,7 @@ class Trainer:
         cfg, ft = self.cfg, self.fault_tolerance
         if self.rank == 0:
             say(self.setup_line())
+            self._record_memory_settings()
         self.restore()
         ft.on_start(self.step, self.rank, self.store)
         if self.rank == 0:

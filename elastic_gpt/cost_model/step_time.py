@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_gpt.hardware import GPU
-from elastic_gpt.planner.inputs import GB
-from elastic_gpt.planner.memory import FP32, Memory, ModelShape, dtype_bytes
+from elastic_gpt.cost_model.memory import FP32, Memory, ModelShape, dtype_bytes
+from elastic_gpt.hardware import GB, GPU
+
+MATMUL_EFFICIENCY = 0.6
+"""Achieved fraction of peak FLOP/s for the model's matmuls (big bf16 GEMMs reach 0.6-0.8)."""
 
 
 @dataclass(frozen=True)
@@ -318,3 +320,9 @@ class LayoutCandidate:
         return (f"micro-batch {self.micro_batch}, checkpointing "
                 f"{'on' if self.activation_checkpointing else 'off'}, grads per {self.grad_sync}, "
                 f"reshard {self.reshard_policy}")
+
+
+def choice_key(c: LayoutCandidate) -> tuple:
+    """Fastest step; ties (one GPU: no communication to save) go to the larger micro-batch, then
+    the smaller footprint, then the simpler mesh."""
+    return (c.step.step_s, -c.micro_batch, c.memory.total, c.tp, c.hsdp)

@@ -20,6 +20,12 @@ OPTIMIZER_BYTES_PER_PARAM = 16
 """fp32 sharded master params (4) + fp32 grads (4, reduce_dtype) + Adam m and v (4 + 4)."""
 CHECKPOINT_BYTES_PER_PARAM = 12
 """A checkpoint holds fp32 params and both Adam moments; gradients are not saved."""
+MEMORY_MARGIN = 0.10
+"""Fraction of device memory left free on purpose (spikes, allocator rounding)."""
+CONTEXT_GIB = 1.0
+"""CUDA context, cuBLAS and NCCL workspaces, per GPU."""
+FRAGMENTATION = 0.05
+"""Allocator fragmentation, as a share of the bytes allocated."""
 LOGIT_BYTES = 12
 """Three fp32 B*T*V buffers are live at the loss's backward: log-softmax output, its gradient and
 the gradient w.r.t. the logits (the bf16 logits themselves are freed after the fp32 cast)."""
@@ -176,7 +182,7 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                    activation_checkpointing: bool, dtype: str = "bfloat16",
                    grad_sync: str = "microbatch", micro_batches_per_rank: int = 1,
                    reshard_after_forward: bool = True,
-                   context_bytes: float = 1.0 * GiB, fragmentation: float = 0.05,
+                   context_bytes: float = CONTEXT_GIB * GiB, fragmentation: float = FRAGMENTATION,
                    flash: bool = True, tp: int = 1, dp_shard: int | None = None) -> Memory:
     """Peak memory of one rank: FSDP2 (one unit per block, then the root) over the data-parallel
     ranks, on top of tensor parallelism of degree tp (Megatron-style with sequence parallelism).

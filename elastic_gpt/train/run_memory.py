@@ -1,0 +1,37 @@
+"""The settings a run leaves on `auto` that trade memory for speed (parallel.hsdp,
+train.grad_sync, train.reshard_after_forward), resolved for this group of workers from the
+planner's memory and step-time models (cost_model/memory_settings.py) before anything is built.
+
+A run the planner says fits therefore never turns on a setting that the same memory model says
+would not fit (HSDP's whole model state per node at 175B, the kept fp32 gradients at tp=8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_gpt.config import Config
+from elastic_gpt.cost_model.memory import model_shape
+from elastic_gpt.cost_model.memory_settings import MemorySettings, resolve_memory_settings
+from elastic_gpt.hardware import gpu_for_device
+from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.parallel.fsdp import group_device_bytes
+from elastic_gpt.parallel.mesh import node_sizes
+
+
+def resolve_run_memory(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
+                       rank_nodes: list[str] | None, micro_batch: int,
+                       micro_batches_per_rank: int, device: torch.device,
+                       compute_dtype: torch.dtype) -> MemorySettings:
+    """Collective (every rank of the group, once): the resolved settings, the same on every rank
+    (they are computed from the group's smallest device memory)."""
+    nodes = list(rank_nodes) if rank_nodes is not None else ["node"] * world_size
+    gpu = gpu_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return resolve_memory_settings(
+        model_shape(gpt_cfg), world_size=world_size, tp=cfg.parallel.tp,
+        workers_per_node=node_sizes(nodes), micro_batch=micro_batch,
+        micro_batches_per_rank=micro_batches_per_rank,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        dtype=str(compute_dtype).removeprefix("torch."), device_bytes=group_device_bytes(device),
+        gpu=gpu, hsdp=cfg.parallel.hsdp, grad_sync=cfg.train.grad_sync,
+        reshard_after_forward=cfg.train.reshard_after_forward)
