@@ -67,6 +67,29 @@ def _overrides(data: str, root: str, name: str, extra: list[str]) -> list[str]:
             f"checkpoint.path={root}/{name}", f"tracking.uri=sqlite:///{root}/mlflow.db", *extra]
 
 
+def _check_mfu(cfg, run_id: str) -> None:
+    """Per step, mfu x workers / tokens_per_s is FLOPs per token over one worker's peak: the same
+    whether one group or two shared the step when `workers` counts every live group's. (The CPU
+    peak is measured by each leading process, so the figures agree within the spread of those
+    measurements; counting one group's workers would put the two medians 2x apart.)"""
+    import statistics
+
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(cfg.tracking.uri)
+
+    def by_step(name):
+        return {m.step: m.value for m in client.get_metric_history(run_id, name)}
+
+    mfu, tokens_per_s = by_step(mn.TRAIN_MFU), by_step(mn.TRAIN_TOKENS_PER_S)
+    groups = by_step(mn.TRAIN_REPLICA_GROUPS)
+    per_token = {n: statistics.median(mfu[s] * WORKERS * n / tokens_per_s[s]
+                                      for s in mfu if groups[s] == n) for n in (1, 2)}
+    ratio = per_token[2] / per_token[1]
+    print(f"[replica groups] MFU per token rate, 2 groups over 1: {ratio:.3f}")
+    assert 1 / 1.4 < ratio < 1.4, per_token
+
+
 def _reference(data: str, root: str):
     """Every step's loss and data fingerprint of an uninterrupted run: one process, no Ray."""
     from elastic_gpt.testing.gloo import gloo_group
@@ -379,6 +402,8 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     live_groups = [m.value for m in mlflow.tracking.MlflowClient(
         cfg.tracking.uri).get_metric_history(summary["run_id"], mn.TRAIN_REPLICA_GROUPS)]
     assert set(live_groups) == {1, 2}, set(live_groups)
+    # MFU counts every live group's workers: a step two groups shared is not credited to one.
+    _check_mfu(cfg, summary["run_id"])
     redone = len([r for r in steps if not r["committed"] and at["worker"] < r["t"]
                   < at["lighthouse"]])
     print("\n[replica groups] quorum without the lost group after: "

@@ -196,7 +196,7 @@ class Trainer:
             lambda: self.ledger.to_dict(), lambda d: self.ledger.adopt(d)))
         self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
-        self.peak = peak_flops(self.device, threads) * 1  # per worker
+        self.peak = peak_flops(self.device, threads)  # per worker
         self._nonfinite_streak = 0
         self.evaluator = self._build_evaluator()
         self.last_eval: EvalResult | None = None
@@ -561,8 +561,10 @@ class Trainer:
                 metrics = {
                     mn.TRAIN_LOSS: result.loss, mn.TRAIN_LR: result.metrics["lr"],
                     mn.TRAIN_GRAD_NORM: result.grad_norm, mn.TRAIN_TOKENS_PER_S: tokens_per_s,
+                    # Over every worker the step's batch was split over: with replica groups
+                    # every live group's (C7 all-or-nothing step), not this group's alone.
                     mn.TRAIN_MFU: tokens_per_s * self.flops_per_token /
-                    (self.peak * self.world_size),
+                    (self.peak * self.batch_degree * self.dims.tp),
                     mn.TRAIN_WORLD_SIZE: self.world_size,
                     # Micro-batches per rank of this step's split (over every live replica
                     # group's ranks with replica groups, C7 all-or-nothing step).
