@@ -19,6 +19,9 @@ moved fails here, at import, naming the torch version.
 - `StridedShard` (torch's `_StridedShard`): the DTensor placement that gives each tensor-parallel
   rank the same slice of each of the parts of a fused matrix (GPT-2's [q | k | v] c_attn); DTensor's
   matmul keeps it on the output, FSDP2 shards on top of it, DCP saves and reshards it.
+- `local_indices`: which elements of a DTensor a rank holds, through each placement's
+  `local_shard_size_and_offset` (a strided shard's every offset, `StridedShardOffsetMode.ALL`):
+  what DTensor computes for itself, kept per element instead of as a first offset.
 
 The names are torch's own, so a reader can look them up. Nothing here knows about elastic-gpt.
 """
@@ -36,17 +39,43 @@ try:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+    from torch.distributed.tensor.placement_types import (
+        _StridedShardOffsetMode as StridedShardOffsetMode,
+    )
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError as e:
     raise ImportError(f"torch {torch.__version__}: a private API elastic-gpt uses moved ({e}); "
                       "install a torch in the range pyproject.toml states") from e
 
 __all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
-           "_copy_state_dict", "_create_cpu_state_dict", "checkpoint_wrapper", "flatten_mesh",
-           "set_element"]
+           "StridedShardOffsetMode", "_copy_state_dict", "_create_cpu_state_dict",
+           "checkpoint_wrapper", "flatten_mesh", "local_indices", "set_element"]
 
 
 def flatten_mesh(mesh, name: str):
     """Collective. `mesh` (a slice of several dims of a named mesh) as one flattened dim `name`,
     registered with its root mesh."""
     return mesh._flatten(name)
+
+
+def local_indices(shape, mesh, placements) -> list[torch.Tensor]:
+    """Per dim of a tensor of global `shape` placed on `mesh` by `placements`, the global indices
+    of the elements this rank's local tensor holds, in local order. Sharding goes left to right
+    over the mesh dims, each placement splitting what the previous ones left (a strided shard
+    takes a slice of each of its parts), as DTensor's own shape and offset computation does."""
+    from torch.distributed.tensor import Shard
+    coordinate = mesh.get_coordinate()
+    indices = [torch.arange(n) for n in shape]
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, StridedShard):
+            d = placement.dim
+            size, offsets = placement.local_shard_size_and_offset(
+                len(indices[d]), mesh.size(mesh_dim), coordinate[mesh_dim],
+                StridedShardOffsetMode.ALL)
+            indices[d] = indices[d][torch.tensor(offsets[:size], dtype=torch.long)]
+        elif isinstance(placement, Shard):
+            d = placement.dim
+            size, offset = Shard.local_shard_size_and_offset(
+                len(indices[d]), mesh.size(mesh_dim), coordinate[mesh_dim])
+            indices[d] = indices[d][offset:offset + size]
+    return indices

@@ -17,13 +17,14 @@ from elastic_gpt.config import Config, config_from_dict
 from elastic_gpt.elastic.membership import PLACEMENT_GROUP, RunRecords, WorkerMembership, best_effort
 from elastic_gpt.errors import permanent_failure
 from elastic_gpt.tracking.metric_logger import MetricLogger
+from elastic_gpt.train.collaborators import Membership, MetricSink, NullMembership, NullMetricSink
 from elastic_gpt.train.fault_tolerance import (
     FaultTolerance,
     LeaderMetrics,
     ReplicaGroups,
     RestartPath,
 )
-from elastic_gpt.train.trainer import Membership, MetricSink, NullMembership, NullMetricSink, Trainer
+from elastic_gpt.train.trainer import Trainer
 
 
 def train_loop_per_worker(loop_config: dict) -> None:

@@ -162,24 +162,28 @@ class GPT(nn.Module):
                 self.get_parameter(name).copy_(value)
 
     def initial_values(self, seed: int):
-        """(name, full tensor) per parameter, GPT-2 init: N(0, 0.02), residual projections scaled by
-        1/sqrt(2 * n_layer), zero biases, unit LayerNorm gains.
+        """(name, full tensor) per parameter, in parameter order (`initial_value`)."""
+        for index, (name, p) in enumerate(self.named_parameters()):
+            yield name, self.initial_value(index, name, p.shape, seed)
 
-        Drawn on the CPU from one seeded generator in parameter order, so the weights are the
-        same on any device and at any FSDP world size (the sharded init slices these tensors).
-        """
-        gen = torch.Generator().manual_seed(seed)
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                value = torch.empty(p.shape).normal_(0.0, resid_std, generator=gen)
-            elif name.endswith(".weight") and p.dim() == 2:  # Linear and Embedding
-                value = torch.empty(p.shape).normal_(0.0, 0.02, generator=gen)
-            elif name.endswith(".bias"):
-                value = torch.zeros(p.shape)
-            else:  # LayerNorm gain
-                value = torch.ones(p.shape)
-            yield name, value
+    def initial_value(self, index: int, name: str, shape: torch.Size, seed: int,
+                      indices: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Parameter number `index` (`name`, of full `shape`) as GPT-2 initialises it: N(0, 0.02),
+        residual projections scaled by 1/sqrt(2 * n_layer), zero biases, unit LayerNorm gains.
+        `indices`: one tensor of global indices per dim (a shard, in its order); None: whole.
+
+        A weight matrix is drawn on the CPU in tiles (`init_tiles`), each from its own seeded
+        generator, so a rank holding one shard draws only the tiles its shard covers, and the
+        values are the same on any device and at any world size and layout."""
+        indices = indices if indices is not None else [torch.arange(n) for n in shape]
+        size = [len(i) for i in indices]
+        if name.endswith(".weight") and len(shape) == 2:  # Linear and Embedding
+            std = (0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight")
+                   else 0.02)
+            return init_tiles(seed, index, tuple(shape), indices[0], indices[1], std)
+        if name.endswith(".bias"):
+            return torch.zeros(size)
+        return torch.ones(size)  # LayerNorm gain
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size)."""
@@ -195,6 +199,46 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() - self.wte.weight.numel() if non_embedding else n
+
+
+INIT_TILE = (256, 4096)
+"""Rows x columns of a weight matrix drawn from one generator. A rank draws whole tiles, so a
+shard's init costs its own size plus at most the tiles its edges cut (not the full matrix)."""
+
+
+def init_tiles(seed: int, index: int, shape: tuple[int, int], rows: torch.Tensor,
+               cols: torch.Tensor, std: float) -> torch.Tensor:
+    """N(0, std) values of matrix number `index` at `rows` x `cols` (global indices, any order).
+    Element (i, j) is drawn by the generator of tile (i // R, j // C), seeded from (seed, index,
+    tile), whoever asks for it."""
+    tr, tc = INIT_TILE
+    out = torch.empty(len(rows), len(cols))
+    row_tiles, col_tiles = rows // tr, cols // tc
+    col_groups = [(tj, (col_tiles == tj).nonzero().squeeze(1)) for tj in col_tiles.unique().tolist()]
+    gen = torch.Generator()
+    for ti in row_tiles.unique().tolist():
+        r_sel = (row_tiles == ti).nonzero().squeeze(1)
+        r_in = rows[r_sel] - ti * tr
+        for tj, c_sel in col_groups:
+            gen.manual_seed(_tile_seed(seed, index, ti, tj))
+            tile = torch.empty(min(tr, shape[0] - ti * tr), min(tc, shape[1] - tj * tc))
+            tile.normal_(0.0, std, generator=gen)
+            out[r_sel[:, None], c_sel[None, :]] = tile[r_in[:, None], (cols[c_sel] - tj * tc)[None, :]]
+    return out
+
+
+def _tile_seed(seed: int, index: int, ti: int, tj: int) -> int:
+    """A 63-bit seed per tile: splitmix64's finaliser over the four numbers, so neighbouring tiles
+    and parameters get unrelated streams."""
+    x = 0
+    for part in (seed, index, ti, tj):
+        x = (x ^ (part & 0xFFFF_FFFF_FFFF_FFFF)) * 0x9E37_79B9_7F4A_7C15 & 0xFFFF_FFFF_FFFF_FFFF
+        x ^= x >> 30
+        x = x * 0xBF58_476D_1CE4_E5B9 & 0xFFFF_FFFF_FFFF_FFFF
+        x ^= x >> 27
+        x = x * 0x94D0_49BB_1331_11EB & 0xFFFF_FFFF_FFFF_FFFF
+        x ^= x >> 31
+    return x & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

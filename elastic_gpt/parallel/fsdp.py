@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from elastic_gpt.model.gpt import GPT
 from elastic_gpt.parallel.tensor import apply_tensor_parallel
-from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper
+from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper, local_indices
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -124,13 +124,14 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
 
 
 def init_sharded_weights(model: GPT, seed: int) -> None:
-    """Fill the local shards with the same values a single-process `GPT.init_weights(seed)` gives,
-    so a run starts from identical weights at any world size (each rank slices, no communication)."""
+    """Fill each rank's shards with the values a single-process `GPT.init_weights(seed)` gives,
+    drawing only the tiles of the weights its shards cover (model/gpt.py `init_tiles`): a run
+    starts from identical weights at any world size and layout, each rank's cost is its shard's,
+    and nothing is communicated."""
     with torch.no_grad():
-        for name, full in model.initial_values(seed):
-            p = model.get_parameter(name)
+        for index, (name, p) in enumerate(model.named_parameters()):
             if isinstance(p, DTensor):
-                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-                p.to_local().copy_(local.to_local())
+                held = local_indices(p.shape, p.device_mesh, p.placements)
+                p.to_local().copy_(model.initial_value(index, name, p.shape, seed, held))
             else:
-                p.copy_(full)
+                p.copy_(model.initial_value(index, name, p.shape, seed))

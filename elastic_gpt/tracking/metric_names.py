@@ -52,6 +52,11 @@ DATA_FINGERPRINT = DEBUG_PREFIX + "data_fingerprint"
 DATA_WAIT_S = DEBUG_PREFIX + "data_wait_s"
 EVENT_RECOVERY_S = DEBUG_PREFIX + "event_recovery_s"  # logged once per resume
 EVENT_LOST_STEPS = DEBUG_PREFIX + "event_lost_steps"
+# Once per attempt, at its first step: from the Trainer's start, and the weight init and the
+# checkpoint read within it (a resume skips the init).
+STARTUP_S = DEBUG_PREFIX + "startup_s"
+STARTUP_INIT_S = DEBUG_PREFIX + "startup_init_s"
+STARTUP_CHECKPOINT_READ_S = DEBUG_PREFIX + "startup_checkpoint_read_s"
 
 # MLflow's own names for host metrics (what `mlflow.start_run(log_system_metrics=True)` logs).
 SYSTEM_CPU_PERCENT = "system/cpu_utilization_percentage"
@@ -87,7 +92,8 @@ STEP_METRICS = (TRAIN_LOSS, TRAIN_LR, TRAIN_GRAD_NORM, TRAIN_TOKENS_PER_S, TRAIN
 VAL_METRICS = (VAL_LOSS, VAL_PERPLEXITY, VAL_BITS_PER_BYTE)
 FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, TRAIN_REPLICA_GROUPS, GOODPUT,
                          GOODPUT_EVENTS, GOODPUT_LOST_STEPS, GOODPUT_WALL_S, EVENT_RECOVERY_S,
-                         EVENT_LOST_STEPS, SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
+                         EVENT_LOST_STEPS, STARTUP_S, STARTUP_INIT_S, STARTUP_CHECKPOINT_READ_S,
+                         SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
                          SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
 # Families whose last part is a ledger key, a cluster resource, a source or a GPU index.
 FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_")

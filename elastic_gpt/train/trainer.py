@@ -16,7 +16,6 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,12 @@ from elastic_gpt.parallel.fsdp import (
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.tensor import loss_context
 from elastic_gpt.tracking import metric_names as mn
+from elastic_gpt.train.collaborators import (
+    Membership,
+    MetricSink,
+    NullMembership,
+    NullMetricSink,
+)
 from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
@@ -55,71 +60,6 @@ from elastic_gpt.train.schedule import lr_at
 from elastic_gpt.train.throughput import peak_flops
 
 log = logging.getLogger(__name__)
-
-
-class MetricSink(Protocol):
-    """Where step metrics go (MLflow's `MetricLogger` on rank 0 of a tracked run)."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
-
-    def log_params(self, params: dict[str, str]) -> None: ...
-
-    def flush(self, timeout_s: float) -> bool:
-        """Block until everything logged is stored; False if `timeout_s` passed first."""
-        ...
-
-    def close(self) -> None: ...
-
-
-class NullMetricSink:
-    """Drops every metric: ranks other than 0, untracked runs, tests and benchmarks."""
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def log_params(self, params: dict[str, str]) -> None:
-        pass
-
-    def flush(self, timeout_s: float) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-class Membership(Protocol):
-    """Rank 0's view of the cluster (`WorkerMembership` under Ray)."""
-
-    reason: str | None
-    """Turns non-None when this group should checkpoint and restart (drain, resize)."""
-    previous: dict | None
-    """The previous attempt's last published progress, if any (the goodput ledger's input)."""
-    cause: dict | None
-    """Why the previous attempt ended, if it did."""
-
-    def publish(self, step: int, step_time_s: float | None, ledger: dict) -> None: ...
-
-    def record_restart(self, reason: str, step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullMembership:
-    """A group nobody resizes or drains, with no attempt before it: ranks other than 0, and any
-    Trainer run outside Ray."""
-
-    reason = None
-    previous = None
-    cause = None
-
-    def publish(self, step: int, step_time_s: float | None, ledger: dict) -> None:
-        pass
-
-    def record_restart(self, reason: str, step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -183,10 +123,14 @@ class Trainer:
         # `begin_step` says; on the restart path the data-parallel ones.
         self.batch_rank, self.batch_degree = self.dp_rank, self.dp_degree
         self.dims.build_mesh(self.device.type)
-        self.model = self._build_model()
+        self.store = CheckpointStore(cfg.checkpoint.path)
+        # Decided before building: a resume reads every weight from its checkpoint, so it skips
+        # the random init (CPU draws of the whole shard, on every rank, at every restart).
+        self.startup: dict[str, float] = {"init_s": 0.0, "checkpoint_read_s": 0.0}
+        self.resume_from = self._newest_checkpoint()
+        self.model = self._build_model(initialise=self.resume_from is None)
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
-        self.store = CheckpointStore(cfg.checkpoint.path)
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
         # The ledger is the run's, not a group's: a replica group healed from a peer adopts the
@@ -206,7 +150,7 @@ class Trainer:
             on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds),
             extra_files=self._save_tokenizer)
 
-    def _build_model(self) -> GPT:
+    def _build_model(self, initialise: bool) -> GPT:
         # Build on "meta" (no memory), shard, then materialise only this rank's shards.
         with torch.device("meta"):
             model = GPT(self.gpt_cfg)
@@ -218,7 +162,10 @@ class Trainer:
                     reshard_after_forward=self.reshard_after_forward,
                     tp_mesh=self.dims.tp_mesh if self.dims.tp_enabled else None)
         model.to_empty(device=self.device)
-        init_sharded_weights(model, seed=t.seed)
+        if initialise:
+            t0 = time.perf_counter()
+            init_sharded_weights(model, seed=t.seed)
+            self.startup["init_s"] = time.perf_counter() - t0
         return model
 
     def _build_evaluator(self) -> Evaluator | None:
@@ -319,17 +266,25 @@ class Trainer:
 
     # ---- restore -----------------------------------------------------------------------------
 
-    def restore(self) -> None:
-        """Resume from the newest committed checkpoint, resharding if the world size changed."""
+    def _newest_checkpoint(self):
+        """Collective: the newest committed checkpoint (checked against this model's shape on
+        rank 0), or None."""
         latest = None
         if self.rank == 0:
             latest = self.store.latest()
             if latest is not None:
                 check_checkpoint_shape(latest.state, self.gpt_cfg, latest.url)
-        latest = _broadcast(latest)
+        return _broadcast(latest)
+
+    def restore(self) -> None:
+        """Resume from the checkpoint found before building (`resume_from`), resharding if the
+        world size changed."""
+        latest = self.resume_from
         if latest is None:
             return
+        t0 = time.perf_counter()
         load_sharded(latest.url, self.model, self.optimizer)
+        self.startup["checkpoint_read_s"] = time.perf_counter() - t0
         state = latest.state
         self.step = state["step"]
         self.ledger = GoodputLedger.from_dict(state.get("ledger"))
@@ -518,7 +473,7 @@ class Trainer:
             self.membership.publish(self.step, None, self.ledger.to_dict())
         stream = self._open_stream()
         tokens_per_step = self.batch_split.global_batch_size * self.gpt_cfg.seq_len
-        last = None
+        last, startup = None, {}
         try:
             end = min(cfg.train.max_steps, cfg.run.stop_at_step or cfg.train.max_steps)
             first_step = self.step
@@ -528,6 +483,7 @@ class Trainer:
                     if event and self.rank == 0:
                         self.metrics.log({mn.EVENT_RECOVERY_S: event["recovery_s"],
                                           mn.EVENT_LOST_STEPS: event["lost_steps"]}, self.step)
+                    startup = self._startup_metrics()
                 t0 = time.perf_counter()
                 planned = ft.begin_step(self.step, self.dp_rank, self.dp_degree)
                 if planned != (self.step, self.batch_rank, self.batch_degree):
@@ -571,8 +527,9 @@ class Trainer:
                     mn.TRAIN_GRAD_ACCUM: self.batch_split.slots(self.batch_degree),
                     mn.TRAIN_SAMPLES_SEEN: self.step * self.batch_split.global_batch_size,
                     mn.TRAIN_STEP_TIME_S: step_time, mn.DATA_WAIT_S: t_data,
-                    mn.DATA_FINGERPRINT: result.fingerprint,
+                    mn.DATA_FINGERPRINT: result.fingerprint, **startup,
                 }
+                startup = {}
                 if self.data.is_mixture and self.rank == 0:
                     counts = self.data_order.source_counts(metrics[mn.TRAIN_SAMPLES_SEEN])
                     for source, count in zip(self.data.sources, counts):
@@ -603,6 +560,18 @@ class Trainer:
             ft.close()
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
+
+    def _startup_metrics(self) -> dict[str, float]:
+        """At this attempt's first step: the time from the Trainer's start, by part (logged with
+        that step's metrics; a resume's weight init is 0)."""
+        s = self.startup
+        s["to_first_step_s"] = time.time() - self.started
+        if self.rank == 0:
+            say(f"[elastic-gpt] first step {s['to_first_step_s']:.1f} s after start: weight "
+                f"init {s['init_s']:.1f} s, checkpoint read {s['checkpoint_read_s']:.1f} s, the "
+                f"rest {s['to_first_step_s'] - s['init_s'] - s['checkpoint_read_s']:.1f} s")
+        return {mn.STARTUP_S: s["to_first_step_s"], mn.STARTUP_INIT_S: s["init_s"],
+                mn.STARTUP_CHECKPOINT_READ_S: s["checkpoint_read_s"]}
 
     def _note_quorum_change(self) -> float:
         """Replica groups (C7 all-or-nothing step): a group left or joined at this step's quorum;
