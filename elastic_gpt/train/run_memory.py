@@ -26,7 +26,10 @@ def resolve_run_memory(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
     """Collective (every rank of the group, once): the resolved settings, the same on every rank
     (they are computed from the group's smallest device memory)."""
     nodes = list(rank_nodes) if rank_nodes is not None else ["node"] * world_size
-    gpu = gpu_for_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    gpu = gpu_for_device(torch.cuda.get_device_name(device)) if cuda else None
+    # A CPU worker has no CUDA context and workspaces; what tune's prediction leaves out too.
+    host = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
     return resolve_memory_settings(
         model_shape(gpt_cfg), world_size=world_size, tp=cfg.parallel.tp,
         workers_per_node=node_sizes(nodes), micro_batch=micro_batch,
@@ -34,4 +37,4 @@ def resolve_run_memory(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
         activation_checkpointing=cfg.train.activation_checkpointing,
         dtype=str(compute_dtype).removeprefix("torch."), device_bytes=group_device_bytes(device),
         gpu=gpu, hsdp=cfg.parallel.hsdp, grad_sync=cfg.train.grad_sync,
-        reshard_after_forward=cfg.train.reshard_after_forward)
+        reshard_after_forward=cfg.train.reshard_after_forward, **host)
