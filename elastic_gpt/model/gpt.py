@@ -213,18 +213,40 @@ def init_tiles(seed: int, index: int, shape: tuple[int, int], rows: torch.Tensor
     tile), whoever asks for it."""
     tr, tc = INIT_TILE
     out = torch.empty(len(rows), len(cols))
-    row_tiles, col_tiles = rows // tr, cols // tc
-    col_groups = [(tj, (col_tiles == tj).nonzero().squeeze(1)) for tj in col_tiles.unique().tolist()]
+    col_parts = _tile_parts(cols, tc)
     gen = torch.Generator()
-    for ti in row_tiles.unique().tolist():
-        r_sel = (row_tiles == ti).nonzero().squeeze(1)
-        r_in = rows[r_sel] - ti * tr
-        for tj, c_sel in col_groups:
+    for ti, r_out, r_in in _tile_parts(rows, tr):
+        for tj, c_out, c_in in col_parts:
             gen.manual_seed(_tile_seed(seed, index, ti, tj))
             tile = torch.empty(min(tr, shape[0] - ti * tr), min(tc, shape[1] - tj * tc))
             tile.normal_(0.0, std, generator=gen)
-            out[r_sel[:, None], c_sel[None, :]] = tile[r_in[:, None], (cols[c_sel] - tj * tc)[None, :]]
+            if all(isinstance(i, slice) for i in (r_out, c_out, r_in, c_in)):
+                out[r_out, c_out] = tile[r_in, c_in]  # the usual case: a block, copied whole
+            else:  # a strided shard's rows: gathered and scattered element-wise
+                r_out, c_out, r_in, c_in = map(_as_index, (r_out, c_out, r_in, c_in))
+                out[r_out[:, None], c_out[None, :]] = tile[r_in[:, None], c_in[None, :]]
     return out
+
+
+def _tile_parts(indices: torch.Tensor, size: int) -> list[tuple]:
+    """Per tile of `size` that `indices` touch: (tile, positions in `indices`, offsets in the
+    tile), each a slice when it is a run of consecutive numbers."""
+    tiles = indices // size
+    parts = []
+    for t in tiles.unique().tolist():
+        where = (tiles == t).nonzero().squeeze(1)
+        parts.append((t, _as_run(where), _as_run(indices[where] - t * size)))
+    return parts
+
+
+def _as_run(idx: torch.Tensor) -> slice | torch.Tensor:
+    if len(idx) == 1 or bool((idx[1:] - idx[:-1] == 1).all()):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def _as_index(part: slice | torch.Tensor) -> torch.Tensor:
+    return torch.arange(part.start, part.stop) if isinstance(part, slice) else part
 
 
 def _tile_seed(seed: int, index: int, ti: int, tj: int) -> int:
