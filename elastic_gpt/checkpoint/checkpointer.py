@@ -40,6 +40,7 @@ before a save (making the step metrics durable), come in as callables.
 from __future__ import annotations
 
 import copy
+import datetime
 import errno
 import time
 from collections.abc import Callable
@@ -80,6 +81,8 @@ class Checkpointer:
     held the loop up: from before `before_save()` to the end of the shards' write for a
     synchronous save, to the end of the copy to CPU for an asynchronous one. `clock` is where
     rank 0 reads the wall time for `every_minutes` (seconds; tests pass a fake one).
+    `collective_timeout_s` bounds the clock's broadcast (a hung peer fails it, as it fails the
+    training collectives; None: torch's default for gloo groups).
     """
 
     in_flight = False
@@ -90,6 +93,7 @@ class Checkpointer:
                  trainer_state: Callable[[], dict], every_minutes: float = 0.0,
                  streams: int = 1, storage_options: dict | None = None,
                  clock: Callable[[], float] = time.monotonic,
+                 collective_timeout_s: float | None = None,
                  before_save: Callable[[], None] = lambda: None,
                  on_blocked: Callable[[float], None] = lambda seconds: None,
                  extra_files: Callable[[str], None] = lambda step_url: None):
@@ -100,6 +104,7 @@ class Checkpointer:
         self.trainer_state, self.before_save, self.on_blocked = (trainer_state, before_save,
                                                                  on_blocked)
         self.extra_files, self.clock = extra_files, clock
+        self.collective_timeout_s = collective_timeout_s
         self._last_save = clock()
         self._clock_group: dist.ProcessGroup | None = None
 
@@ -125,8 +130,10 @@ class Checkpointer:
 
     def _rank0_says(self, verdict: bool) -> bool:
         """Rank 0's `verdict`, on every rank (one byte from rank 0, see the module docstring)."""
-        if self._clock_group is None:
-            self._clock_group = dist.new_group(backend="gloo")  # collective: all ranks, same order
+        if self._clock_group is None:  # collective: all ranks, same order
+            timeout = (None if self.collective_timeout_s is None
+                       else datetime.timedelta(seconds=self.collective_timeout_s))
+            self._clock_group = dist.new_group(backend="gloo", timeout=timeout)
         flag = torch.tensor([verdict], dtype=torch.uint8)
         dist.broadcast(flag, group=self._clock_group, group_src=0)
         return bool(flag.item())
