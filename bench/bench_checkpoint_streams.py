@@ -10,7 +10,9 @@ checkpointers use (`checkpoint.sharded.save_sharded`), once per stream count per
 stream counts in a different order each round so that drift in the machine's load falls on all of
 them. Per save and rank: the rank's shard bytes / the save's wall time (plan, write, metadata: the
 whole collective, as the loop sees it). Each save is deleted before the next, so the server holds
-one checkpoint at a time.
+one checkpoint at a time. The server's CPU time during each save, over the save's wall time, says
+how close the server itself was to the end of what it can take (its request handling holds one
+GIL: about 1.0 is one core, saturated).
 
 Also measured: the per-step cost of `checkpoint.every_minutes`'s agreement (rank 0's clock
 broadcast on a gloo group of the checkpointer's) against a step-count cadence, which needs none.
@@ -70,7 +72,14 @@ def _sharded_state(preset: str, world: int, optimizer: bool):
     return model, opt
 
 
-def _rank(rank: int, world: int, endpoint: str, preset: str, optimizer: bool,
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux's /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _rank(rank: int, world: int, endpoint: str, server_pid: int, preset: str, optimizer: bool,
           streams: list[int], rounds: int, steps: int) -> dict:
     import fsspec
     import torch
@@ -88,15 +97,17 @@ def _rank(rank: int, world: int, endpoint: str, preset: str, optimizer: bool,
     shard_bytes = sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
     fs = fsspec.filesystem("s3", **opts)
     times: dict[int, list[float]] = {n: [] for n in streams}
+    server_busy: dict[int, list[float]] = {n: [] for n in streams}
     files: dict[int, int] = {}
     for r in range(rounds):
         order = streams[r % len(streams):] + streams[:r % len(streams)]
         for n in order:
             url = f"s3://{BUCKET}/round{r}-streams{n}"
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _cpu_s(server_pid)
             save_sharded(url, model, opt, storage_options=opts, streams=n)
             times[n].append(time.perf_counter() - t0)
+            server_busy[n].append((_cpu_s(server_pid) - c0) / times[n][-1])
             dist.barrier()
             if rank == 0:
                 files[n] = sum(f.endswith(".distcp") for f in fs.ls(url, detail=False, refresh=True))
@@ -114,7 +125,8 @@ def _rank(rank: int, world: int, endpoint: str, preset: str, optimizer: bool,
         for step in range(2, steps + 2):
             ckpt.save(step)
         per_step[label] = (time.perf_counter() - t0) / steps
-    return {"shard_bytes": shard_bytes, "times": times, "files": files, "per_step_s": per_step}
+    return {"shard_bytes": shard_bytes, "times": times, "files": files, "per_step_s": per_step,
+            "server_busy": server_busy}
 
 
 def _leaves(d):
@@ -131,8 +143,8 @@ def run(args) -> dict:
     streams = [int(s) for s in args.streams.split(",")]
     server, endpoint = start_s3_server()
     try:
-        per_rank = run_gloo(_rank, args.world, endpoint, args.preset, args.optimizer, streams,
-                            args.rounds, args.cadence_steps)
+        per_rank = run_gloo(_rank, args.world, endpoint, server.pid, args.preset, args.optimizer,
+                            streams, args.rounds, args.cadence_steps)
     finally:
         server.stdin.close()
         server.wait(timeout=30)
@@ -143,6 +155,7 @@ def run(args) -> dict:
         out["streams"][n] = {
             "files_per_checkpoint": per_rank[0]["files"][n],
             "save_s_median": median(t for r in per_rank for t in r["times"][n]),
+            "server_cpu_per_wall_median": median(per_rank[0]["server_busy"][n]),
             "mb_per_s_per_rank_median": median(mbps),
             "mb_per_s_per_rank": [[round(r["shard_bytes"] / t / 1e6, 1) for t in r["times"][n]]
                                   for r in per_rank]}
@@ -169,10 +182,12 @@ def main() -> None:
     res = run(args)
     print(f"{args.preset}, W={args.world}, {res['shard_mb_per_rank']} MB per rank, "
           f"{args.rounds} rounds, loopback S3 (moto)")
-    print(f"{'streams':>8} {'files':>6} {'save s':>8} {'MB/s per rank':>14} {'vs 1':>6}")
+    print(f"{'streams':>8} {'files':>6} {'save s':>8} {'MB/s per rank':>14} {'vs 1':>6} "
+          f"{'server CPU/wall':>16}")
     for n, s in res["streams"].items():
         print(f"{n:>8} {s['files_per_checkpoint']:>6} {s['save_s_median']:>8.2f} "
-              f"{s['mb_per_s_per_rank_median']:>14.1f} {s['vs_first']:>6.2f}")
+              f"{s['mb_per_s_per_rank_median']:>14.1f} {s['vs_first']:>6.2f} "
+              f"{s['server_cpu_per_wall_median']:>16.2f}")
     print("cadence check per step (us): " + ", ".join(
         f"{k} {v:.0f}" for k, v in res["cadence_per_step_us"].items()))
     if args.json:
