@@ -287,7 +287,9 @@ def resolve_async_save(setting: str | bool, device_type: str) -> bool:
     memory is fast, and a large model's write takes minutes the loop would otherwise wait. On the
     CPU the background write's serialization takes cores from the training itself (steps slow
     down while it is in flight, docs/performance.md), the staging copy doubles the state's host
-    memory, and the checkpoint of a model that trains on a CPU is small."""
+    memory, and the checkpoint of a model that trains on a CPU is small. On a GPU the staging
+    buffers are pinned host memory the size of the rank's shard of the parameters and Adam
+    moments, for as long as the run lasts: the node's RAM must hold that for each of its GPUs."""
     if setting == "auto":
         return device_type == "cuda"
     return bool(setting)
