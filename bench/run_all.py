@@ -11,6 +11,7 @@ other on the same cores, so the ratios inside a part are measured side by side:
                          loops vs one (the ceiling of 2 workers on this machine)
   overhead + scaling     elastic-gpt through Ray Train: W=1 vs the plain loop, W=2 vs W=1 (wall)
   checkpoint stall       async vs sync save blocking time, tokens/s dip while a save is in flight
+  checkpoint streams     write throughput per rank to a loopback S3 server, 1 stream vs 8
   MFU                    model FLOP/s vs the measured fp32 matmul peak of the same cores
   data, recovery         bench/bench_data.py and bench/bench_recovery.py, when present
 
@@ -97,6 +98,9 @@ def main() -> None:
     results["checkpoint"] = run_part(
         "checkpoint stall", ["bench/bench_checkpoint.py", "--steps", "9" if q else "15",
                              "--every", "3", "--workdir", work], f"{work}/ckpt.json", 600)
+    results["checkpoint_streams"] = run_part(
+        "checkpoint streams", ["bench/bench_checkpoint_streams.py", "--streams", "1,8",
+                               "--rounds", "2" if q else "3"], f"{work}/streams.json", 600)
     # The data and recovery benches, each with its own JSON flag. Recovery runs 3 trials of node
     # loss + node add for elastic-gpt and 1 for Ray Train's defaults (each of its events waits
     # out a ~60 s placement timeout) and skips the 2 x 200 s goodput runs, to keep `make bench`
@@ -169,6 +173,13 @@ def print_table(r: dict) -> None:
             ("tokens/s dip while a save is in flight", ck["dip"], "",
              f"{ck['async']['n_overlapped']} overlapped steps"),
         ]
+    cs = _finished(r, "checkpoint_streams")
+    if cs:
+        one, eight = cs["streams"]["1"], cs["streams"]["8"]
+        rows.append(("checkpoint write per rank, 8 streams / 1", eight["vs_first"], "",
+                     f"{eight['mb_per_s_per_rank_median']:.0f} vs "
+                     f"{one['mb_per_s_per_rank_median']:.0f} MB/s to loopback S3; server "
+                     f"CPU/wall {one['server_cpu_per_wall_median']:.2f}"))
     data = _finished(r, "data")
     if data:
         for k, v in data.items():
@@ -193,7 +204,8 @@ def print_table(r: dict) -> None:
     for name, value, target, detail in rows:
         v = "n/a" if value is None else f"{value:8.3f}"
         print(f"{name:{width}s} {v:>8s} {target:>8s}  {detail}")
-    for k in ("overhead_inprocess", "scaling_inprocess", "ray", "checkpoint", "data", "recovery"):
+    for k in ("overhead_inprocess", "scaling_inprocess", "ray", "checkpoint", "checkpoint_streams",
+              "data", "recovery"):
         if k in r:
             m = r[k]["_meta"]
             print(f"  [{k}: {'ok' if m['ok'] else 'FAILED'}, {m['seconds']} s, load average "

@@ -180,12 +180,24 @@ class CheckpointSection:
     path: str = ""
     """Root URL (file://, s3://, gs://, or a local path) for step_<N> directories.
     Empty: runs/<run.name>/checkpoints under the working directory."""
-    every_steps: AtLeastOne = 50
-    """Commit a checkpoint every N steps, and at the last step of a session."""
+    every_steps: Annotated[int, Range(0)] = 50
+    """Commit a checkpoint every N steps (0: no step cadence), and at the last step of a
+    session."""
+    every_minutes: Annotated[float, Range(0)] = 0.0
+    """Also commit one when this many minutes of wall time have passed since the last save
+    (0: no clock cadence); rank 0's clock decides for every rank. With both set a save is due
+    when either is, and any save restarts the clock. `elastic-gpt plan --write-config` writes
+    its Young/Daly interval here (and every_steps: 0): a cadence that holds whatever a step
+    costs."""
     keep: AtLeastOne = 3
     """Committed checkpoints kept; the newest is never deleted (C4 atomic commit)."""
-    async_save: bool = False
-    """Write in a background thread after a CPU copy, so training continues during the upload."""
+    async_save: Literal["auto"] | bool = "auto"
+    """Write in a background thread after a copy to (pinned) CPU memory, so training continues
+    during the upload. auto: on when the model trains on CUDA, off on the CPU, where the
+    background write would take cores from the training."""
+    write_streams: Annotated[int, Range(1, 65)] = 8
+    """Files each rank writes at once, each by its own thread (and, to an object store, its own
+    upload): one upload per rank cannot fill a node's network link."""
 
 
 @dataclass
@@ -469,6 +481,11 @@ def validate(cfg: Config) -> None:
     batch_split = BatchSplit(t.global_batch_size, t.micro_batch_size)
     # C1 fixed global batch, over the data-parallel degree
     batch_split.check_world_size(s.max_workers, tp=tp)
+    ck = cfg.checkpoint
+    if ck.every_steps == 0 and ck.every_minutes == 0:
+        raise ValueError("checkpoint.every_steps=0 and checkpoint.every_minutes=0 leave no "
+                         "periodic checkpoint (a failure would lose the whole session); set "
+                         "checkpoint.every_minutes (wall-clock) or checkpoint.every_steps")
     if cfg.data.sources is not None:
         _check_sources(cfg.data)
     elif not cfg.data.path:

@@ -5,7 +5,8 @@ pins torch to the range the tests ran on. tests/test_torch_internals.py checks e
 attribute the code uses, so an upgrade fails there, by name, rather than mid-run; an import that
 moved fails here, at import, naming the torch version.
 
-- `FsspecWriter` / `FsspecReader`: DCP storage on any fsspec URL (local, s3://, gs://). The
+- `FsspecWriter` / `FsspecReader`: DCP storage on any fsspec URL (local, s3://, gs://); the
+  writer's `thread_count` writes a rank's shards as that many files at once. The
   checkpoint code subclasses the reader to unpickle the metadata index safely, which uses its
   `fs`, `load_id` and `_get_metadata_path`.
 - `set_element`: how DCP's default load planner puts a loaded value back into a nested state dict.

@@ -48,7 +48,14 @@ def test_file_then_overrides():
     (["train.grad_sync=never"], "train.grad_sync='never' must be auto, step or microbatch"),
     (["scaling.use_gpu=sometimes"], "scaling.use_gpu='sometimes' must be auto, true or false"),
     (["scaling.use_gpu=1"], "scaling.use_gpu=1 must be auto, true or false"),
-    (["checkpoint.async_save=yes please"], "checkpoint.async_save='yes please' must be true or false"),
+    (["checkpoint.async_save=yes please"],
+     "checkpoint.async_save='yes please' must be auto, true or false"),
+    (["checkpoint.every_steps=0"], "checkpoint.every_steps=0 and checkpoint.every_minutes=0 "
+     "leave no periodic checkpoint (a failure would lose the whole session); set "
+     "checkpoint.every_minutes (wall-clock) or checkpoint.every_steps"),
+    (["checkpoint.every_minutes=-5"], "checkpoint.every_minutes=-5.0 must be at least 0"),
+    (["checkpoint.every_minutes=soon"], "checkpoint.every_minutes='soon' must be a number"),
+    (["checkpoint.write_streams=0"], "checkpoint.write_streams=0 must be in [1, 65)"),
     (["train.lr=fast"], "train.lr='fast' must be a number"),
     (["train.dtype="], "train.dtype='' must be auto, float32 or bfloat16"),
     (["train.max_steps=0"], "train.max_steps=0 must be at least 1"),
@@ -170,6 +177,10 @@ def test_a_config_dict_written_by_old_main_loads():
     # parallelism (and HSDP's auto, which a group of one node leaves off), one dataset rather than
     # a mixture, and evaluation only where a validation split exists (old datasets have none).
     assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto"},
+                             # No clock cadence, as old main; its saves are written by more
+                             # streams per rank, which changes the files, not what they hold.
+                             "checkpoint": {**OLD_MAIN_DICT["checkpoint"], "every_minutes": 0.0,
+                                            "write_streams": 8},
                              "data": {**OLD_MAIN_DICT["data"], "sources": None},
                              "eval": {"path": "", "every_steps": 0, "samples": 64},
                              # Replica groups off: one worker group, as old main ran; and

@@ -54,7 +54,7 @@ def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
                          "warmup_steps", "activation_checkpointing", "grad_sync",
                          "reshard_after_forward", "dtype"},
                "scaling": {"min_workers", "max_workers", "use_gpu"},
-               "checkpoint": {"every_steps"},
+               "checkpoint": {"every_steps", "every_minutes"},
                "elastic": {"replica_groups", "replica_heartbeat_timeout_s"}}
     if trainer_parallel_keys():
         allowed["parallel"] = trainer_parallel_keys() & {"tp", "hsdp"}
@@ -64,7 +64,13 @@ def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
     assert written["model"]["preset"] == "gpt2-124m" and written["scaling"]["max_workers"] == 16
     cfg = load_config(str(out), ["data.path=/tmp/any-dataset"])  # the trainer's own validation
     assert cfg.train.micro_batch_size == written["train"]["micro_batch_size"]
-    assert cfg.checkpoint.every_steps >= 1
+    # The planned checkpoint interval (of the fault-tolerance mode written, for the default
+    # spot market) as minutes of wall time, the step cadence off.
+    plan = plan_training(inputs_from_args(cli("--model", "gpt2-124m", "--gpu", "L4", "--gpus",
+                                              "16", "--tokens", "2.5B")))
+    interval_s = (plan.chosen_replica_groups or plan.spot).interval_s
+    assert cfg.checkpoint.every_steps == 0
+    assert cfg.checkpoint.every_minutes == pytest.approx(interval_s / 60, rel=1e-2)
     assert cfg.elastic.replica_groups == written["elastic"]["replica_groups"]
     assert "fault tolerance: the restart path or replica groups" in report
 

@@ -158,7 +158,10 @@ def test_frequent_spot_losses_choose_replica_groups_and_write_a_config_the_launc
     workers, tp = written["scaling"]["max_workers"], written.get("parallel", {}).get("tp", 1)
     assert workers % n == 0 and (workers // n) % tp == 0  # the launcher's rule
     assert written["elastic"]["replica_heartbeat_timeout_s"] == 2.0
-    assert written["checkpoint"]["every_steps"] == ft.best.every_steps != plan.spot.every_steps
+    assert written["checkpoint"]["every_steps"] == 0  # the fallback's interval, in minutes
+    assert written["checkpoint"]["every_minutes"] == pytest.approx(ft.best.interval_s / 60,
+                                                                   rel=1e-2)
+    assert ft.best.interval_s != pytest.approx(plan.spot.interval_s, rel=0.1)
     # the group's own settings are written (they fit a group), and groups are a fixed size
     group = ft.best.layout.candidate
     assert written["train"]["micro_batch_size"] == group.micro_batch

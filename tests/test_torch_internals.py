@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,8 @@ def test_pyproject_states_the_torch_range_these_tests_run_on():
 
 
 def test_fsspec_storage_saves_and_loads_and_exposes_the_metadata_path(tmp_path):
-    assert {"path", "sync_files"} <= params(FsspecWriter.__init__), changed("FsspecWriter()")
+    assert {"path", "sync_files", "thread_count"} <= params(FsspecWriter.__init__), \
+        changed("FsspecWriter()")
     assert params(FsspecWriter.write_data) >= {"plan", "planner"}, changed("write_data()")
     url = str(tmp_path / "ckpt")
     saved = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
@@ -61,6 +63,11 @@ def test_fsspec_storage_saves_and_loads_and_exposes_the_metadata_path(tmp_path):
     loaded = {"w": torch.zeros(2, 3)}
     dcp.load(loaded, storage_reader=FsspecReader(url), no_dist=True)
     assert torch.equal(loaded["w"], saved["w"]), changed("FsspecWriter/FsspecReader round trip")
+    # thread_count: one file per thread for each rank (the checkpoint's write streams).
+    two = {"a": torch.ones(4), "b": torch.zeros(4)}
+    dcp.save(two, storage_writer=FsspecWriter(f"{url}2", thread_count=2), no_dist=True)
+    assert len([f for f in os.listdir(f"{url}2") if f.endswith(".distcp")]) == 2, \
+        changed("FsspecWriter(thread_count=2): not one file per thread")
 
     # What the checkpoint code's safe reader uses to unpickle the index itself.
     reader = FsspecReader(url)

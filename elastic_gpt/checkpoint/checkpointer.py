@@ -4,7 +4,9 @@ implementation, and `make_checkpointer`, which picks one from the config once.
 The loop calls only these, the same way whichever implementation it got:
 
     save(step, force=...)   at every step boundary; saves when `step` is a multiple of
-                            checkpoint.every_steps, or when forced (last step, planned restart)
+                            checkpoint.every_steps, when checkpoint.every_minutes of wall time
+                            have passed since the last save, or when forced (last step, planned
+                            restart)
     poll()                  at every step boundary; a failed background write raises here
     finish()                before the loop returns or restarts: the last save is committed
 
@@ -20,6 +22,17 @@ one group can pair up the wrong calls). A step whose write fails or is killed mi
 marker, so resume never sees it, and `CheckpointStore.retain` / `remove_uncommitted` delete it
 later (C4 atomic commit).
 
+The clock cadence (every_minutes) is rank 0's: its clock decides, and one byte broadcast from it
+on a gloo group of the checkpointer's own tells every rank, so all of them save at the same step
+whatever their own clocks say. The broadcast is made only where the clock is the only reason left
+to save (not at a step the step cadence or `force` already saves), on the CPU (no device sync),
+on a group of its own (it never pairs up with a training collective or with the async writer's).
+Both cadences may be set: a save is due when either is, and a save of any kind restarts the
+clock. Elapsed time is counted from the end of the last save (from the checkpointer's
+construction before the first): the time the loop trained, the interval of Young/Daly's model.
+
+Each rank writes its shards as checkpoint.write_streams files at once (`sharded.shard_writer`).
+
 Knows the store and DCP, not the Trainer: what the trainer state holds, and what must happen just
 before a save (making the step metrics durable), come in as callables.
 """
@@ -27,6 +40,7 @@ before a save (making the step metrics durable), come in as callables.
 from __future__ import annotations
 
 import copy
+import datetime
 import errno
 import time
 from collections.abc import Callable
@@ -38,10 +52,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from elastic_gpt.checkpoint.sharded import BoxSavePlanner, save_sharded, training_state_dict
+from elastic_gpt.checkpoint.sharded import (
+    BoxSavePlanner,
+    save_sharded,
+    shard_writer,
+    training_state_dict,
+)
 from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
 from elastic_gpt.errors import StorageFullError
-from elastic_gpt.torch_internals import FsspecWriter, _copy_state_dict, _create_cpu_state_dict
+from elastic_gpt.torch_internals import _copy_state_dict, _create_cpu_state_dict
 
 if TYPE_CHECKING:
     from elastic_gpt.config import CheckpointSection
@@ -60,7 +79,10 @@ class Checkpointer:
     what it writes into the step folder (the tokenizer) is listed in the commit marker too.
     `before_save()` runs first, on every save. `on_blocked(seconds)` is told how long the save
     held the loop up: from before `before_save()` to the end of the shards' write for a
-    synchronous save, to the end of the copy to CPU for an asynchronous one.
+    synchronous save, to the end of the copy to CPU for an asynchronous one. `clock` is where
+    rank 0 reads the wall time for `every_minutes` (seconds; tests pass a fake one).
+    `collective_timeout_s` bounds the clock's broadcast (a hung peer fails it, as it fails the
+    training collectives; None: torch's default for gloo groups).
     """
 
     in_flight = False
@@ -68,25 +90,53 @@ class Checkpointer:
 
     def __init__(self, store: CheckpointStore, *, every_steps: int, keep: int, rank: int,
                  model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 trainer_state: Callable[[], dict],
+                 trainer_state: Callable[[], dict], every_minutes: float = 0.0,
+                 streams: int = 1, storage_options: dict | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 collective_timeout_s: float | None = None,
                  before_save: Callable[[], None] = lambda: None,
                  on_blocked: Callable[[float], None] = lambda seconds: None,
                  extra_files: Callable[[str], None] = lambda step_url: None):
         self.store, self.every_steps, self.keep, self.rank = store, every_steps, keep, rank
+        self.every_minutes, self.streams = every_minutes, streams
+        self.storage_options = storage_options or {}
         self.model, self.optimizer = model, optimizer
         self.trainer_state, self.before_save, self.on_blocked = (trainer_state, before_save,
                                                                  on_blocked)
-        self.extra_files = extra_files
+        self.extra_files, self.clock = extra_files, clock
+        self.collective_timeout_s = collective_timeout_s
+        self._last_save = clock()
+        self._clock_group: dist.ProcessGroup | None = None
 
     def save(self, step: int, *, force: bool = False) -> bool:
-        """Collective. Checkpoint the state after `step` steps if the cadence says so or `force`;
+        """Collective. Checkpoint the state after `step` steps if a cadence says so or `force`;
         returns whether it saved."""
-        if not force and step % self.every_steps != 0:
+        if not (force or self.due(step)):
             return False
         t0 = time.perf_counter()
         self.before_save()
         self._save(step, t0)
+        self._last_save = self.clock()
         return True
+
+    def due(self, step: int) -> bool:
+        """Whether a cadence asks for a save after `step` steps; the same answer on every rank.
+        Collective when checkpoint.every_minutes is set and the step cadence does not save here."""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        if not self.every_minutes:
+            return False
+        return self._rank0_says(self.clock() - self._last_save >= 60.0 * self.every_minutes)
+
+    def _rank0_says(self, verdict: bool) -> bool:
+        """Rank 0's `verdict`, on every rank (one byte from rank 0, see the module docstring)."""
+        if self._clock_group is None:  # collective: all ranks, same order
+            timeout = (None if self.collective_timeout_s is None
+                       else datetime.timedelta(seconds=self.collective_timeout_s))
+            self._clock_group = dist.new_group(backend="gloo", timeout=timeout)
+        flag = torch.tensor([verdict], dtype=torch.uint8)
+        dist.broadcast(flag, group=self._clock_group, group_src=0)
+        return bool(flag.item())
 
     def poll(self) -> None:
         """Raise the error of a failed background save, if one has failed; never blocks."""
@@ -124,7 +174,8 @@ class SyncCheckpointer(Checkpointer):
             self.store.prepare_step_dir(step)
         dist.barrier()  # no rank writes into the directory before rank 0 has cleared a leftover
         try:
-            save_sharded(self.store.url(step_dirname(step)), self.model, self.optimizer)
+            save_sharded(self.store.url(step_dirname(step)), self.model, self.optimizer,
+                         storage_options=self.storage_options, streams=self.streams)
         except (Exception, CheckpointException) as e:
             full = self._full_disk(step)
             if full is not None:
@@ -143,13 +194,12 @@ class AsyncCheckpointer(Checkpointer):
     docstring). Its process group is made at the first save, which every rank reaches at the same
     step."""
 
-    def __init__(self, store: CheckpointStore, *, storage_options: dict | None = None,
-                 writer_factory: Callable | None = None, **kwargs):
+    def __init__(self, store: CheckpointStore, *, writer_factory: Callable | None = None,
+                 **kwargs):
         super().__init__(store, **kwargs)
-        self.storage_options = storage_options or {}
         # Tests pass a writer factory to hold a write open (kill-while-in-flight); default: fsspec.
         self.writer_factory = writer_factory or (
-            lambda url: FsspecWriter(url, sync_files=True, **self.storage_options))
+            lambda url: shard_writer(url, self.streams, self.storage_options))
         self.pg: dist.ProcessGroup | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._staging: dict | None = None
@@ -231,8 +281,26 @@ class AsyncCheckpointer(Checkpointer):
         self.last_write_s = time.perf_counter() - t0
 
 
-def make_checkpointer(cfg: CheckpointSection, store: CheckpointStore, **kwargs) -> Checkpointer:
-    """The checkpointer the config asks for (checkpoint.async_save), saving every
-    checkpoint.every_steps and keeping checkpoint.keep; `kwargs` as for `Checkpointer`."""
-    kind = AsyncCheckpointer if cfg.async_save else SyncCheckpointer
-    return kind(store, every_steps=cfg.every_steps, keep=cfg.keep, **kwargs)
+def resolve_async_save(setting: str | bool, device_type: str) -> bool:
+    """checkpoint.async_save: `auto` is asynchronous where the model trains on CUDA, synchronous
+    on the CPU. On a GPU the host's cores sit idle while the device trains, the copy to pinned
+    memory is fast, and a large model's write takes minutes the loop would otherwise wait. On the
+    CPU the background write's serialization takes cores from the training itself (steps slow
+    down while it is in flight, docs/performance.md), the staging copy doubles the state's host
+    memory, and the checkpoint of a model that trains on a CPU is small. On a GPU the staging
+    buffers are pinned host memory the size of the rank's shard of the parameters and Adam
+    moments, for as long as the run lasts: the node's RAM must hold that for each of its GPUs."""
+    if setting == "auto":
+        return device_type == "cuda"
+    return bool(setting)
+
+
+def make_checkpointer(cfg: CheckpointSection, store: CheckpointStore, *, model: torch.nn.Module,
+                      **kwargs) -> Checkpointer:
+    """The checkpointer the config asks for (checkpoint.async_save, resolved for the device the
+    model is on), with the config's cadences, retention and write streams; `kwargs` as for
+    `Checkpointer`."""
+    device = next(model.parameters()).device.type
+    kind = AsyncCheckpointer if resolve_async_save(cfg.async_save, device) else SyncCheckpointer
+    return kind(store, every_steps=cfg.every_steps, every_minutes=cfg.every_minutes,
+                keep=cfg.keep, streams=cfg.write_streams, model=model, **kwargs)

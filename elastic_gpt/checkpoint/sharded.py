@@ -15,6 +15,7 @@ import io
 import pickle
 import warnings
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -42,9 +43,24 @@ def training_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return {"model": model_sd, "optim": optim_sd["state"]}
 
 
-def save_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:
-    writer = FsspecWriter(url, sync_files=True, **(storage_options or {}))
-    dcp.save(training_state_dict(model, optimizer), storage_writer=writer, planner=BoxSavePlanner())
+def shard_writer(url: str, streams: int = 1, storage_options: dict | None = None) -> FsspecWriter:
+    """DCP's fsspec writer, writing each rank's shards as `streams` files at once: one thread per
+    file, each file its own upload to an object store (s3fs uploads the parts of one file one
+    after another, so one file per rank is one stream per rank). The shards are split between the
+    files by size; a load reads them from whichever file holds them, at any world size.
+
+    fsync on a local disk only: an object store's upload is durable once its close returns, and
+    for a stream without a file descriptor torch falls back to os.sync(), a flush of the whole
+    machine's page cache, once per file."""
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    return FsspecWriter(url, sync_files=protocol in ("file", "local"), thread_count=streams,
+                        **(storage_options or {}))
+
+
+def save_sharded(url: str, model, optimizer, storage_options: dict | None = None,
+                 streams: int = 1) -> None:
+    dcp.save(training_state_dict(model, optimizer),
+             storage_writer=shard_writer(url, streams, storage_options), planner=BoxSavePlanner())
 
 
 def load_sharded(url: str, model, optimizer, storage_options: dict | None = None) -> None:

@@ -6,7 +6,8 @@ Layout under the checkpoint root (file://, s3://, gs://, ...):
     run.json                  MLflow run id of this experiment, written before the first step
                               (C5 one MLflow run)
     step_00000100/
-        __0_0.distcp ...      DCP shards, one file per rank (any world size can load them: resharding)
+        __0_0.distcp ...      DCP shards, checkpoint.write_streams files per rank (any world size
+                              can load them: resharding)
         .metadata             DCP's index of the shards
         trainer_state.json    step, samples seen, world size, model shape, MLflow run id, ledger
         COMMITTED.json        written last, by rank 0, after every rank's shard is durable;

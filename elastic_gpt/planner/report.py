@@ -38,11 +38,19 @@ def training_config(plan: Plan) -> dict:
                   "dtype": "float32" if dtype_bytes(plan.dtype) == 4 else "bfloat16"},
         "scaling": {"min_workers": plan.n_gpus if rg else plan.min_workers,
                     "max_workers": plan.n_gpus, "use_gpu": True},
-        "checkpoint": {"every_steps": rg.every_steps if rg else plan.reliability.every_steps},
+        "checkpoint": checkpoint_cadence(rg.interval_s if rg else plan.reliability.interval_s),
         "elastic": ({"replica_groups": rg.layout.n_groups,
                      "replica_heartbeat_timeout_s": plan.replica_heartbeat_timeout_s}
                     if rg else {"replica_groups": "off"}),
     } | _parallel_keys(c)
+
+
+def checkpoint_cadence(interval_s: float) -> dict:
+    """The plan's checkpoint interval (Young/Daly's, or --ckpt-every-steps, at the planned step
+    time) as checkpoint.every_minutes, with the step cadence off: the interval then holds when
+    steps run slower or faster than planned (another network, a resize, a slow node), where a
+    count of steps would drift with them."""
+    return {"every_steps": 0, "every_minutes": float(f"{interval_s / 60:.3g}")}
 
 
 def _parallel_keys(c: LayoutCandidate) -> dict:

@@ -148,7 +148,7 @@ class Trainer:
             cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
             trainer_state=self.trainer_state, before_save=self._flush_metrics,
             on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds),
-            extra_files=self._save_tokenizer)
+            extra_files=self._save_tokenizer, collective_timeout_s=cfg.elastic.hang_timeout_s)
 
     def _build_model(self, initialise: bool) -> GPT:
         # Build on "meta" (no memory), shard, then materialise only this rank's shards.
