@@ -5,7 +5,8 @@
 Exactly the pieces the trainer uses on a GPU: the model built on "meta" and sharded with
 `parallelize` (FSDP2 on a world-size-1 NCCL group, bf16 params / fp32 reduce, each block
 `torch.compile`d inside its `fully_shard`), SDPA attention (flash kernels in bf16), fused AdamW
-from `build_optimizer`, autocast to bf16, the summed cross-entropy of `token_losses`.
+from `build_optimizer`, autocast to bf16, the summed cross-entropy the trainer computes
+without tensor parallelism (`GPT.forward` with targets: the chunked loss).
 Batches are random token ids already on the GPU (the data pipeline has its own benchmark).
 MFU = tokens/s x model FLOPs per token (`flops_per_token`: 6N + 12 L d T) / the chip's dense
 bf16 peak (elastic_gpt/hardware.py's table, which the trainer's MFU reads too). Timed: --steps
@@ -38,7 +39,7 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     from elastic_gpt.cost_model.memory import model_shape
     from elastic_gpt.cost_model.memory_settings import resolve_memory_settings
     from elastic_gpt.hardware import gpu_for_device
-    from elastic_gpt.model.gpt import GPT, flops_per_token, preset_config, token_losses
+    from elastic_gpt.model.gpt import GPT, flops_per_token, preset_config
     from elastic_gpt.parallel.fsdp import device_memory_bytes, init_sharded_weights, parallelize
     from elastic_gpt.train.optimizer import build_optimizer
     from elastic_gpt.train.throughput import peak_flops
@@ -67,8 +68,7 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     def step(i: int) -> torch.Tensor:
         x = data[i % 4]
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(x[:, :T])
-        loss = token_losses(logits, x[:, 1:]) / (batch * T)
+            loss = model(x[:, :T], targets=x[:, 1:]) / (batch * T)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -120,6 +120,30 @@ def test_bf16_compute_fp32_master_weights_and_fp32_gradients(world1):
         assert torch.isfinite(p.grad.to_local()).all(), name
 
 
+def test_chunked_loss_under_fsdp2_bf16_matches_the_whole_logits_loss(world1, monkeypatch):
+    """The trainer's loss (`GPT.forward` with targets) on FSDP2's gathered bf16 weights, under
+    autocast: the loss of whole logits, and every fp32-reduced gradient (the tied wte's
+    included) within bf16 rounding of theirs; the root's gathered weight is read inside its
+    forward, so the loss needs no gather of its own."""
+    from elastic_gpt.model import gpt
+    monkeypatch.setattr(gpt, "LOSS_CHUNK_LOGITS", 5 * SMALL.vocab_size)  # 7 chunks of 32 tokens
+    model = _sharded(SMALL, world1, torch.bfloat16)
+    x = torch.randint(0, 64, (2, 17))
+    losses, grads = {}, {}
+    for chunked in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x[:, :16], targets=x[:, 1:]) if chunked else model(x[:, :16])
+        losses[chunked] = out if chunked else token_losses(out, x[:, 1:])
+        (losses[chunked] / 32).backward()
+        grads[chunked] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-6, atol=1e-5)
+    assert "wte.weight" in grads[True]
+    for name, g in grads[False].items():
+        assert grads[True][name].dtype == torch.float32, name
+        assert (grads[True][name] - g).norm() / g.norm() < 1.6e-2, name
+
+
 def test_wrapping_order_ac_and_compile_inside_fully_shard_per_block_root_last(world1):
     with torch.device("meta"):
         model = GPT(SMALL)

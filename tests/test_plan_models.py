@@ -24,7 +24,7 @@ from elastic_gpt.cost_model.step_time import (
     tp_traffic,
 )
 from elastic_gpt.hardware import get_gpu
-from elastic_gpt.model.gpt import GPTConfig, preset_config
+from elastic_gpt.model.gpt import LOSS_CHUNK_LOGITS, GPTConfig, preset_config
 from elastic_gpt.planner.inputs import DAY, PlanInputs
 from elastic_gpt.planner.reliability import goodput, optimal_interval_s, young_interval_s
 from elastic_gpt.planner.training_plan import plan_training
@@ -228,7 +228,11 @@ def test_memory_with_tp_divides_what_tp_splits():
     assert tp8.sharded_state == pytest.approx(16 * shape.local_params(t) / dp)
     assert tp8.sharded_state / one.sharded_state == pytest.approx(1 / t, rel=1e-3)
     assert tp8.gathered_params / one.gathered_params == pytest.approx(1 / t, rel=1e-3)
-    assert tp8.logits == pytest.approx(one.logits / t)
+    # tp=1 chunks its loss (the logits' bf16 gradient + one fp32 chunk); tp=8 keeps three fp32
+    # buffers of its vocabulary slice.
+    logits = 4 * cfg.seq_len * cfg.vocab_size
+    assert one.logits == pytest.approx(2 * logits + 12 * min(logits, LOSS_CHUNK_LOGITS))
+    assert tp8.logits == pytest.approx(12 * logits / t)
     sbh = cfg.seq_len * 4 * h * 2  # bytes of one (b, s, h) bf16 tensor
     per_layer = activation_bytes_per_layer(cfg.seq_len, 4, h, cfg.n_head, tp=t)
     assert tp8.activations == pytest.approx(L * sbh / t + per_layer + sbh * (1 + 1 / t))

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from elastic_gpt.hardware import GiB
-from elastic_gpt.model.gpt import GPTConfig, count_params, flops_per_token
+from elastic_gpt.model.gpt import LOSS_CHUNK_LOGITS, GPTConfig, count_params, flops_per_token
 
 FP32 = 4
 OPTIMIZER_BYTES_PER_PARAM = 16
@@ -27,8 +27,13 @@ CONTEXT_GIB = 1.0
 FRAGMENTATION = 0.05
 """Allocator fragmentation, as a share of the bytes allocated."""
 LOGIT_BYTES = 12
-"""Three fp32 B*T*V buffers are live at the loss's backward: log-softmax output, its gradient and
-the gradient w.r.t. the logits (the bf16 logits themselves are freed after the fp32 cast)."""
+"""Under tensor parallelism (the vocab-parallel loss on whole logits): three fp32 B*T*V/tp buffers
+are live at the loss's backward: log-softmax output, its gradient and the gradient w.r.t. the
+logits (the bf16 logits themselves are freed after the fp32 cast)."""
+CHUNK_FP32_BYTES = 12
+"""Without tensor parallelism the loss is chunked (model/gpt.py `chunked_token_losses`): the
+logits' gradient in the compute dtype over all B*T*V, plus the fp32 work of one chunk of
+LOSS_CHUNK_LOGITS logits (the upcast, its log-softmax and softmax)."""
 
 
 # ----------------------------------------------------------------------------- model shape
@@ -217,7 +222,11 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     # ln_f's input and the lm_head's input: under TP the first is sequence-sharded and the second
     # the all-gathered whole, which the column-parallel lm_head keeps for its weight gradient.
     acts += pb * s * b * h * (1 / tp + 1)
-    logits = LOGIT_BYTES * b * s * cfg.vocab_size / tp  # vocab-parallel loss: each rank its slice
+    if tp > 1:  # vocab-parallel loss on whole fp32 logits: each rank its slice
+        logits = LOGIT_BYTES * b * s * cfg.vocab_size / tp
+    else:
+        logits = (pb * b * s * cfg.vocab_size
+                  + CHUNK_FP32_BYTES * min(b * s * cfg.vocab_size, LOSS_CHUNK_LOGITS))
     allocated = sharded + gathered + accumulated + acts + logits
     return Memory(sharded, gathered, accumulated, acts, logits,
                   context_bytes + fragmentation * allocated)

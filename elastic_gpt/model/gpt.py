@@ -185,8 +185,10 @@ class GPT(nn.Module):
             return torch.zeros(size)
         return torch.ones(size)  # LayerNorm gain
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab_size). With targets (B, T): the summed
+        cross-entropy of every token instead, computed chunk by chunk from the last hidden
+        states (`chunked_token_losses`), so the (B, T, vocab) logits never exist whole."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.cfg.seq_len}")
@@ -194,7 +196,10 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x)  # (B, T, vocab)
+        return chunked_token_losses(x, self.lm_head.weight, targets)
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -265,10 +270,98 @@ def _tile_seed(seed: int, index: int, ti: int, tj: int) -> int:
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over every token (callers weight by the global token count: C1 fixed
-    global batch)."""
+    global batch), from whole logits: what tensor parallelism's vocab-sharded logits need.
+    Without it, `GPT.forward(idx, targets)` gives the same sum without the whole logits."""
     return F.cross_entropy(
         logits.float().view(-1, logits.size(-1)), targets.reshape(-1), reduction="sum"
     )
+
+
+# The fp32 work of the loss (the upcast logits, their log-softmax and softmax) runs on chunks of
+# at most this many logits (64 MiB in fp32), whatever the batch: the whole fp32 logits of a
+# (16 x 1024)-token micro-batch over GPT-2's vocabulary are 3.3 GB, and their gradient as much.
+LOSS_CHUNK_LOGITS = 1 << 24
+
+
+def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_tokens: int | None = None) -> torch.Tensor:
+    """`token_losses(hidden @ weight.T, targets)` without an fp32 copy of the whole logits: the
+    output layer's matmul writes the logits in the compute dtype (autocast's, as the Linear
+    would), and the upcast and log-softmax run in fp32 on `chunk_tokens` tokens at a time
+    (default: LOSS_CHUNK_LOGITS logits per chunk), the loss summed in fp32.
+
+    With gradients enabled each chunk's softmax-minus-one-hot, the gradient of the logits, is
+    written over its logits in the compute dtype, so what the backward keeps is that one
+    (tokens x vocab) tensor: 2 bytes an element in bf16 (4 in fp32) where the whole-logits loss
+    keeps 12 (the fp32 log-softmax, and in the backward two fp32 gradients). The backward is
+    the output layer's two matmuls over all tokens at once, as before (no recompute, no
+    per-chunk sum of the weight's gradient), and the gradient is rounded to the compute dtype
+    where it was before. Not for vocab-sharded (tensor-parallel) weights: those take
+    `token_losses` under loss_parallel.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor) or isinstance(hidden, DTensor):
+        raise TypeError("chunked_token_losses needs whole (not tensor-parallel) output weights; "
+                        "compute vocab-sharded logits' loss with token_losses under loss_parallel")
+    device = hidden.device.type
+    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+             else torch.promote_types(hidden.dtype, weight.dtype))
+    chunk = chunk_tokens or max(1, LOSS_CHUNK_LOGITS // weight.size(0))
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, dtype, chunk)
+    with torch.autocast(device, enabled=False):
+        return _cross_entropy_by_chunks(hidden.reshape(-1, hidden.size(-1)).to(dtype),
+                                        weight.to(dtype), targets, chunk, keep_gradient=False)[0]
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The summed loss; the forward leaves the logits' gradient for the backward's matmuls."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype, chunk):
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit
+            h, w = hidden.reshape(-1, hidden.size(-1)).to(dtype), weight.to(dtype)
+            loss, grad_logits = _cross_entropy_by_chunks(h, w, targets, chunk,
+                                                         keep_gradient=True)
+        ctx.save_for_backward(grad_logits, h, w)
+        ctx.shapes = hidden.shape, hidden.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_logits, h, w = ctx.saved_tensors
+        shape, hidden_dtype, weight_dtype = ctx.shapes
+        grad_hidden = grad_weight = None
+        # The incoming gradient (a scalar) scales the (tokens x width) operand or result, not the
+        # (tokens x vocab) gradient: each matmul's inputs and output are rounded once to the
+        # compute dtype, as the whole-logits backward's are.
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (grad_logits @ w).float().mul_(grad_loss).to(hidden_dtype).view(shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_logits.t() @ (h * grad_loss).to(h.dtype)).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _cross_entropy_by_chunks(h, w, targets, chunk, keep_gradient):
+    """(summed loss, d loss/d logits or None) of the logits h @ w.T, both in the compute dtype;
+    `keep_gradient`: write the logits, then their gradient, into one (tokens x vocab) tensor."""
+    t = targets.reshape(-1, 1)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad = h.new_empty(h.size(0), w.size(0)) if keep_gradient else None
+    for start in range(0, h.size(0), chunk):
+        end = min(start + chunk, h.size(0))
+        logits = torch.mm(h[start:end], w.t(), out=grad[start:end] if keep_gradient else None)
+        upcast = logits.float()  # this chunk's only; the same tensor in fp32
+        lse = torch.logsumexp(upcast, dim=1, keepdim=True)
+        loss += (lse - upcast.gather(1, t[start:end])).sum()
+        if keep_gradient:
+            # d(summed loss)/d(logits) = softmax - one_hot(target), made in place of the logits.
+            probs = upcast.sub_(lse).exp_()
+            probs.scatter_add_(1, t[start:end], torch.full_like(lse, -1.0))
+            if probs.data_ptr() != logits.data_ptr():
+                logits.copy_(probs)
+    return loss, grad
 
 
 def count_params(cfg: GPTConfig) -> dict:

@@ -23,6 +23,7 @@ trainer.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -38,7 +39,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from elastic_gpt.model.gpt import GPT
+from elastic_gpt.model.gpt import GPT, token_losses
 from elastic_gpt.torch_internals import StridedShard
 
 
@@ -169,3 +170,22 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Around the loss and its backward: torch's loss_parallel when the logits are
     vocab-sharded DTensors (cross-entropy without gathering them), else nothing."""
     return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def summed_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
+                      compute_dtype: torch.dtype, vocab_sharded: bool) -> Iterator[torch.Tensor]:
+    """The summed cross-entropy of the model on inputs `x` and targets `y`, for a backward (if
+    any) inside the with-block: the one loss of training and evaluation.
+
+    The forward runs under autocast in `compute_dtype`. Whole output weights: the model
+    computes the loss from its last hidden states (`GPT.forward` with targets), the fp32 part
+    chunk by chunk, so no rank holds (B, T, vocab) logits in fp32. Vocab-sharded ones (tensor
+    parallelism): the model's logits are DTensors sharded over the vocabulary, 1/tp of the whole
+    on each rank, and torch's loss_parallel computes the loss and its backward on the shards
+    (`loss_context`); the result is a replicated DTensor."""
+    with torch.autocast(x.device.type, dtype=compute_dtype,
+                        enabled=compute_dtype != torch.float32):
+        out = model(x) if vocab_sharded else model(x, targets=y)
+    with loss_context(vocab_sharded):
+        yield token_losses(out, y) if vocab_sharded else out

@@ -27,8 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic_gpt.data.manifest import Manifest
 from elastic_gpt.data.stream import ShardReader
-from elastic_gpt.model.gpt import token_losses
-from elastic_gpt.parallel.tensor import loss_context
+from elastic_gpt.parallel.tensor import summed_token_loss
 from elastic_gpt.tracking import metric_names as mn
 
 
@@ -118,11 +117,10 @@ class Evaluator:
             for chunk, weight, nbytes in self.batches:
                 chunk = chunk.to(self.device, non_blocking=True)
                 x, y = chunk[:, :T], chunk[:, 1:T + 1]
-                with torch.autocast(self.device.type, dtype=compute_dtype,
-                                    enabled=compute_dtype != torch.float32):
-                    logits = model(x)
-                with loss_context(loss_parallel):
-                    summed = token_losses(logits, y)
+                # The training step's loss, without its backward.
+                with summed_token_loss(model, x, y, compute_dtype=compute_dtype,
+                                       vocab_sharded=loss_parallel) as summed:
+                    pass
                 if isinstance(summed, DTensor):
                     summed = summed.to_local()
                 loss_sum += summed.double() * weight

@@ -34,7 +34,7 @@ from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
 from elastic_gpt.hardware import GiB
-from elastic_gpt.model.gpt import GPT, flops_per_token, token_losses
+from elastic_gpt.model.gpt import GPT, flops_per_token
 from elastic_gpt.parallel.fsdp import (
     init_sharded_weights,
     parallelize,
@@ -42,7 +42,7 @@ from elastic_gpt.parallel.fsdp import (
     resolve_dtype,
 )
 from elastic_gpt.parallel.mesh import ParallelDims
-from elastic_gpt.parallel.tensor import loss_context
+from elastic_gpt.parallel.tensor import summed_token_loss
 from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.collaborators import (
     Membership,
@@ -54,7 +54,7 @@ from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.model_config import model_config_for
-from elastic_gpt.train.optimizer import build_optimizer
+from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
 from elastic_gpt.train.run_memory import resolve_run_memory
 from elastic_gpt.train.schedule import lr_at
 from elastic_gpt.train.throughput import peak_flops
@@ -321,13 +321,11 @@ class Trainer:
                 # next step would compute with weights gathered before the optimizer step.)
                 self.model.set_reshard_after_backward(last)
             torch.manual_seed(self._dropout_seed(first_mb + k))
-            with torch.autocast(self.device.type, dtype=self.compute_dtype,
-                                enabled=self.compute_dtype != torch.float32):
-                logits = self.model(x)
-            # Under tensor parallelism the logits are sharded over the vocabulary; the loss
-            # and its backward run on the shards (loss_parallel), and come out replicated.
-            with loss_context(self.dims.loss_parallel):
-                summed = token_losses(logits, y)
+            # No rank holds the (B, T, vocab) logits in fp32: the loss upcasts them chunk by
+            # chunk, or under tensor parallelism runs on logits sharded over the vocabulary (the
+            # loss and its backward run on the shards, and come out replicated).
+            with summed_token_loss(self.model, x, y, compute_dtype=self.compute_dtype,
+                                   vocab_sharded=self.dims.loss_parallel) as summed:
                 # Each rank's loss is its share of the mean over exactly G*T tokens. FSDP averages
                 # gradients over the data-parallel ranks, so scaling by their number makes the
                 # reduction a sum: the gradient is the mean over exactly G sequences at any
@@ -381,19 +379,28 @@ class Trainer:
         stats[0] = loss_sum
         dist.all_reduce(stats)
         self.fault_tolerance.reduce_stats(stats)  # over the live replica groups, if any
+        # A non-finite loss or gradient skips the step, decided on the device from values every
+        # rank holds alike (the reduced loss and norm), so every rank (and replica group) skips
+        # it together, and the optimizer is launched before the host sync below: on a GPU the
+        # step's kernels queue behind the backward instead of waiting for the host.
+        found_inf = nonfinite_flag(stats[0], grad_norm)
+        # C7 all-or-nothing step: the step is applied by every live replica group or by none (then
+        # re-done). The restart path's answer is always yes, without a sync; torchft's vote waits
+        # for the device and the other groups, so with replica groups it comes first.
+        committed = self.fault_tolerance.should_commit(self.step, stats)
+        if committed:
+            step_unless(self.optimizer, found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
         # The step's only host sync: everything the host needs in one transfer.
-        loss_total, fp_lo, fp_hi, stop, grad_norm = torch.cat(
-            [stats, grad_norm.detach().to(stats).reshape(1)]).tolist()
+        loss_total, fp_lo, fp_hi, stop, grad_norm, skipped = torch.cat(
+            [stats, grad_norm.detach().to(stats).reshape(1), found_inf.to(stats).reshape(1)]
+        ).tolist()
         if stop > 0:
             self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.batch_split.global_batch_size * self.gpt_cfg.seq_len)
-        # C7 all-or-nothing step: the step is applied by every live replica group or by none (then
-        # re-done).
-        committed = self.fault_tolerance.should_commit(self.step, stats)
         if not committed:
             pass
-        elif math.isfinite(loss) and math.isfinite(grad_norm):
-            self.optimizer.step()
+        elif not skipped:
             self._nonfinite_streak = 0
         else:
             self._nonfinite_streak += 1
@@ -402,7 +409,6 @@ class Trainer:
                     f"loss is {loss} (grad norm {grad_norm}) at step {self.step} for "
                     f"{self._nonfinite_streak} step(s), beyond train.nan_patience="
                     f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
-        self.optimizer.zero_grad(set_to_none=True)
         fingerprint = join_fingerprint(fp_lo, fp_hi)
         return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed)
 
