@@ -41,7 +41,9 @@ def training_config(plan: Plan) -> dict:
         "checkpoint": {"every_steps": rg.every_steps if rg else plan.reliability.every_steps},
         "elastic": ({"replica_groups": rg.layout.n_groups,
                      "replica_heartbeat_timeout_s": plan.replica_heartbeat_timeout_s}
-                    if rg else {"replica_groups": "off"}),
+                    if rg else {"replica_groups": "off"})
+        # The grow rule's prior for the next membership change: this plan's market.
+        | {"node_mtbf_h": round(plan.reliability.mtbf_s * plan.nodes / HOUR, 3)},
     } | _parallel_keys(c)
 
 
