@@ -22,9 +22,8 @@ from elastic_gpt.planner.inputs import HOUR, PlanInputs
 from elastic_gpt.planner.reliability import goodput
 
 
-def rule(current, target, restart_s, interval_s, step_s_now=1.0, step_s_target=None):
-    return grow_decision(current=current, target=target, step_s_now=step_s_now,
-                         step_s_target=step_s_target, restart_s=restart_s,
+def rule(current, target, restart_s, interval_s):
+    return grow_decision(current=current, target=target, restart_s=restart_s,
                          interval_s=interval_s)
 
 
@@ -47,14 +46,6 @@ def test_a_grow_is_made_only_when_the_larger_group_repays_its_restart(current, t
     decision = rule(current, target, restart_s, interval_s)
     assert decision.grow is grow, decision.detail
     assert "\n" not in decision.detail
-
-
-def test_a_measured_step_time_at_the_larger_size_beats_the_scaled_guess():
-    # Scaled, 2 -> 4 workers doubles the rate and pays; this run measured 4 workers at barely
-    # faster than 2 (communication-bound), which does not repay a 60 s restart within 10 min.
-    assert rule(2, 4, 60.0, 600.0, step_s_now=1.0).grow
-    measured = rule(2, 4, 60.0, 600.0, step_s_now=1.0, step_s_target=0.95)
-    assert not measured.grow and "(measured)" in measured.detail
 
 
 def test_the_expected_interval_is_the_runs_own_record_with_the_prior_as_an_hour_of_it():
@@ -88,21 +79,15 @@ def test_the_figures_come_from_the_runs_goodput_ledger():
 def test_decide_grow_on_a_runs_record():
     quiet = _ledger([{"kind": "failure", "recovery_s": 12.0}])
     prior_s = ElasticSection.node_mtbf_h * HOUR
-    grow = decide_grow(ledger=quiet, current=1, target=3, step_s={1: 0.4}, node_mtbf_s=prior_s,
-                       nodes=3)
-    assert grow.grow and "(scaled)" in grow.detail
+    grow = decide_grow(ledger=quiet, current=1, target=3, node_mtbf_s=prior_s, nodes=3)
+    assert grow.grow and "restart ~12 s" in grow.detail
     # A run whose nodes changed every ~15 s for the last 50 minutes expects the next change in
     # about half a minute: 2 -> 3 workers (+50%) does not repay a 12 s restart in that time,
     # 1 -> 3 (3x) does.
     churn = _ledger([{"kind": "failure", "recovery_s": 12.0}] * 200, productive_s=2900.0)
-    wait = decide_grow(ledger=churn, current=2, target=3, step_s={2: 0.4}, node_mtbf_s=prior_s,
-                       nodes=3)
+    wait = decide_grow(ledger=churn, current=2, target=3, node_mtbf_s=prior_s, nodes=3)
     assert not wait.grow and "waiting" in wait.detail
-    assert decide_grow(ledger=churn, current=1, target=3, step_s={1: 0.4}, node_mtbf_s=prior_s,
-                       nodes=3).grow
-    # No step timed at the running size yet: nothing to weigh, grow as before.
-    assert decide_grow(ledger=churn, current=2, target=3, step_s={}, node_mtbf_s=prior_s,
-                       nodes=3).grow
+    assert decide_grow(ledger=churn, current=1, target=3, node_mtbf_s=prior_s, nodes=3).grow
 
 
 def test_the_planner_goodput_is_the_same_arithmetic():

@@ -33,7 +33,6 @@ from elastic_gpt.errors import ElasticRestart, FatalTrainingError, PlacementErro
 
 log = logging.getLogger(__name__)
 
-PROGRESS_EVERY_S = 5.0  # how often a running group's step time is read from rank 0's progress
 WARN_EVERY_S = 30.0  # how often "capacity below min_workers" is repeated while waiting
 FAILURE_WINDOW_S = 3600.0  # the budget counts failures over the last hour
 
@@ -60,8 +59,6 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         self.last_group_nodes: dict[str, int] = {}
         self.last_group_pg = None
         self.more_room_since: float | None = None  # when live capacity first exceeded the group
-        self.step_s: dict[int, float] = {}  # rank 0's step time, by the world size it ran at
-        self.progress_read_at = -math.inf
         self.waiting_for: int | None = None  # a grow the rule said does not pay (logged once)
         self.warned_at = -math.inf  # last "fewer than min_workers" warning
 
@@ -149,7 +146,6 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         self.last_group_pg = worker_group_state.placement_group_handle.placement_group
         self.placement_cap = None  # the group runs: its placement held
         current = worker_group_state.num_workers
-        progress = self._read_progress(current)
         if current >= self.scaling_config.max_workers:
             return NoopDecision()
         now = time.monotonic()
@@ -164,32 +160,17 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
                      "for %g s before deciding", fit, current, self.grow_settle_s)
         if now - self.more_room_since < self.grow_settle_s or self.records.get("resize"):
             return NoopDecision()
-        progress = progress if progress is not None else best_effort(self.records.get,
-                                                                      "progress")
-        decision = decide_grow(ledger=(progress or {}).get("ledger") or {}, current=current,
-                               target=fit, step_s=self.step_s,
-                               node_mtbf_s=self.node_mtbf_h * 3600.0,
-                               nodes=sum(1 for w in plan.values() if w))
+        progress = best_effort(self.records.get, "progress") or {}
+        decision = decide_grow(ledger=progress.get("ledger") or {}, current=current, target=fit,
+                               node_mtbf_s=self.node_mtbf_h * 3600.0, nodes=len(plan))
         if not decision.grow:
             if self.waiting_for != fit:
                 self.waiting_for = fit
-                log.info("elastic-gpt: not growing yet: %s", decision.detail)
+                log.warning("elastic-gpt: not growing yet: %s", decision.detail)
             return NoopDecision()
         log.info("elastic-gpt: %s; asking the workers to checkpoint and restart", decision.detail)
         self.records.put("resize", {"target": fit, "at": time.time(), "why": decision.detail})
         return NoopDecision()
-
-    def _read_progress(self, current: int) -> dict | None:
-        """Rank 0's progress record, read every PROGRESS_EVERY_S: the step time at the running
-        size goes into `step_s` (what the grow rule knows of each size this run has run at)."""
-        now = time.monotonic()
-        if now - self.progress_read_at < PROGRESS_EVERY_S:
-            return None
-        self.progress_read_at = now
-        progress = best_effort(self.records.get, "progress")
-        if progress and progress.get("world_size") == current and progress.get("avg_step_s"):
-            self.step_s[current] = float(progress["avg_step_s"])
-        return progress
 
 
 def group_plan(per_node: dict[str, int], max_workers: int, tp: int = 1,

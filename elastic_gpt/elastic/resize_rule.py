@@ -7,16 +7,17 @@ changes come every M seconds on average keeps `kept_fraction(R, M)` = 1 - R/M of
 The planner's goodput (planner/reliability.py) is that fraction with R = recovery plus half a
 checkpoint interval of lost work and M = the cluster's MTBF.
 
-A grow from throughput a to b (steps per second: the global batch is fixed, C1) pays R now and
-runs at b until the next change, expected in M seconds; not growing runs at a all that time. So
-over M the grow does b (M - R) against a M: it pays iff b * kept_fraction(R, M) > a, i.e.
-M (b - a) > R b. What goes in, all measured on this run where it can be:
+A grow from throughput a to b pays R now and runs at b until the next change, expected in M
+seconds; not growing runs at a all that time. So over M the grow does b (M - R) against a M: it
+pays iff b * kept_fraction(R, M) > a, i.e. M (b - a) > R b. What goes in:
 
+* b / a: the ratio of the workers. The global batch is fixed (C1), so a larger group takes the
+  same steps with more data-parallel ranks: at best the step rate scales with the workers. The
+  rule takes that best case; it weighs a restart against the time the larger group will have,
+  not how well the model scales (the planner and `elastic-gpt tune` say that, and a run's first
+  steps at a size, with their set-up, are no measure of it).
 * R: the mean recovery of this run's recent restarts (its goodput ledger's events, which travel
   with its progress record); before the first restart, its own start-up.
-* a: the current group's step time (rank 0's moving average); b: the step time this run
-  measured at the larger size, or a scaled by the workers (perfect scaling: the case most in
-  favour of growing, taken when the run has never run at that size).
 * M: the mean interval between this run's membership changes, (T + P) / (k + P / M0) after T
   seconds of the run with k changes: the conjugate (gamma) estimate of a Poisson rate whose
   prior is the planner's reliability model, one change per M0 = node MTBF / nodes
@@ -66,19 +67,15 @@ class GrowDecision:
     """One line with the figures it was decided on (logged, and in the resize's ledger event)."""
 
 
-def grow_decision(*, current: int, target: int, step_s_now: float,
-                  step_s_target: float | None, restart_s: float,
+def grow_decision(*, current: int, target: int, restart_s: float,
                   interval_s: float) -> GrowDecision:
     """Grow from `current` to `target` workers iff the larger group repays the restart before the
-    next expected change (module docstring). `step_s_target` None: not measured, scaled."""
+    next expected change: (target / current) * kept_fraction(R, M) > 1 (module docstring)."""
     if target <= current:
         return GrowDecision(False, f"{target} workers are no more than the {current} running")
-    a = 1.0 / step_s_now
-    b = 1.0 / step_s_target if step_s_target else a * target / current
-    pays = b * kept_fraction(restart_s, interval_s) > a
-    measured = "measured" if step_s_target else "scaled"
-    detail = (f"{current} -> {target} workers: {a:.3g} -> {b:.3g} steps/s ({measured}), restart "
-              f"~{restart_s:.0f} s, next change expected in ~{_duration(interval_s)}: "
+    pays = target / current * kept_fraction(restart_s, interval_s) > 1.0
+    detail = (f"{current} -> {target} workers, restart ~{restart_s:.0f} s, next change expected "
+              f"in ~{_duration(interval_s)}: "
               + ("the larger group repays the restart" if pays
                  else "the larger group would not repay the restart; waiting"))
     return GrowDecision(pays, detail)
@@ -113,16 +110,11 @@ def observed_s(ledger: dict) -> float:
     return sum(float(ledger.get(k, 0.0)) for k in TOTALS)
 
 
-def decide_grow(*, ledger: dict, current: int, target: int, step_s: dict[int, float],
-                node_mtbf_s: float, nodes: int) -> GrowDecision:
-    """The grow rule on a run's own record: its ledger, the step times it measured by world size
-    (`step_s`: at least the current size's), and the prior node MTBF over the larger group's
-    `nodes` nodes."""
-    if not step_s.get(current):
-        return GrowDecision(True, f"{current} -> {target} workers: no step timed at {current} "
-                                  "yet, growing")
+def decide_grow(*, ledger: dict, current: int, target: int, node_mtbf_s: float,
+                nodes: int) -> GrowDecision:
+    """The grow rule on a run's own record (its goodput ledger, as rank 0 last published it),
+    with the prior node MTBF over the larger group's `nodes` nodes."""
     interval = expected_interval_s(observed_s(ledger), membership_changes(ledger),
                                    node_mtbf_s / max(1, nodes))
-    return grow_decision(current=current, target=target, step_s_now=step_s[current],
-                         step_s_target=step_s.get(target), restart_s=restart_cost_s(ledger),
+    return grow_decision(current=current, target=target, restart_s=restart_cost_s(ledger),
                          interval_s=interval)
