@@ -230,6 +230,16 @@ class ElasticSection:
     """Failure budget over a sliding hour; restarts stop once it is spent."""
     worker_start_timeout_s: float = 20.0
     """How long to wait for a worker group's resources before retrying at the live size."""
+    grow_settle_s: Annotated[float, Range(0)] = 30.0
+    """When capacity appears under a running group, wait this long after the first new node
+    before deciding on a grow, then size it to every node up by then: the nodes of a burst (a
+    cloud's batch of instances registers with Ray over tens of seconds) cost one restart, not one
+    each. A lost node is acted on at once."""
+    node_mtbf_h: Annotated[float, Range(0.001)] = 200.0
+    """A node's mean time between losses, in hours, that the grow rule assumes until the run has
+    a record of its own changes: a grow is made only when the larger group repays its restart
+    before the next change expected (elastic/resize_rule.py). The planner's spot figure by
+    default (`elastic-gpt plan --spot-node-mtbf-hours`)."""
     hang_timeout_s: Annotated[float, Range(1)] = 600.0
     """A hung rank (a stuck process, a peer that vanished without closing its connections) is a
     failure after this long: the bound on every collective and on a worker not answering Ray

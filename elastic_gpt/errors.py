@@ -3,7 +3,8 @@ failures: which ones a retry can cure, and the one line a user sees for the rest
 
 `FatalTrainingError` and its subclasses are errors that restarting cannot fix: the controller stops
 the run at once on these. `ElasticRestart` is the opposite: a planned restart after a just-in-time
-checkpoint, retried for free. `permanent_failure` decides for any other exception, in the process
+checkpoint, retried for free, as is a `PlacementError` (workers placed where the layout cannot
+use them). `permanent_failure` decides for any other exception, in the process
 that raised it (only there is its chain of causes whole: Ray sends a worker's exception to the
 controller by pickling, which keeps neither `__cause__` nor `__context__`). `user_error_line` is
 what the CLI prints.
@@ -48,6 +49,25 @@ class ElasticRestart(Exception):
 
     def __reduce__(self):
         return (ElasticRestart, (self.reason, self.step))
+
+
+class PlacementError(Exception):
+    """Where Ray placed this attempt's workers cannot hold the layout: a node holds part of a
+    tensor-parallel group (or, under parallel.hsdp=on, nodes hold unequal counts). Raised by every
+    rank before any step. Not the config's fault and not a failure: the controller retries for
+    free at a placement of whole groups, no larger than `aligned_workers`."""
+
+    def __init__(self, message: str, per_node: list[int], tp: int):
+        super().__init__(message)
+        self.per_node, self.tp = list(per_node), tp
+
+    @property
+    def aligned_workers(self) -> int:
+        """The workers this placement's nodes held in whole tensor-parallel groups."""
+        return sum(n // self.tp * self.tp for n in self.per_node)
+
+    def __reduce__(self):
+        return (PlacementError, (str(self), self.per_node, self.tp))
 
 
 def check_checkpoint_shape(state: dict, gpt_cfg, url: str) -> None:
@@ -115,7 +135,7 @@ def _is_credentials(e: BaseException) -> bool:
 
 
 def _is_transient(e: BaseException) -> bool:
-    if isinstance(e, ElasticRestart) or _names(e) & _TRANSIENT_ERRORS:
+    if isinstance(e, (ElasticRestart, PlacementError)) or _names(e) & _TRANSIENT_ERRORS:
         return True
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True

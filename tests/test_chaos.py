@@ -38,7 +38,9 @@ STEPS = 32
 ARGS = ["model.preset=mini", "train.global_batch_size=12", "train.micro_batch_size=2",
         f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=10",
         "checkpoint.every_steps=4", "checkpoint.keep=2", "elastic.max_failures_per_hour=5",
-        "elastic.worker_start_timeout_s=15"]
+        "elastic.worker_start_timeout_s=15",
+        # One node comes back at a time here: no burst to gather (the burst test sets its own).
+        "elastic.grow_settle_s=1"]
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +313,77 @@ def test_a_group_that_lost_a_node_gives_back_its_placement_group_while_it_waits(
         assert placement_group_table(pg)["state"] == "REMOVED"
         assert policy.last_group_pg is None
         # The survivor's bundle is free again: the next group may have that node.
-        wait_for(lambda: policy._fit() == 1, timeout_s=30)
+        wait_for(lambda: sum(policy._plan().values()) == 1, timeout_s=30)
     finally:
         cluster.nodes.append(cluster.add_node())
+
+
+BURST_STEPS = 100
+
+
+def test_a_burst_of_returning_nodes_is_one_restart_to_the_full_size(cluster):
+    """Three one-CPU nodes, two hard-killed at once: training goes on at W=1. Both come back a
+    few seconds apart, as a cloud's batch of instances does: the scaling policy gathers the
+    arrivals for elastic.grow_settle_s, its grow rule finds that 3 workers repay a restart, and
+    the run grows 1 -> 3 in one restart (before, one per arrival: 1 -> 2 -> 3), with every step's
+    samples those of an uninterrupted run (C2 data order). Timings on this 2-core machine are
+    printed, not asserted."""
+    from elastic_gpt.config import resolve_paths
+    from elastic_gpt.data.order import BatchSplit
+    from elastic_gpt.data.stream import open_step_stream
+
+    env = cluster.env
+    cluster.nodes.append(cluster.add_node())  # a third node: W=3
+    # A larger batch than the module's: W=1 steps slow enough that the run is still going when
+    # the burst has been gathered and the group regrown.
+    cfg = load_config("jobs/configs/mini.yaml", overrides(env, "burst", extra=(
+        f"train.max_steps={BURST_STEPS}", "train.global_batch_size=48", "scaling.max_workers=3",
+        "elastic.grow_settle_s=10")))
+    resolve_paths(cfg)
+    key = run_key(cfg)
+
+    def two_nodes_lost_then_back_a_few_seconds_apart():
+        store = CheckpointStore(cfg.checkpoint.path)
+        wait_for(lambda: (progress(key) or {}).get("world_size") == 3 and committed(store, 4),
+                 timeout_s=240)
+        hosting = {a.node_id for a in training_workers()}
+        for node in [n for n in cluster.cluster.worker_nodes if n.node_id in hosting][:2]:
+            cluster.kill_node(node)
+        wait_for(lambda: (progress(key) or {}).get("world_size") == 1, timeout_s=120)
+        back_at = time.time()
+        cluster.nodes.append(cluster.add_node())
+        first_s = time.time() - back_at
+        time.sleep(2)
+        cluster.nodes.append(cluster.add_node())
+        second_s = time.time() - back_at
+        # (Or the end of the run, should it come first: the assertions below then say so.)
+        wait_for(lambda: (lambda p: p.get("world_size") == 3 or p.get("step") == BURST_STEPS)(
+            progress(key) or {}), timeout_s=240)
+        return first_s, second_s, time.time() - back_at
+
+    try:
+        summary, (first_s, second_s, regrown_s) = train_in_background(
+            cfg, two_nodes_lost_then_back_a_few_seconds_apart)
+    finally:
+        cluster.kill_node(cluster.nodes[-1])  # the module's other tests run on two nodes
+    events = events_of(summary)
+    resizes = [e for e in events if e["kind"] == "resize"]
+    print(f"\n[burst] nodes back {first_s:.1f} s and {second_s:.1f} s after the first was "
+          f"started; W=3 stepping {regrown_s:.1f} s after; restarts: "
+          + "; ".join(f"{e['kind']} {e.get('from_world_size')} -> {e.get('to_world_size')} "
+                      f"({e.get('recovery_s')} s: {e['detail'][:160]})" for e in events))
+    assert summary["step"] == BURST_STEPS
+    assert len(resizes) == 1 and resizes[0]["to_world_size"] == 3, events
+    assert resizes[0]["lost_steps"] == 0 and "repays the restart" in resizes[0]["detail"]
+    sizes = metric_by_step(env["uri"], summary["run_id"], mn.TRAIN_WORLD_SIZE)
+    after_loss = [sizes[s] for s in range(min(s for s in sizes if sizes[s] == 1),
+                                          BURST_STEPS + 1)]
+    print(f"[burst] steps after the loss at each size: "
+          f"{ {int(w): after_loss.count(w) for w in sorted(set(after_loss))} }")
+    assert 2 not in after_loss and after_loss[-1] == 3, after_loss  # 1 -> 3, never 2
+    fingerprints = metric_by_step(env["uri"], summary["run_id"], mn.DATA_FINGERPRINT)
+    plan = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    with open_step_stream(cfg.data.path, batch_split=plan, rank=0, world_size=1, start_step=0,
+                          seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window) as stream:
+        expected = {s + 1: float(next(stream).fingerprint) for s in range(BURST_STEPS)}
+    assert fingerprints == expected, "same samples at every step (C2 data order)"

@@ -59,3 +59,43 @@ def test_node_killed_under_tensor_parallelism_continues_at_dp_1(stdlib_dataset, 
         expected = {s + 1: float(next(stream).fingerprint) for s in range(STEPS)}
     assert fingerprints == expected
     assert "failure" in [e["kind"] for e in summary["events"]]
+
+
+def test_nodes_of_uneven_room_get_whole_tensor_parallel_groups(stdlib_dataset, tmp_path):
+    """Nodes with room for 3, 1 and 2 workers, tp=2, up to 4 workers: Ray's PACK placement alone
+    puts 3 workers on the first node, splitting a tensor-parallel group across nodes (which used
+    to end the run). The scaling policy plans whole groups per node and pins each worker to its
+    node: 2 on the 3-CPU node, 2 on the 2-CPU node, none on the 1-CPU one; the run trains at
+    4 workers from its first step with no failure."""
+    from collections import Counter
+
+    from elastic_gpt.testing.cluster import training_workers
+
+    cluster = LocalCluster(workers=0)
+    try:
+        rooms = {cluster.add_node(wait=False, num_cpus=n).node_id: n for n in (3, 1, 2)}
+        cluster.cluster.wait_for_nodes()
+        cfg = load_config("jobs/configs/mini.yaml", [
+            "model.preset=tiny", f"data.path={stdlib_dataset}", "train.global_batch_size=8",
+            "train.micro_batch_size=2", "train.max_steps=6", "train.warmup_steps=2",
+            "train.log_every=100", "checkpoint.every_steps=6", "parallel.tp=2",
+            "scaling.min_workers=2", "scaling.max_workers=4", "elastic.max_failures_per_hour=5",
+            "elastic.worker_start_timeout_s=15", "run.name=tp-uneven",
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"run.storage_path={tmp_path}/ray",
+            f"checkpoint.path={tmp_path}/ckpt"])
+        resolve_paths(cfg)
+        key = run_key(cfg)
+
+        def workers_per_node_once_stepping():
+            wait_for(lambda: (progress(key) or {}).get("step", 0) >= 1, timeout_s=300)
+            return Counter(rooms[w.node_id] for w in training_workers())
+
+        summary, placed = train_in_background(cfg, workers_per_node_once_stepping)
+    finally:
+        cluster.shutdown()
+
+    assert placed == {3: 2, 2: 2}, placed  # node room -> workers on it
+    assert summary["step"] == 6
+    sizes = metric_by_step(cfg.tracking.uri, summary["run_id"], mn.TRAIN_WORLD_SIZE)
+    assert set(sizes.values()) == {4}, sizes
+    assert [e["kind"] for e in summary["events"]] == [], summary["events"]

@@ -184,11 +184,13 @@ def test_a_config_dict_written_by_old_main_loads():
                              "data": {**OLD_MAIN_DICT["data"], "sources": None},
                              "eval": {"path": "", "every_steps": 0, "samples": 64},
                              # Replica groups off: one worker group, as old main ran; and
-                             # the hang bound is old main's collective timeout.
+                             # the hang bound is old main's collective timeout. Grows are
+                             # today's: gathered and weighed (old main grew after 1 s).
                              "elastic": {**OLD_MAIN_DICT["elastic"], "replica_groups": "off",
                                          "replica_heartbeat_timeout_s": 2.0,
                                          "replica_collective_timeout_s": 10.0,
-                                         "hang_timeout_s": 600.0}}
+                                         "hang_timeout_s": 600.0, "grow_settle_s": 30.0,
+                                         "node_mtbf_h": 200.0}}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"
     # And today's dicts round-trip: what the launcher sends is what the worker rebuilds.

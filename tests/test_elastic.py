@@ -13,9 +13,9 @@ from elastic_gpt.elastic.membership import RunRecords, live_capacity
 from elastic_gpt.elastic.policies import (
     ElasticFailurePolicy,
     LiveCapacityScalingPolicy,
-    group_size,
+    group_plan,
 )
-from elastic_gpt.errors import ElasticRestart, NonFiniteLossError
+from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, PlacementError
 from elastic_gpt.train.goodput import GoodputLedger
 
 
@@ -49,6 +49,22 @@ def test_planned_restarts_are_free_fatal_errors_stop_at_once():
     assert policy.make_decision(fatal).name == "RAISE"
 
 
+def test_a_placement_the_layout_cannot_use_is_retried_for_free_at_the_aligned_size(ray_cluster):
+    records = RunRecords(f"test-placement-{time.time_ns()}")
+    policy, _ = _failure_policy(records.run_key, budget=1)
+    split = PlacementError("workers per node [3, 1] are not all multiples of parallel.tp=2",
+                           [3, 1], 2)
+    for _ in range(5):
+        assert policy.make_decision(_WorkerGroupError({0: split, 1: split})).name == "RETRY"
+    assert len(policy.window) == 0, "not charged to the failure budget"
+    assert records.get("placement")["aligned_workers"] == 2  # the scaling policy's cap
+    cause = records.consume_cause()
+    assert cause["kind"] == "placement" and "not all multiples" in cause["reason"]
+    # A placement error beside a real failure is a failure.
+    mixed = _WorkerGroupError({0: split, 1: RuntimeError("worker died")})
+    assert policy.make_decision(mixed).name == "RETRY" and len(policy.window) == 1
+
+
 def test_failures_are_budgeted_per_sliding_hour():
     # No Ray here: the failure record's GCS write fails quietly, and the decisions don't care.
     policy, clock = _failure_policy()
@@ -76,7 +92,7 @@ def test_policies_reach_the_controller_by_reference_with_their_state():
     of this package's classes (importable there), with everything their constructors made."""
     records = RunRecords("test-pickle")
     scaling = LiveCapacityScalingPolicy(ScalingConfig(num_workers=(2, 4)), records, tp=2,
-                                        hsdp="on")
+                                        hsdp="on", grow_settle_s=7.0, node_mtbf_h=50.0)
     failure = ElasticFailurePolicy(FailureConfig(), records, 3)
     for policy in (scaling, failure):
         copy = cloudpickle.loads(cloudpickle.dumps(policy))
@@ -86,22 +102,31 @@ def test_policies_reach_the_controller_by_reference_with_their_state():
     assert scaling.more_room_since is None and scaling.last_group_nodes == {}
     scaling_copy = cloudpickle.loads(cloudpickle.dumps(scaling))
     assert (scaling_copy.tp, scaling_copy.hsdp) == (2, "on")
+    assert (scaling_copy.grow_settle_s, scaling_copy.node_mtbf_h) == (7.0, 50.0)
 
 
-@pytest.mark.parametrize("per_node,max_workers,tp,hsdp,size", [
-    ({"a": 2, "b": 1}, 4, 1, "auto", 3),  # tp=1: every worker that fits, as before
-    ({"a": 2, "b": 1}, 2, 1, "auto", 2),
-    ({"a": 2, "b": 2}, 4, 2, "auto", 4),
-    ({"a": 2}, 4, 2, "auto", 2),  # a node lost: the data-parallel degree drops, tp stays
-    ({"a": 3, "b": 1}, 8, 2, "auto", 2),  # whole tensor-parallel groups per node only
-    ({"a": 1, "b": 1}, 4, 2, "auto", 0),  # no node holds a group: wait for capacity
-    ({"a": 8, "b": 8, "c": 8}, 16, 4, "auto", 16),
-    ({"a": 4, "b": 4, "c": 2}, 12, 2, "on", 8),  # whole replicas: 2 nodes x 4 beat 3 x 2
-    ({"a": 4, "b": 2, "c": 2}, 12, 2, "on", 6),  # 3 nodes x 2 beat 1 x 4
-    ({"a": 8, "b": 8, "c": 8}, 16, 4, "on", 16),  # capped at max_workers in whole replicas
+@pytest.mark.parametrize("per_node,max_workers,tp,hsdp,plan", [
+    ({"a": 2, "b": 1}, 4, 1, "auto", {"a": 2, "b": 1}),  # tp=1: every worker that fits
+    ({"a": 2, "b": 1}, 2, 1, "auto", {"a": 2}),  # the fullest nodes first, as few as hold it
+    ({"a": 2, "b": 2}, 4, 2, "auto", {"a": 2, "b": 2}),
+    ({"a": 2}, 4, 2, "auto", {"a": 2}),  # a node lost: the data-parallel degree drops, tp stays
+    ({"a": 3, "b": 1}, 8, 2, "auto", {"a": 2}),  # whole tensor-parallel groups per node only
+    # Room 3 + 2: PACK would put 3 workers on a and split a group; the plan pins 2 + 2.
+    ({"a": 3, "b": 2}, 4, 2, "auto", {"a": 2, "b": 2}),
+    ({"a": 3, "b": 1, "c": 2}, 4, 2, "auto", {"a": 2, "c": 2}),
+    ({"a": 1, "b": 1}, 4, 2, "auto", {}),  # no node holds a group: wait for capacity
+    ({"a": 8, "b": 8, "c": 8}, 16, 4, "auto", {"a": 8, "b": 8}),
+    ({"a": 8, "b": 8, "c": 8}, 12, 4, "auto", {"a": 8, "b": 4}),
+    ({"a": 4, "b": 4, "c": 2}, 12, 2, "on", {"a": 4, "b": 4}),  # replicas: 2 x 4 beat 3 x 2
+    ({"a": 4, "b": 2, "c": 2}, 12, 2, "on", {"a": 2, "b": 2, "c": 2}),  # 3 x 2 beat 1 x 4
+    ({"a": 8, "b": 8, "c": 8}, 16, 4, "on", {"a": 8, "b": 8}),  # capped in whole replicas
 ])
-def test_groups_are_sized_in_whole_tensor_parallel_groups(per_node, max_workers, tp, hsdp, size):
-    assert group_size(per_node, max_workers, tp, hsdp) == size
+def test_groups_are_planned_in_whole_tensor_parallel_groups_per_node(per_node, max_workers, tp,
+                                                                     hsdp, plan):
+    got = group_plan(per_node, max_workers, tp, hsdp)
+    assert got == plan
+    assert list(got) == list(plan), "nodes in the order their ranks take (fullest first)"
+    assert all(w % tp == 0 and w <= per_node[n] for n, w in got.items())
 
 
 def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):

@@ -1,13 +1,16 @@
 """The named mesh's arithmetic without processes: which layout a group of ranks on which nodes
 gets (tensor-parallel groups inside nodes, HSDP across nodes of equal size), each rank's
-data- and tensor-parallel rank, and one clear line, a FatalTrainingError, for a group that
-cannot hold the layout. The mesh itself is built once, in a group of one."""
+data- and tensor-parallel rank, and one clear line for a group that cannot hold the layout: a
+FatalTrainingError where no placement could, a retryable PlacementError where the nodes the ranks
+landed on could not. The mesh itself is built once, in a group of one."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
-from elastic_gpt.errors import FatalTrainingError
+from elastic_gpt.errors import FatalTrainingError, PlacementError, permanent_failure
 from elastic_gpt.parallel.mesh import ParallelDims, node_sizes
 from elastic_gpt.testing.gloo import gloo_group
 
@@ -45,19 +48,35 @@ def test_ranks_of_a_tensor_parallel_group_are_consecutive_and_share_a_data_paral
     assert not ParallelDims(1, 3, 1).loss_parallel
 
 
-@pytest.mark.parametrize("world,nodes,tp,hsdp,message", [
+def test_a_layout_no_placement_can_hold_is_one_fatal_line():
+    with pytest.raises(FatalTrainingError) as e:
+        dims(2, None, 4, "auto")
+    assert "parallel.tp=4 is more than the 2 worker(s) of this group" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("world,nodes,tp,hsdp,message,aligned", [
     (4, "a,a,a,b", 2, "auto",
      "workers per node [3, 1] are not all multiples of parallel.tp=2 (a tensor-parallel group "
-     "must stay inside one node)"),
-    (2, None, 4, "auto", "parallel.tp=4 is more than the 2 worker(s) of this group"),
-    (4, "a,b,a,b", 1, "auto", "the ranks of node a are not consecutive"),
+     "must stay inside one node)", 2),
+    (6, "a,a,a,b,b,b", 2, "auto", "workers per node [3, 3]", 4),
+    (4, "a,b,a,b", 1, "auto", "the ranks of node a are not consecutive", 4),
     (4, "a,a,a,b", 1, "on", "parallel.hsdp=on needs the same number of workers on every node, "
-     "got [3, 1]"),
+     "got [3, 1]", 4),
 ])
-def test_a_group_that_cannot_hold_the_layout_is_one_fatal_line(world, nodes, tp, hsdp, message):
-    with pytest.raises(FatalTrainingError) as e:
+def test_a_placement_that_cannot_hold_the_layout_is_retryable(world, nodes, tp, hsdp, message,
+                                                              aligned):
+    """Where Ray put the workers, not the config: not fatal (the controller retries it at a
+    placement of whole groups, elastic/policies.py), and it says how many workers the nodes held
+    in whole tensor-parallel groups, the most the retry asks for."""
+    with pytest.raises(PlacementError) as e:
         dims(world, nodes, tp, hsdp)
     assert message in str(e.value) and "\n" not in str(e.value)
+    assert not isinstance(e.value, FatalTrainingError)
+    assert permanent_failure(e.value) is None
+    assert e.value.aligned_workers == aligned
+    copy = pickle.loads(pickle.dumps(e.value))  # how Ray hands it to the controller
+    assert (str(copy), copy.per_node, copy.tp) == (str(e.value), e.value.per_node, e.value.tp)
 
 
 def test_node_sizes_are_in_rank_order():

@@ -5,7 +5,6 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from elastic_gpt.model import gpt
 from elastic_gpt.model.gpt import (
@@ -17,6 +16,7 @@ from elastic_gpt.model.gpt import (
     preset_config,
     token_losses,
 )
+from elastic_gpt.torch_internals import TorchDispatchMode
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 

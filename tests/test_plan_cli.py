@@ -55,7 +55,7 @@ def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
                          "reshard_after_forward", "dtype"},
                "scaling": {"min_workers", "max_workers", "use_gpu"},
                "checkpoint": {"every_steps", "every_minutes"},
-               "elastic": {"replica_groups", "replica_heartbeat_timeout_s"}}
+               "elastic": {"replica_groups", "replica_heartbeat_timeout_s", "node_mtbf_h"}}
     if trainer_parallel_keys():
         allowed["parallel"] = trainer_parallel_keys() & {"tp", "hsdp"}
     assert set(written) == set(allowed)
@@ -72,6 +72,8 @@ def test_report_and_written_config_load_in_the_trainer(tmp_path, capsys):
     assert cfg.checkpoint.every_steps == 0
     assert cfg.checkpoint.every_minutes == pytest.approx(interval_s / 60, rel=1e-2)
     assert cfg.elastic.replica_groups == written["elastic"]["replica_groups"]
+    # The grow rule's prior is the node MTBF of the market planned for (spot by default).
+    assert cfg.elastic.node_mtbf_h == PlanInputs.spot_node_mtbf_h == written["elastic"]["node_mtbf_h"]
     assert "fault tolerance: the restart path or replica groups" in report
 
 

@@ -184,7 +184,8 @@ def test_frequent_spot_losses_choose_replica_groups_and_write_a_config_the_launc
     # on-demand nodes (6000 h) rarely fail: the same run on-demand keeps the restart path
     on_demand = plan_training(PlanInputs(**SPOT_512, market="on-demand"))
     assert on_demand.chosen_replica_groups is None
-    assert training_config(on_demand)["elastic"] == {"replica_groups": "off"}
+    assert training_config(on_demand)["elastic"] == {"replica_groups": "off",
+                                                     "node_mtbf_h": 6000.0}
     assert "written config (on-demand): restart path" in format_report(on_demand)
     assert plan_summary(on_demand)["fault_tolerance"]["on-demand"]["mode"] == "restart"
 
@@ -196,7 +197,7 @@ def test_a_model_that_needs_the_whole_cluster_is_not_offered_replica_groups():
     ft = plan.fault_tolerance
     assert ft.best is None and not ft.use_replica_groups and plan.chosen_replica_groups is None
     assert any("no group smaller than the whole cluster fits" in n for n in ft.not_offered)
-    assert training_config(plan)["elastic"] == {"replica_groups": "off"}
+    assert training_config(plan)["elastic"]["replica_groups"] == "off"
     assert "not offered: N=2, 4, 8, 16, 32, 64 do not fit" in format_report(plan)
     # one node: a node failure takes every group, whatever the memory
     one = plan_training(PlanInputs(model="gpt2-124m", gpu="H100", n_gpus=8))
@@ -214,7 +215,7 @@ def test_a_long_heartbeat_timeout_makes_the_restart_path_win():
     assert slow.fault_tolerance.best.stall_s - quick.fault_tolerance.best.stall_s == \
         pytest.approx(3600.0 - max(2.0, COLLECTIVE_TIMEOUT_S), rel=1e-3)
     assert slow.spot.goodput == quick.spot.goodput  # the restart path does not have one
-    assert training_config(slow)["elastic"] == {"replica_groups": "off"}
+    assert training_config(slow)["elastic"]["replica_groups"] == "off"
     # an hour's stall per loss, with a loss every 11 minutes, leaves no goodput: still reported
     assert slow.fault_tolerance.best.goodput == 0.0
     assert "written config (spot): restart path" in format_report(slow)

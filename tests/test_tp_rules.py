@@ -3,8 +3,9 @@ sizing give the same verdict on the same degree (parallel/tp_rules.py)."""
 
 import pytest
 
+from elastic_gpt.errors import PlacementError
 from elastic_gpt.model.gpt import GPTConfig
-from elastic_gpt.parallel.mesh import ParallelDims, ParallelLayoutError
+from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, usable_degrees, workers_problem
 from elastic_gpt.planner.search import tp_problem as plan_tp_problem
 from elastic_gpt.planner.tune_candidates import tp_problem as tune_tp_problem
@@ -42,6 +43,6 @@ def test_workers_come_in_whole_groups_and_groups_stay_in_a_node():
     line = workers_problem(4, {"scaling.min_workers": 2, "scaling.max_workers": 6})
     assert "e.g. scaling.min_workers=4 scaling.max_workers=4" in line
     assert nodes_problem(2, [2, 4]) is None
-    with pytest.raises(ParallelLayoutError, match="not all multiples of parallel.tp=2"):
+    with pytest.raises(PlacementError, match="not all multiples of parallel.tp=2"):
         ParallelDims.for_nodes(4, tp=2, hsdp="auto", rank_nodes=["a", "a", "a", "b"])
     assert "not all multiples" in nodes_problem(2, [3, 1])

@@ -185,7 +185,9 @@ class WorkerMembership:
                     continue
                 req = self.records.get("resize")
                 if req and req.get("target") and req["target"] != self.world_size:
-                    self.reason = f"resize: {self.world_size} -> {req['target']} workers"
+                    # With the grow rule's figures when the policy gave them (the event's detail).
+                    why = req.get("why") or f"{self.world_size} -> {req['target']} workers"
+                    self.reason = f"resize: {why}"
             except Exception as e:  # a GCS blip must not kill training
                 log.debug("membership poll failed: %s", e)
 

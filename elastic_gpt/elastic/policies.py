@@ -1,9 +1,10 @@
 """The two Ray Train controller policies of an elastic run.
 
-`LiveCapacityScalingPolicy` decides how many workers a new group gets (and when a running group
-should grow); `ElasticFailurePolicy` decides whether a failed attempt is retried. Both run inside
-Ray Train's controller actor, which unpickles them by reference to this module, and both reach the
-workers through the run's `RunRecords` in the GCS (the resize request, the failure record).
+`LiveCapacityScalingPolicy` decides how many workers a new group gets and on which nodes (and
+when a running group should grow); `ElasticFailurePolicy` decides whether a failed attempt is
+retried. Both run inside Ray Train's controller actor, which unpickles them by reference to this
+module, and both reach the workers through the run's `RunRecords` in the GCS (the resize request,
+the failure record, a placement the layout could not use).
 
 Their base classes live in Ray's private modules; `ray_internals` hands them out, so importing this
 module loads Ray Train. Only the trainer's controller hook (controller.py) and tests import it.
@@ -12,6 +13,7 @@ module loads Ray Train. Only the trainer's controller hook (controller.py) and t
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import math
 import time
@@ -23,36 +25,54 @@ from elastic_gpt.elastic.ray_internals import (
     NoopDecision,
     ResizeDecision,
     ScalingPolicy,
+    node_id_label,
     resources_per_worker,
 )
-from elastic_gpt.errors import ElasticRestart, FatalTrainingError
+from elastic_gpt.elastic.resize_rule import decide_grow
+from elastic_gpt.errors import ElasticRestart, FatalTrainingError, PlacementError
 
 log = logging.getLogger(__name__)
 
-RESIZE_STABLE_S = 1.0  # extra capacity must persist this long before we restart to use it
 WARN_EVERY_S = 30.0  # how often "capacity below min_workers" is repeated while waiting
 FAILURE_WINDOW_S = 3600.0  # the budget counts failures over the last hour
 
 
 class LiveCapacityScalingPolicy(ScalingPolicy):
-    """Sizes the group from live GCS state instead of the autoscaling coordinator's reserved
-    view, which still counts dead nodes (the 60 s placement-group wait Ray's default hits), in
-    whole tensor-parallel groups per node (`group_size`): `tp` and `hsdp` are parallel.*."""
+    """Sizes and places each new group from live GCS state instead of the autoscaling
+    coordinator's reserved view, which still counts dead nodes (the 60 s placement-group wait
+    Ray's default hits): whole tensor-parallel groups per node, each worker pinned to its node
+    (`group_plan`; `tp` and `hsdp` are parallel.*). Grows a running group only after
+    `grow_settle_s` of more room, and only when the larger group repays its restart before the
+    next membership change expected (elastic/resize_rule.py; `node_mtbf_h` is its prior)."""
 
-    def __init__(self, scaling_config, records: RunRecords, tp: int = 1, hsdp: str = "auto"):
+    def __init__(self, scaling_config, records: RunRecords, tp: int = 1, hsdp: str = "auto",
+                 grow_settle_s: float = 0.0, node_mtbf_h: float = math.inf):
         super().__init__(scaling_config)
         self.records = records
         self.tp, self.hsdp = tp, hsdp
-        # The running group as last seen (workers per node, its placement group): see _fit.
+        self.grow_settle_s, self.node_mtbf_h = grow_settle_s, node_mtbf_h
+        # The run's own ScalingConfig in the controller, whose per-worker label selectors Ray
+        # Train places each new group with (after_controller_start).
+        self.placed_config = None
+        self.placement_cap: int | None = None  # after a bad placement: at most this many workers
+        # The running group as last seen (workers per node, its placement group): see _plan.
         self.last_group_nodes: dict[str, int] = {}
         self.last_group_pg = None
         self.more_room_since: float | None = None  # when live capacity first exceeded the group
+        self.waiting_for: int | None = None  # a grow the rule said does not pay (logged once)
         self.warned_at = -math.inf  # last "fewer than min_workers" warning
+
+    def after_controller_start(self, train_run_context):
+        super().after_controller_start(train_run_context)
+        self.placed_config = train_run_context.scaling_config
+        if self.placed_config is self.scaling_config:
+            # Our resource requests to the autoscaler must not carry one group's node pins.
+            self.scaling_config = copy.copy(self.scaling_config)
 
     def _get_num_workers_for_resource_request(self) -> int:
         return self.scaling_config.max_workers  # ask the autoscaler for the full size
 
-    def _fit(self) -> int:
+    def _plan(self) -> dict[str, int]:
         # Until the controller removes the old group's placement group, its bundles still hold
         # resources on the surviving nodes: count them as ours, or a group that lost a node would
         # see no room for its own replacement.
@@ -62,13 +82,27 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         if self.last_group_pg is not None and not _pg_removed(self.last_group_pg):
             held = _pg_nodes(self.last_group_pg) or self.last_group_nodes
         per_node = live_capacity(resources_per_worker(self.scaling_config), held)
-        return group_size(per_node, self.scaling_config.max_workers, self.tp, self.hsdp)
+        most = self.scaling_config.max_workers
+        if self.placement_cap is not None:
+            most = min(most, self.placement_cap)
+        return group_plan(per_node, most, self.tp, self.hsdp)
+
+    def _place(self, plan: dict[str, int]) -> None:
+        """Pin each worker of the next group to its node in `plan`. Ray Train's default PACK
+        placement is best effort over identical bundles: given nodes with room 3 and 2 for 4
+        workers it puts 3 on one node, splitting a tensor-parallel group of 2."""
+        if self.placed_config is not None:
+            label = node_id_label()
+            self.placed_config.label_selector = [
+                {label: node} for node, workers in plan.items() for _ in range(workers)]
 
     def make_decision_for_non_running_worker_group(self):
         self._maybe_send_resource_request()
         self.records.delete("resize")
         self._release_group_that_lost_a_node()
-        n = self._fit()
+        self._take_placement_cap()
+        plan = self._plan()
+        n = sum(plan.values())
         if n < self.scaling_config.min_workers:
             now = time.monotonic()
             if now - self.warned_at > WARN_EVERY_S:
@@ -78,9 +112,20 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
                             "min_workers)", n, self.scaling_config.min_workers)
             time.sleep(POLL_S)  # the controller loop calls again at once: don't spin
             return NoopDecision()
-        log.info("elastic-gpt: starting %d workers (live capacity)", n)
+        self._place(plan)
+        log.info("elastic-gpt: starting %d workers (live capacity; per node %s)", n,
+                 sorted(plan.values(), reverse=True))
         return ResizeDecision(num_workers=n,
                               resources_per_worker=resources_per_worker(self.scaling_config))
+
+    def _take_placement_cap(self) -> None:
+        """After a placement the layout could not use (the failure policy's record), ask for no
+        more than its nodes held in whole tensor-parallel groups (at least min_workers)."""
+        record = best_effort(self.records.get, "placement")
+        if record:
+            best_effort(self.records.delete, "placement")
+            self.placement_cap = max(int(record["aligned_workers"]),
+                                     self.scaling_config.min_workers)
 
     def _release_group_that_lost_a_node(self) -> None:
         """Remove the failed group's placement group once a node of it is dead. The controller
@@ -99,42 +144,62 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         nodes = collections.Counter(w.metadata.node_id for w in worker_group_state.workers)
         self.last_group_nodes = dict(nodes)
         self.last_group_pg = worker_group_state.placement_group_handle.placement_group
+        self.placement_cap = None  # the group runs: its placement held
         current = worker_group_state.num_workers
         if current >= self.scaling_config.max_workers:
             return NoopDecision()
         now = time.monotonic()
-        fit = self._fit()
-        if fit > current:
-            if self.more_room_since is None:
-                self.more_room_since = now
-            if now - self.more_room_since >= RESIZE_STABLE_S and not self.records.get("resize"):
-                log.info("elastic-gpt: capacity for %d workers (running %d): asking the "
-                         "workers to checkpoint and restart", fit, current)
-                self.records.put("resize", {"target": fit, "at": time.time()})
-        else:
-            self.more_room_since = None
+        plan = self._plan()
+        fit = sum(plan.values())
+        if fit <= current:
+            self.more_room_since, self.waiting_for = None, None
+            return NoopDecision()
+        if self.more_room_since is None:
+            self.more_room_since = now
+            log.info("elastic-gpt: capacity for %d workers (running %d): gathering arrivals "
+                     "for %g s before deciding", fit, current, self.grow_settle_s)
+        if now - self.more_room_since < self.grow_settle_s or self.records.get("resize"):
+            return NoopDecision()
+        progress = best_effort(self.records.get, "progress") or {}
+        decision = decide_grow(ledger=progress.get("ledger") or {}, current=current, target=fit,
+                               node_mtbf_s=self.node_mtbf_h * 3600.0, nodes=len(plan))
+        if not decision.grow:
+            if self.waiting_for != fit:
+                self.waiting_for = fit
+                log.warning("elastic-gpt: not growing yet: %s", decision.detail)
+            return NoopDecision()
+        log.info("elastic-gpt: %s; asking the workers to checkpoint and restart", decision.detail)
+        self.records.put("resize", {"target": fit, "at": time.time(), "why": decision.detail})
         return NoopDecision()
 
 
-def group_size(per_node: dict[str, int], max_workers: int, tp: int = 1, hsdp: str = "auto") -> int:
-    """Workers a group gets from the workers that fit on each node now: whole tensor-parallel
-    groups per node (a group never spans nodes), at most max_workers (a multiple of tp). Under
-    hsdp=on, whole replicas too: the same number of workers on every node used, the most
-    workers any such choice gives. (Which node a worker lands on is Ray's placement: a node
-    left with a part of a group makes the Trainer stop with one line, parallel/mesh.py.)"""
-    usable = sorted((n // tp * tp for n in per_node.values()), reverse=True)
+def group_plan(per_node: dict[str, int], max_workers: int, tp: int = 1,
+               hsdp: str = "auto") -> dict[str, int]:
+    """Workers per node for a new group, from the workers that fit on each node now: whole
+    tensor-parallel groups per node (a group never spans nodes), the nodes with the most room
+    first (as few nodes as can hold it, as Ray's PACK would), at most max_workers (a multiple of
+    tp). Under hsdp=on, whole replicas too: the same number of workers on every node used, the
+    most workers any such choice gives. Nodes that get no worker are left out."""
+    room = sorted(((n // tp * tp, node) for node, n in per_node.items()),
+                  key=lambda r: (-r[0], r[1]))
     if hsdp != "on":
-        return min(sum(usable), max_workers // tp * tp)
-    best = 0
-    for nodes, per in enumerate(usable, 1):  # the `nodes` fullest nodes, `per` workers each
-        if per:
-            best = max(best, min(nodes, max_workers // per) * per)
+        plan, left = {}, max_workers // tp * tp
+        for usable, node in room:
+            if min(usable, left) > 0:
+                plan[node] = min(usable, left)
+                left -= plan[node]
+        return plan
+    best: dict[str, int] = {}
+    for nodes, (per, _) in enumerate(room, 1):  # the `nodes` fullest nodes, `per` workers each
+        if per and min(nodes, max_workers // per) * per > sum(best.values()):
+            best = {node: per for _, node in room[:min(nodes, max_workers // per)]}
     return best
 
 
 class ElasticFailurePolicy(FailurePolicy):
-    """Planned restarts are free; unfixable errors stop at once; the rest is charged to a
-    sliding one-hour window instead of Ray's never-resetting counter.
+    """Planned restarts and placements the layout could not use are free; unfixable errors stop
+    at once; the rest is charged to a sliding one-hour window instead of Ray's never-resetting
+    counter.
 
     `clock` is the monotonic clock the window is measured with (tests pass their own)."""
 
@@ -150,6 +215,20 @@ class ElasticFailurePolicy(FailurePolicy):
         causes = list(getattr(training_failed_error, "worker_failures", {}).values())
         if causes and all(isinstance(c, ElasticRestart) for c in causes):
             log.info("elastic-gpt: %s", causes[0])
+            return FailureDecision.RETRY
+        placement = [c for c in causes if isinstance(c, PlacementError)]
+        if placement and all(isinstance(c, (PlacementError, ElasticRestart)) for c in causes):
+            # Where Ray put the workers, not a fault of the run: retried for free, no larger
+            # than the nodes held in whole tensor-parallel groups (the scaling policy reads it).
+            error = placement[0]
+            log.warning("elastic-gpt: %s; restarting with whole tensor-parallel groups per "
+                        "node", error)
+            best_effort(self.records.put, "placement",
+                        {"aligned_workers": error.aligned_workers, "per_node": error.per_node,
+                         "at": time.time()})
+            best_effort(self.records.put, "last_restart",
+                        {"kind": "placement", "reason": f"placement: {_short(error)}",
+                         "at": time.time()})
             return FailureDecision.RETRY
         fatal = [c for c in causes if isinstance(c, FatalTrainingError)]
         if fatal:

@@ -49,6 +49,8 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("ray._private.services", "canonicalize_bootstrap_address_or_die", params={"": ("addr",)}),
     Api("ray._private.services", "get_node_ip_address"),
     Api("ray._raylet", "GcsClient"),
+    # The label every node carries with its id: what pins a worker to its node.
+    Api("ray._raylet", "RAY_NODE_ID_KEY"),
     # GcsClient forwards attribute access to InnerGcsClient, where its methods are defined.
     Api("ray._raylet", "InnerGcsClient",
         members=("drain_node", "get_draining_nodes", "get_all_node_info"),
@@ -72,11 +74,16 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api(f"{_TRAIN}.scaling_policy", "ScalingPolicy",
         members=("make_decision_for_non_running_worker_group",
                  "make_decision_for_running_worker_group",
-                 "_get_num_workers_for_resource_request", "_maybe_send_resource_request"),
-        params={"__init__": ("scaling_config",)}),
-    # The controller that takes our policies, and what it passes them (read in policies.py).
-    Api(f"{_TRAIN}.controller", "TrainController",
+                 "_get_num_workers_for_resource_request", "_maybe_send_resource_request",
+                 "after_controller_start"),
+        params={"__init__": ("scaling_config",),
+                "after_controller_start": ("train_run_context",)}),
+    # The controller that takes our policies, and what it passes them (read in policies.py). It
+    # starts each group with the per-worker label selectors of the run's ScalingConfig, which
+    # the scaling policy sets to pin workers to nodes.
+    Api(f"{_TRAIN}.controller", "TrainController", members=("_start_worker_group",),
         params={"__init__": ("scaling_policy", "failure_policy")}, imported=False),
+    Api(f"{_TRAIN}.context", "TrainRunContext", members=("scaling_config",), imported=False),
     Api(f"{_TRAIN}.worker_group.state", "WorkerGroupState",
         members=("workers", "placement_group_handle", "num_workers"), imported=False),
     Api(f"{_TRAIN}.worker_group.worker", "Worker", members=("metadata",), imported=False),
@@ -102,7 +109,10 @@ TEST_APIS: tuple[Api, ...] = (
 
 # Private members of public Ray classes.
 PRIVATE_MEMBERS: tuple[Api, ...] = (
-    Api("ray.train", "ScalingConfig", members=("_resources_per_worker_not_none",)),
+    # The controller reads `label_selector` through `_label_selector_per_worker`: a list is one
+    # selector per worker, in rank order.
+    Api("ray.train", "ScalingConfig", members=("_resources_per_worker_not_none",
+                                               "_label_selector_per_worker", "label_selector")),
     # controller.py overrides it to hand the controller our policies.
     Api("ray.train.torch", "TorchTrainer", members=("_initialize_and_run_controller",)),
 )
@@ -210,6 +220,13 @@ def live_actors(class_name: str) -> list[tuple[int, str]]:
 
     return [(a["Pid"], a["Address"]["NodeID"]) for a in state.actor_table(None).values()
             if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+
+
+def node_id_label() -> str:
+    """The label under which every node carries its node id (`ray.io/node-id`)."""
+    from ray._raylet import RAY_NODE_ID_KEY
+
+    return RAY_NODE_ID_KEY
 
 
 # ---- GCS key-value store -------------------------------------------------------------------------

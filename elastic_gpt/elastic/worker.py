@@ -16,6 +16,7 @@ import torch.distributed as dist
 from elastic_gpt.config import Config, config_from_dict
 from elastic_gpt.elastic.membership import PLACEMENT_GROUP, RunRecords, WorkerMembership, best_effort
 from elastic_gpt.errors import permanent_failure
+from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.tracking.metric_logger import MetricLogger
 from elastic_gpt.train.collaborators import Membership, MetricSink, NullMembership, NullMetricSink
 from elastic_gpt.train.fault_tolerance import (
@@ -33,13 +34,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     cfg = config_from_dict(loop_config["config"])
     run_id = loop_config.get("mlflow_run_id")
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
-    metrics: MetricSink = (MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id
-                           else NullMetricSink())
     # Every rank says which node it is on: rank 0 watches those nodes for drains, and the
     # Trainer keeps tensor-parallel groups inside them.
     nodes = [None] * world
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    # A placement the layout cannot use raises PlacementError on every rank here, which the
+    # controller retries: before rank 0 consumes the record of why the previous attempt ended
+    # (WorkerMembership), which the retry's ledger event still needs.
+    ParallelDims.for_nodes(world, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp, rank_nodes=nodes)
+    # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
+    metrics: MetricSink = (MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id
+                           else NullMetricSink())
     # With replica groups (elastic/replica_groups.py) `run_key` is the group's own: a drain
     # makes only this group leave (and come back when capacity does), its failures are its own.
     replica = loop_config.get("replica_group")

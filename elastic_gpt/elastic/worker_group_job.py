@@ -105,7 +105,9 @@ def job_factory(cfg: Config, *, gpu: bool, num_workers: int | tuple[int, int], k
         return ElasticTorchTrainer(
             train_loop_per_worker, run_key=key,
             max_failures_per_hour=cfg.elastic.max_failures_per_hour, tp=cfg.parallel.tp,
-            hsdp=cfg.parallel.hsdp, train_loop_config=loop_config, scaling_config=scaling,
+            hsdp=cfg.parallel.hsdp, grow_settle_s=cfg.elastic.grow_settle_s,
+            node_mtbf_h=cfg.elastic.node_mtbf_h, train_loop_config=loop_config,
+            scaling_config=scaling,
             run_config=run_config,
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo",
                                      timeout_s=cfg.elastic.hang_timeout_s))

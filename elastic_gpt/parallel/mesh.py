@@ -9,9 +9,10 @@ parallelism uses, whether the loss is vocab-parallel (torchtitan's `ParallelDims
 
 `ParallelDims.for_nodes` derives the degrees from where the ranks run: a tensor-parallel group
 must stay inside one node (its collectives run every layer, on the fast intra-node link), and
-HSDP shards within a node and replicates across nodes. Nodes are told apart by the id the caller
-passes for each rank (Ray's node id under Ray Train), never by a node's IP address: every node of
-a one-machine test cluster has the same IP.
+HSDP shards within a node and replicates across nodes; a placement that breaks this is a
+`PlacementError` (the controller retries it), not a layout error. Nodes are told apart by the id
+the caller passes for each rank (Ray's node id under Ray Train), never by a node's IP address:
+every node of a one-machine test cluster has the same IP.
 
 Nothing here knows about Ray, the model or the trainer.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from elastic_gpt.errors import FatalTrainingError
+from elastic_gpt.errors import FatalTrainingError, PlacementError
 from elastic_gpt.parallel.tp_rules import nodes_problem
 from elastic_gpt.torch_internals import flatten_mesh
 
@@ -30,7 +31,8 @@ DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 
 
 class ParallelLayoutError(FatalTrainingError, ValueError):
-    """The group's shape cannot hold the configured layout (no restart at this size can cure it)."""
+    """The configured layout cannot work at any placement (no restart can cure it). Where the
+    workers landed is another matter: a `PlacementError`, which the controller retries."""
 
 
 @dataclass
@@ -67,12 +69,12 @@ class ParallelDims:
         per_node = node_sizes(nodes)
         problem = nodes_problem(tp, per_node, how="scaling.cpus_per_worker / GPUs per node")
         if problem:
-            raise ParallelLayoutError(problem)
+            raise PlacementError(problem, per_node, tp)
         even = len(set(per_node)) == 1
         if hsdp == "on" and not even:
-            raise ParallelLayoutError(
+            raise PlacementError(
                 f"parallel.hsdp=on needs the same number of workers on every node, got "
-                f"{per_node}; use parallel.hsdp=auto or off")
+                f"{per_node}; use parallel.hsdp=auto or off", per_node, tp)
         if hsdp == "on" or (hsdp == "auto" and len(per_node) > 1 and even):
             replicate = len(per_node)
         else:
@@ -153,9 +155,11 @@ def node_sizes(rank_nodes: list[str]) -> list[int]:
     for node in rank_nodes:
         if node != previous:
             if node in seen:
-                raise ParallelLayoutError(
+                counts = {n: list(rank_nodes).count(n) for n in dict.fromkeys(rank_nodes)}
+                raise PlacementError(
                     f"the ranks of node {node} are not consecutive ({list(rank_nodes)}); a "
-                    "tensor-parallel group must be consecutive ranks of one node")
+                    "tensor-parallel group must be consecutive ranks of one node",
+                    list(counts.values()), 1)
             seen.add(node)
             sizes.append(0)
             previous = node

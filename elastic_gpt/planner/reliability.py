@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from elastic_gpt.elastic.resize_rule import kept_fraction
 from elastic_gpt.planner.inputs import HOUR
 
 
@@ -17,12 +18,14 @@ def goodput(interval_s: float, ckpt_write_s: float, recovery_s: float, mtbf_s: f
 
     Each cycle trains for `interval_s` then blocks `ckpt_write_s` writing a checkpoint. Failures
     arrive at rate 1/mtbf_s; each costs `recovery_s` (restart + reload) plus, on average, half a
-    cycle of lost work. Useful fraction = tau/(tau+delta) * (1 - (R + (tau+delta)/2) / M).
+    cycle of lost work. Useful fraction = tau/(tau+delta) * (1 - (R + (tau+delta)/2) / M): each
+    failure is a membership change costing R + (tau+delta)/2 without work, the arithmetic the
+    runtime's grow rule uses too (`kept_fraction`, elastic/resize_rule.py).
     """
     tau, delta = interval_s, ckpt_write_s
     if tau <= 0:
         return 0.0
-    return max(0.0, tau / (tau + delta) * (1.0 - (recovery_s + (tau + delta) / 2) / mtbf_s))
+    return tau / (tau + delta) * kept_fraction(recovery_s + (tau + delta) / 2, mtbf_s)
 
 
 def young_interval_s(ckpt_write_s: float, mtbf_s: float) -> float:

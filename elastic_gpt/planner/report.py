@@ -39,9 +39,12 @@ def training_config(plan: Plan) -> dict:
         "scaling": {"min_workers": plan.n_gpus if rg else plan.min_workers,
                     "max_workers": plan.n_gpus, "use_gpu": True},
         "checkpoint": checkpoint_cadence(rg.interval_s if rg else plan.reliability.interval_s),
+        # The restart path's grow rule expects membership changes at this market's rate until
+        # the run has its own record (replica groups are of a fixed size: they never grow).
         "elastic": ({"replica_groups": rg.layout.n_groups,
                      "replica_heartbeat_timeout_s": plan.replica_heartbeat_timeout_s}
-                    if rg else {"replica_groups": "off"}),
+                    if rg else {"replica_groups": "off", "node_mtbf_h": round(
+                        plan.reliability.mtbf_s * plan.nodes / HOUR, 3)}),
     } | _parallel_keys(c)
 
 

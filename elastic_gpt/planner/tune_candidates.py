@@ -85,6 +85,7 @@ def layout_for_nodes(cands: list[TrainSettings], rank_nodes: list[str], hsdp: st
     (candidate, None, why it is refused) where a node's workers are not a multiple of its tp.
     hsdp auto adds an HSDP variant of each candidate when the workers span nodes with the same
     count on each (on one node HSDP is plain FSDP); on / off measure only that."""
+    from elastic_gpt.errors import PlacementError
     from elastic_gpt.parallel.mesh import ParallelDims, ParallelLayoutError, node_sizes
 
     per_node = node_sizes(rank_nodes)
@@ -106,7 +107,7 @@ def layout_for_nodes(cands: list[TrainSettings], rank_nodes: list[str], hsdp: st
             try:
                 dims = ParallelDims.for_nodes(len(rank_nodes), tp=c.tp,
                                               hsdp="on" if h else "off", rank_nodes=rank_nodes)
-            except ParallelLayoutError as e:
+            except (ParallelLayoutError, PlacementError) as e:
                 out.append((c, None, str(e).split(";")[0]))
                 continue
             out.append((c, dims, None))

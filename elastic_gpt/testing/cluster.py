@@ -44,9 +44,11 @@ class LocalCluster:
     def address(self) -> str:
         return self.cluster.address
 
-    def add_node(self, wait: bool = True):
-        node = self.cluster.add_node(num_cpus=self.cpus_per_node,
-                                     object_store_memory=self.object_store_bytes)
+    def add_node(self, wait: bool = True, num_cpus: int | None = None):
+        """A worker node of `num_cpus` CPUs (default: the cluster's `cpus_per_node`)."""
+        node = self.cluster.add_node(
+            num_cpus=self.cpus_per_node if num_cpus is None else num_cpus,
+            object_store_memory=self.object_store_bytes)
         if wait:
             self.cluster.wait_for_nodes()
         return node
