@@ -27,7 +27,7 @@ from typing import Annotated, Literal, NamedTuple, Union, get_args, get_origin, 
 import yaml
 
 from elastic_gpt.console import first_line
-from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW
+from elastic_gpt.data.order import DEFAULT_READ_BLOCK_BYTES, DEFAULT_SHUFFLE_WINDOW
 from elastic_gpt.parallel.tp_rules import workers_problem
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,12 @@ class DataSection:
     """Samples shuffled together inside a window after the per-epoch shard shuffle."""
     prefetch_steps: int = 4
     """Steps of batches each worker reads ahead in a background thread."""
+    read_block_bytes: Annotated[int, Range(0)] = DEFAULT_READ_BLOCK_BYTES
+    """Bytes per ranged read: each worker reads aligned blocks of a shard (and each shard's whole
+    index) once and keeps them while the shuffle window draws from them, about D requests per
+    block for D data-parallel ranks instead of ~2 per sample, for D times the bytes. Blocks holding
+    under 4 of a rank's samples, or 0 here: each record read alone (fewest bytes, most requests).
+    See docs/data.md."""
     sources: list[dict] | None = None
     """A weighted mixture instead of one data.path: a list of {path: URL, weight: number > 0},
     each a dataset from `prepare-data`. Step t's samples are a seeded, world-size independent

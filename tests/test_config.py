@@ -181,7 +181,10 @@ def test_a_config_dict_written_by_old_main_loads():
                              # streams per rank, which changes the files, not what they hold.
                              "checkpoint": {**OLD_MAIN_DICT["checkpoint"], "every_minutes": 0.0,
                                             "write_streams": 8},
-                             "data": {**OLD_MAIN_DICT["data"], "sources": None},
+                             # Old main read record by record; today reads blocks (the same
+                             # samples, in fewer requests).
+                             "data": {**OLD_MAIN_DICT["data"], "sources": None,
+                                      "read_block_bytes": 1 << 20},
                              "eval": {"path": "", "every_steps": 0, "samples": 64},
                              # Replica groups off: one worker group, as old main ran; and
                              # the hang bound is old main's collective timeout. Grows are

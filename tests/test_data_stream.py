@@ -112,13 +112,15 @@ def test_uneven_split_pads_with_a_zero_weight_repeat(dataset):
     assert b.fingerprint == sum(sample_hash(r) for r in b.tokens[0]) % 2**52
 
 
-def test_a_rank_reads_only_its_own_samples(dataset):
+def test_record_reads_read_only_the_ranks_own_samples(dataset):
+    """data.read_block_bytes=0: the fewest bytes (block reads trade bytes for requests:
+    tests/test_data_requests.py)."""
     m = load_manifest(dataset)
     plan = BatchSplit(global_batch_size=12, micro_batch_size=2)
     data_bytes = index_bytes = 0
     for rank in range(3):
         with open_step_stream(dataset, batch_split=plan, rank=rank, world_size=3, start_step=0,
-                              seed=SEED, prefetch_steps=0) as s:
+                              seed=SEED, prefetch_steps=0, read_block_bytes=0) as s:
             for _ in range(4):
                 next(s)
             data_bytes += s.reader.data_bytes_read

@@ -151,8 +151,9 @@ class MixtureOrder:
 class MixtureReader:
     """Verified reads of (source, shard, record) triples, one ShardReader per source."""
 
-    def __init__(self, manifests: list[Manifest], storage_options: dict | None = None):
-        self.readers = [ShardReader(m, storage_options) for m in manifests]
+    def __init__(self, manifests: list[Manifest], storage_options: dict | None = None,
+                 block_records: int = 1, window: int = DEFAULT_SHUFFLE_WINDOW):
+        self.readers = [ShardReader(m, storage_options, block_records, window) for m in manifests]
         self.m = manifests[0]
 
     @property
@@ -204,10 +205,12 @@ class TrainingData:
         return MixtureOrder([s.manifest.shard_sizes for s in self.sources],
                             [s.weight for s in self.sources], seed, window)
 
-    def make_reader(self, storage_options: dict | None = None):
+    def make_reader(self, storage_options: dict | None = None, block_records: int = 1,
+                    window: int = DEFAULT_SHUFFLE_WINDOW):
+        """The reader of this data (block_records, window: see ShardReader)."""
         if not self.is_mixture:
-            return ShardReader(self.manifest, storage_options)
-        return MixtureReader(self.manifests, storage_options)
+            return ShardReader(self.manifest, storage_options, block_records, window)
+        return MixtureReader(self.manifests, storage_options, block_records, window)
 
     def describe(self) -> dict:
         """What a checkpoint records about the data."""

@@ -20,6 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 DEFAULT_SHUFFLE_WINDOW = 16384  # samples: ~33 MB of gpt2 tokens at seq_len 1024, a few shards
+DEFAULT_READ_BLOCK_BYTES = 1 << 20  # per ranged read of the step stream (data/stream.py)
 
 
 def _rng(*key: int) -> np.random.Generator:

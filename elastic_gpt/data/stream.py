@@ -1,22 +1,33 @@
 """Per-rank streaming reader: step t of rank r, read from the shards in the C2 data order.
 
 Each rank computes which samples its micro-batches of step t hold (`BatchSplit` + `SampleOrder`,
-pure functions of manifest, seed and position) and reads exactly those records with ranged reads,
-adjacent records of a shard coalesced into one request, all requests of a step issued together
-(`fs.cat_ranges`: concurrent on object stores). A background thread keeps `prefetch_steps` steps
-ready. Nothing is shared between ranks and the only resume state is the step number, so any world
-size can resume any step (see docs/data.md for why this is not `streaming_split`).
+pure functions of manifest, seed and position) and reads them with ranged reads, all requests of a
+step issued together (`fs.cat_ranges`: concurrent on object stores). A background thread keeps
+`prefetch_steps` steps ready. Nothing is shared between ranks and the only resume state is the step
+number, so any world size can resume any step (see docs/data.md for why this is not
+`streaming_split`).
 
-Integrity: a shard's .bin and .idx sizes are checked when it is first used, and every record read
-is checked against its `.idx` entry (one sample_hash per record, read with the same ranged
-requests). The verified hashes are also the data fingerprint, so checking costs nothing extra.
+Two read granularities (`read_block_records`):
+- blocks (the default): aligned blocks of a shard, each read once and kept while the shuffle
+  window still draws from it, and each shard's whole index read once. An object store bills and
+  rate-limits requests, not bytes, and a windowed shuffle draws each rank's samples from a few
+  shards' worth of records: requests fall from ~2 per sample to ~D per block of B records (D the
+  ranks splitting a step), at the price of each rank reading its window's blocks whole;
+- records: exactly this rank's records (adjacent ones coalesced) and their index entries, the
+  fewest bytes at ~2 requests per sample; chosen where a block would hold few of a rank's samples.
+
+Integrity: a shard's sizes are checked when it is first used, and every record read is checked
+against its `.idx` entry (one sample_hash per record). The verified hashes are also the data
+fingerprint, so checking costs nothing extra.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import fsspec
@@ -25,11 +36,24 @@ import torch
 
 from elastic_gpt.data.fingerprint import FINGERPRINT_MASK, sample_hash, sample_hashes
 from elastic_gpt.data.manifest import Manifest, describe_storage_error, load_manifest
-from elastic_gpt.data.order import DEFAULT_SHUFFLE_WINDOW, BatchSplit, SampleOrder
+from elastic_gpt.data.order import (DEFAULT_READ_BLOCK_BYTES, DEFAULT_SHUFFLE_WINDOW, BatchSplit,
+                                    SampleOrder)
 from elastic_gpt.errors import FatalTrainingError
 
 __all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
-           "ShardReader", "DEFAULT_SHUFFLE_WINDOW"]
+           "ShardReader", "DEFAULT_SHUFFLE_WINDOW", "DEFAULT_READ_BLOCK_BYTES", "read_block_records"]
+
+# Blocks only pay where each holds several of a rank's samples: with fewer, a rank reads B records
+# to use under BLOCK_MIN_OWN of them, and requests fall less than bytes grow.
+BLOCK_MIN_OWN = 4
+
+
+def read_block_records(block_bytes: int, record_bytes: int, readers: int) -> int:
+    """Records per ranged read for a rank of `readers` splitting each step: `block_bytes` worth,
+    or 1 (record reads) when blocks are off (0) or would hold under BLOCK_MIN_OWN of this rank's
+    records on average (a rank uses 1 / readers of a window's records)."""
+    records = block_bytes // record_bytes
+    return records if records >= BLOCK_MIN_OWN * max(1, readers) and records > 1 else 1
 
 
 class CorruptShardError(FatalTrainingError, ValueError):
@@ -48,8 +72,18 @@ class StepBatch:
 class ShardReader:
     """Verified ranged reads of records from the shards of one dataset."""
 
-    def __init__(self, manifest: Manifest, storage_options: dict | None = None):
+    def __init__(self, manifest: Manifest, storage_options: dict | None = None,
+                 block_records: int = 1, window: int = DEFAULT_SHUFFLE_WINDOW):
+        """block_records > 1: read aligned blocks of that many records and keep the blocks the
+        shuffle `window` can still draw from (those of one window, plus one partial block per
+        shard it crosses); 1: read records alone."""
         self.m = manifest
+        self.block_records = max(1, int(block_records))
+        smallest = max(1, min((s.num_samples for s in manifest.shards), default=1))
+        self._cache_blocks = (math.ceil(window / self.block_records)
+                              + math.ceil(window / smallest) + 3)
+        self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._indexes: dict[int, np.ndarray] = {}  # whole .idx of shards with cached blocks
         try:
             self.fs, _ = fsspec.core.url_to_fs(manifest.url, **(storage_options or {}))
         except Exception as e:
@@ -66,13 +100,16 @@ class ShardReader:
     def bytes_read(self) -> int:
         return self.data_bytes_read + self.index_bytes_read
 
-    def _check_sizes(self, k: int) -> None:
-        """On first use of a shard: its .bin and .idx have the sizes the manifest promises."""
+    def _check_sizes(self, k: int, index: bool = True) -> None:
+        """On first use of a shard: its .bin (and .idx, unless it is read whole, which checks
+        its size) have the sizes the manifest promises."""
         if k in self._checked_size:
             return
         info = self.m.shards[k]
-        for path, want in ((self._paths[k], info.num_bytes),
-                           (self._index_paths[k], 8 * info.num_samples)):
+        files = [(self._paths[k], info.num_bytes)]
+        if index:
+            files.append((self._index_paths[k], 8 * info.num_samples))
+        for path, want in files:
             name = path.rsplit("/", 1)[-1]
             try:
                 size = self.fs.size(path)
@@ -89,7 +126,98 @@ class ShardReader:
 
     def read(self, samples: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Records (n, seq_len + 1) and their verified hashes for (shard, sample) pairs, in the
-        order given. Each distinct record is read once; adjacent records are one request."""
+        order given."""
+        if self.block_records > 1:
+            return self._read_blocks(samples)
+        return self._read_records(samples)
+
+    def _fetch(self, paths: list[str], starts: list[int], ends: list[int],
+               urls: list[str]) -> list:
+        """One batch of concurrent ranged reads; a failed one is named by its file's URL."""
+        try:
+            blobs = self.fs.cat_ranges(paths, starts, ends) if paths else []
+        except Exception as e:
+            raise ValueError(describe_storage_error(self.m.url, e)) from None
+        for url, b in zip(urls, blobs):
+            if isinstance(b, Exception):
+                raise ValueError(describe_storage_error(url, b))
+        return blobs
+
+    def _verify(self, k: int, s: int, rec: np.ndarray, want: np.ndarray) -> np.ndarray:
+        """The hashes of records s.. of shard k, checked against their index entries."""
+        got = sample_hashes(rec)
+        bad = np.nonzero(got != want)[0]
+        if len(bad):
+            r = s + int(bad[0])
+            rb = self.m.record_bytes
+            raise CorruptShardError(
+                f"shard {self.m.shards[k].path} of {self.m.url}: record {r} (bytes "
+                f"{r * rb}..{(r + 1) * rb - 1}) does not match its checksum in "
+                f"{self.m.shards[k].index_path}; the shard is corrupt, re-run prepare-data")
+        return got
+
+    def _short_read(self, k: int, s: int, n: int) -> CorruptShardError:
+        return CorruptShardError(
+            f"shard {self.m.shards[k].path} of {self.m.url}: short read at records "
+            f"{s}..{s + n - 1}; the shard changed while reading? re-run prepare-data")
+
+    def _read_blocks(self, samples: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Block granularity: the missing blocks of this call (consecutive ones of a shard in one
+        request) and the whole index of each shard not yet held, in one batch of requests."""
+        B, rb = self.block_records, self.m.record_bytes
+        wanted = sorted({(k, s // B) for k, s in samples})
+        missing = [kb for kb in wanted if kb not in self._blocks]
+        runs: list[tuple[int, int, int]] = []  # (shard, first block, blocks)
+        for k, b in missing:
+            if runs and runs[-1][0] == k and runs[-1][1] + runs[-1][2] == b:
+                runs[-1] = (k, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((k, b, 1))
+        new_indexes = sorted({k for k, _, _ in runs} - set(self._indexes))
+        for k in {k for k, _, _ in runs}:
+            self._check_sizes(k, index=False)
+        sizes = [self.m.shards[k].num_samples for k in range(len(self.m.shards))]
+        spans = [(k, b * B, min((b + n) * B, sizes[k])) for k, b, n in runs]  # records
+        blobs = self._fetch(
+            [self._paths[k] for k, _, _ in spans] + [self._index_paths[k] for k in new_indexes],
+            [lo * rb for _, lo, _ in spans] + [0] * len(new_indexes),
+            [hi * rb for _, _, hi in spans] + [8 * sizes[k] for k in new_indexes],
+            [self.m.shard_url(k) for k, _, _ in spans] + [self.m.index_url(k) for k in new_indexes])
+        for k, iblob in zip(new_indexes, blobs[len(spans):]):
+            if len(iblob) != 8 * sizes[k]:
+                raise CorruptShardError(
+                    f"shard index {self.m.shards[k].index_path} of {self.m.url} has {len(iblob)} "
+                    f"bytes, the manifest says {8 * sizes[k]}: it is truncated or replaced; "
+                    "re-run prepare-data")
+            self.index_bytes_read += len(iblob)
+            self._indexes[k] = np.frombuffer(iblob, dtype="<u8")
+        dtype = np.dtype(self.m.dtype).newbyteorder("<")
+        for (k, lo, hi), blob in zip(spans, blobs):
+            if len(blob) != (hi - lo) * rb:
+                raise self._short_read(k, lo, hi - lo)
+            self.data_bytes_read += len(blob)
+            rec = np.frombuffer(blob, dtype=dtype).reshape(hi - lo, self.m.record_tokens)
+            hashes = self._verify(k, lo, rec, self._indexes[k][lo:hi])
+            for start in range(lo, hi, B):
+                self._blocks[(k, start // B)] = (rec[start - lo:start - lo + B],
+                                                 hashes[start - lo:start - lo + B])
+        records = np.empty((len(samples), self.m.record_tokens), dtype)
+        hashes = np.empty(len(samples), "<u8")
+        for n, (k, s) in enumerate(samples):
+            rec, h = self._blocks[(k, s // B)]
+            records[n], hashes[n] = rec[s % B], h[s % B]
+        for kb in wanted:  # used now: the last to be dropped
+            self._blocks.move_to_end(kb)
+        while len(self._blocks) > max(self._cache_blocks, len(wanted)):
+            self._blocks.popitem(last=False)
+        held = {k for k, _ in self._blocks}
+        for k in [k for k in self._indexes if k not in held]:
+            del self._indexes[k]
+        return records, hashes
+
+    def _read_records(self, samples: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Record granularity: each distinct record once, adjacent records in one request, and
+        the index entries of exactly the same runs."""
         unique = sorted(set(samples))
         paths, starts, ends, runs = [], [], [], []
         rb = self.m.record_bytes
@@ -113,33 +241,18 @@ class ShardReader:
         paths += [self._index_paths[k] for k, _, _ in runs]
         starts += [8 * s for _, s, _ in runs]
         ends += [8 * (s + n) for _, s, n in runs]
-        try:
-            blobs = self.fs.cat_ranges(paths, starts, ends) if paths else []
-        except Exception as e:
-            raise ValueError(describe_storage_error(self.m.url, e)) from None
+        blobs = self._fetch(paths, starts, ends,
+                            [self.m.shard_url(k) for k, _, _ in runs] * 2)
         dtype = np.dtype(self.m.dtype).newbyteorder("<")
         parts, hashes = [], []
         for (k, s, n), blob, iblob in zip(runs, blobs[:n_runs], blobs[n_runs:]):
-            for b in (blob, iblob):
-                if isinstance(b, Exception):
-                    raise ValueError(describe_storage_error(self.m.shard_url(k), b))
             if len(blob) != n * rb or len(iblob) != 8 * n:
-                raise CorruptShardError(
-                    f"shard {self.m.shards[k].path} of {self.m.url}: short read at records "
-                    f"{s}..{s + n - 1}; the shard changed while reading? re-run prepare-data")
+                raise self._short_read(k, s, n)
             self.data_bytes_read += len(blob)
             self.index_bytes_read += len(iblob)
             rec = np.frombuffer(blob, dtype=dtype).reshape(n, self.m.record_tokens)
-            got, want = sample_hashes(rec), np.frombuffer(iblob, dtype="<u8")
-            bad = np.nonzero(got != want)[0]
-            if len(bad):
-                r = s + int(bad[0])
-                raise CorruptShardError(
-                    f"shard {self.m.shards[k].path} of {self.m.url}: record {r} (bytes "
-                    f"{r * rb}..{(r + 1) * rb - 1}) does not match its checksum in "
-                    f"{self.m.shards[k].index_path}; the shard is corrupt, re-run prepare-data")
             parts.append(rec)
-            hashes.append(got)
+            hashes.append(self._verify(k, s, rec, np.frombuffer(iblob, dtype="<u8")))
         if not parts:
             return np.zeros((0, self.m.record_tokens), dtype), np.zeros(0, "<u8")
         allrec, allhash = np.concatenate(parts), np.concatenate(hashes)
@@ -184,20 +297,23 @@ class StepStream:
     def __init__(self, manifest, *, batch_split: BatchSplit, rank: int, world_size: int,
                  start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                  prefetch_steps: int = 4, storage_options: dict | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES):
         """`manifest`: one dataset's Manifest, or a run's TrainingData (elastic_gpt/data/
-        mixture.py: one dataset or a weighted mixture), which brings its own order and reader."""
+        mixture.py: one dataset or a weighted mixture), which brings its own order and reader.
+        `read_block_bytes`: the size of a ranged read (see `read_block_records`)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_split.num_micro_batches < world_size:
             batch_split.check_world_size(world_size)
         self.batch_split, self.rank, self.world_size = batch_split, rank, world_size
+        reference = manifest if isinstance(manifest, Manifest) else manifest.manifest
+        block = read_block_records(read_block_bytes, reference.record_bytes, world_size)
         if isinstance(manifest, Manifest):
             self.order = SampleOrder(manifest.shard_sizes, seed, shuffle_window)
-            self.reader = ShardReader(manifest, storage_options)
+            self.reader = ShardReader(manifest, storage_options, block, shuffle_window)
         else:
             self.order = manifest.make_order(seed, shuffle_window)
-            self.reader = manifest.make_reader(storage_options)
+            self.reader = manifest.make_reader(storage_options, block, shuffle_window)
             manifest = manifest.manifest
         self.manifest = manifest
         self.next_step = start_step
@@ -282,7 +398,8 @@ class StepStream:
 def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size: int,
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                      prefetch_steps: int = 4, storage_options: dict | None = None,
-                     engine: str = "thread", pin_memory: bool = False) -> StepStream:
+                     engine: str = "thread", pin_memory: bool = False,
+                     read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES) -> StepStream:
     """Open rank `rank`'s stream of step batches from `start_step` on (C1 fixed global batch + C2
     data order).
     data_url: a dataset URL, or a TrainingData (`mixture.open_training_data(cfg.data)`: a
@@ -290,7 +407,8 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
     engine "thread" (default): ranged reads in a prefetch thread of this process;
     "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream; one dataset only).
     pin_memory: batches in page-locked memory (CUDA training; the thread engine pins them
-    while prefetching, off the training thread)."""
+    while prefetching, off the training thread).
+    read_block_bytes: bytes per ranged read of the thread engine (0: record reads)."""
     if engine not in ("thread", "ray_data"):
         raise ValueError(f"data engine must be 'thread' or 'ray_data', got {engine!r}")
     if isinstance(data_url, str):
@@ -304,7 +422,7 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
         return StepStream(data_url, batch_split=batch_split, rank=rank, world_size=world_size,
                           start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                           prefetch_steps=prefetch_steps, storage_options=storage_options,
-                          pin_memory=pin_memory)
+                          pin_memory=pin_memory, read_block_bytes=read_block_bytes)
     if engine == "ray_data":
         return RayDataStepStream(manifest, batch_split=batch_split, rank=rank, world_size=world_size,
                                  start_step=start_step, seed=seed, shuffle_window=shuffle_window,
@@ -312,14 +430,15 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
     return StepStream(manifest, batch_split=batch_split, rank=rank, world_size=world_size,
                       start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                       prefetch_steps=prefetch_steps, storage_options=storage_options,
-                      pin_memory=pin_memory)
+                      pin_memory=pin_memory, read_block_bytes=read_block_bytes)
 
 
 def read_shard_stream(manifest: Manifest, k: int, storage_options: dict | None = None
                       ) -> np.ndarray:
     """Shard k's token stream as written (records overlap by one token), for decoding back."""
-    reader = ShardReader(manifest, storage_options)
-    records, _ = reader.read([(k, i) for i in range(manifest.shards[k].num_samples)])
+    n = manifest.shards[k].num_samples
+    reader = ShardReader(manifest, storage_options, block_records=max(1, n), window=n)
+    records, _ = reader.read([(k, i) for i in range(n)])
     if not len(records):
         return np.zeros(0, np.int64)
     return np.concatenate([records[0].astype(np.int64)] +

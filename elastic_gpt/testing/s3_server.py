@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+from collections import Counter
 
 BUCKET = "corpus"
 
@@ -21,6 +23,26 @@ class S3Server:
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint = f"http://{host}:{port}"
+        self._requests: Counter = Counter()
+        self._count_lock = threading.Lock()
+        wsgi = self._server._server
+        app = wsgi.app
+
+        def counted(environ, start_response):  # every request the server answers, by method
+            with self._count_lock:
+                self._requests[environ["REQUEST_METHOD"]] += 1
+            return app(environ, start_response)
+
+        wsgi.app = counted
+
+    def requests(self) -> Counter:
+        """Requests served since the last reset, by HTTP method (GET, HEAD, PUT, ...)."""
+        with self._count_lock:
+            return Counter(self._requests)
+
+    def reset_requests(self) -> None:
+        with self._count_lock:
+            self._requests.clear()
 
     def storage_options(self, key: str = "testing", secret: str = "testing") -> dict:
         return {"key": key, "secret": secret, "skip_instance_cache": True,

@@ -53,6 +53,7 @@ from elastic_gpt.train.collaborators import (
 from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
+from elastic_gpt.train.group_batches import GroupBroadcastBatches
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
 from elastic_gpt.train.run_memory import resolve_run_memory
@@ -413,12 +414,23 @@ class Trainer:
         return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed)
 
     def _open_stream(self):
-        """This rank's batches from self.step on, for its place in the step's split."""
+        """This rank's batches from self.step on, for its place in the step's split. Under
+        tensor parallelism the group's first rank reads them and the others receive them."""
+        if not self.dims.tp_enabled:
+            return self._open_reader()
+        return GroupBroadcastBatches(
+            self._open_reader() if self.tp_rank == 0 else None,
+            group=self.dims.tp_mesh.get_group(), batch_split=self.batch_split,
+            batch_rank=self.batch_rank, batch_degree=self.batch_degree,
+            record_tokens=self.manifest.record_tokens, start_step=self.step, device=self.device)
+
+    def _open_reader(self):
         cfg = self.cfg
         return open_step_stream(
             self.data, batch_split=self.batch_split, rank=self.batch_rank, world_size=self.batch_degree,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
-            prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda")
+            prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda",
+            read_block_bytes=cfg.data.read_block_bytes)
 
     # ---- checkpoint --------------------------------------------------------------------------
 
