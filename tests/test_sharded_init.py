@@ -114,3 +114,27 @@ def test_a_resume_skips_the_init_and_reports_its_startup(stdlib_dataset, tmp_pat
     assert m[mn.STARTUP_INIT_S] == 0 and m[mn.STARTUP_CHECKPOINT_READ_S] > 0
     assert m[mn.STARTUP_S] >= m[mn.STARTUP_CHECKPOINT_READ_S] and mn.TRAIN_LOSS in m
     assert [s for s, m in fresh_log.logged if mn.STARTUP_S in m] == [1]
+
+
+def test_a_checkpoint_removed_while_a_group_starts_is_replaced_by_the_newest(stdlib_dataset,
+                                                                               tmp_path):
+    """Chosen before the build, removed by retention before the load (another replica group went
+    on saving): the newest committed step is loaded instead, not a failure of the run."""
+    from elastic_gpt.config import load_config
+    from elastic_gpt.testing.gloo import gloo_group
+    from elastic_gpt.train.trainer import Trainer
+
+    def trainer(max_steps):
+        cfg = load_config("jobs/configs/mini.yaml", [
+            f"data.path={stdlib_dataset}", f"checkpoint.path={tmp_path}/ckpt", "eval.samples=0",
+            "model.n_layer=2", f"train.max_steps={max_steps}", "checkpoint.every_steps=2",
+            "checkpoint.keep=1", "train.global_batch_size=4", "train.micro_batch_size=2"])
+        return Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
+
+    with gloo_group():
+        trainer(2).train()
+        starting = trainer(5)
+        assert starting.resume_from.step == 2 and starting.startup["init_s"] == 0
+        trainer(4).train()  # commits step 4; keep=1 removes step 2
+        starting.train()
+    assert starting.resume_from.step == 4 and starting.step == 5

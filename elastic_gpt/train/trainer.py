@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from elastic_gpt.checkpoint.checkpointer import make_checkpointer
-from elastic_gpt.checkpoint.sharded import load_sharded
+from elastic_gpt.checkpoint.sharded import CheckpointLoadError, load_sharded
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
@@ -284,7 +284,20 @@ class Trainer:
         if latest is None:
             return
         t0 = time.perf_counter()
-        load_sharded(latest.url, self.model, self.optimizer)
+        while True:
+            try:
+                load_sharded(latest.url, self.model, self.optimizer)  # collective: all or none
+                break
+            except CheckpointLoadError:
+                # Retention may have removed it since it was chosen, before the build: another
+                # replica group went on saving meanwhile. A newer committed step is as good (it
+                # overwrites every weight the skipped init would have drawn); none is an error.
+                newer = self._newest_checkpoint()
+                if newer is None or newer.step <= latest.step:
+                    raise
+                log.warning("checkpoint %s was removed while this group started; loading the "
+                            "newest, %s", latest.url, newer.url)
+                latest = self.resume_from = newer
         self.startup["checkpoint_read_s"] = time.perf_counter() - t0
         state = latest.state
         self.step = state["step"]
