@@ -13,8 +13,9 @@ How a membership change plays out:
   0's `WorkerMembership` picks it up, all ranks agree at the next step boundary (a flag in the
   per-step all-reduce), write a just-in-time checkpoint and raise `ElasticRestart`, which the
   failure policy retries for free at the new size. No step is lost.
-* **Placement.** Each group is planned in whole tensor-parallel groups per node and every worker
-  is pinned to its node (Ray's PACK placement would split a group across nodes of uneven room).
+* **Placement.** Each group is planned in whole tensor-parallel groups per node and, where the
+  layout needs them whole, every worker is pinned to its node (Ray's PACK placement would split a
+  group across nodes of uneven room).
   Should a group land where the layout cannot use it anyway, its ranks raise `PlacementError`
   before any step, and the failure policy retries it for free at no more than the aligned size.
 * **Node draining** (spot notice turned into a drain by `preemption.py`, or KubeRay/autoscaler

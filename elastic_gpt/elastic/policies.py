@@ -88,14 +88,15 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         return group_plan(per_node, most, self.tp, self.hsdp)
 
     def _place(self, plan: dict[str, int]) -> None:
-        """Pin each worker of the next group to its node in `plan`, under tensor parallelism.
-        Ray Train's default PACK placement is best effort over identical bundles: given nodes
-        with room 3 and 2 for 4 workers it puts 3 on one node, splitting a tensor-parallel group
-        of 2. Without tensor parallelism any split serves, and PACK is left to place the group:
+        """Pin each worker of the next group to its node in `plan` where the layout needs whole
+        groups per node (tensor parallelism, hsdp=on). Ray Train's default PACK placement is
+        best effort over identical bundles: given nodes with room 3 and 2 for 4 workers it puts
+        3 on one node, splitting a tensor-parallel group of 2. Elsewhere any split serves, and
+        PACK is left to place the group:
         pins taken from a view of free room that other groups share (replica groups start side
         by side) can name the same node for two groups, and one then waits out the start
         timeout where PACK would have put it on the other node."""
-        if self.placed_config is not None and self.tp > 1:
+        if self.placed_config is not None and (self.tp > 1 or self.hsdp == "on"):
             label = node_id_label()
             self.placed_config.label_selector = [
                 {label: node} for node, workers in plan.items() for _ in range(workers)]
