@@ -130,6 +130,10 @@ class TrainSection:
     """Clip the global gradient norm to this (0 disables)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16."""
+    peak_tflops: Annotated[float, Range(0)] = 0.0
+    """One worker's peak in TFLOP/s that train/mfu is measured against. 0: the hardware table's
+    dense bf16 peak on a GPU (NaN for a GPU it lacks: set this), a measured fp32 GEMM rate on a
+    CPU."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them: less memory."""
     compile: bool = False

@@ -186,6 +186,8 @@ def test_a_config_dict_written_by_old_main_loads():
                              "data": {**OLD_MAIN_DICT["data"], "sources": None,
                                       "read_block_bytes": 1 << 20},
                              "eval": {"path": "", "every_steps": 0, "samples": 64},
+                             # MFU against the device's own peak, as old main measured it.
+                             "train": {**OLD_MAIN_DICT["train"], "peak_tflops": 0.0},
                              # Replica groups off: one worker group, as old main ran; and
                              # the hang bound is old main's collective timeout. Grows are
                              # today's: gathered and weighed (old main grew after 1 s).

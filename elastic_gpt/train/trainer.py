@@ -141,7 +141,8 @@ class Trainer:
             lambda: self.ledger.to_dict(), lambda d: self.ledger.adopt(d)))
         self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
-        self.peak = peak_flops(self.device, threads)  # per worker
+        self.peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
+                     else peak_flops(self.device, threads))  # per worker
         self._nonfinite_streak = 0
         self.evaluator = self._build_evaluator()
         self.last_eval: EvalResult | None = None
