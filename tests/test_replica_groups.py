@@ -210,10 +210,12 @@ def _faults(cluster, folder: str) -> dict:
     assert preemption.drain_node(drained, 60, "preemption", "replica group test",
                                  cluster.address)
     cluster.nodes.append(cluster.add_node(wait=False))
-    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
-                                        and r["t"] > at["drain"] and r["groups"] == 1],
-                  what="group 0 alone after the drain")
-    recs, _ = _wait_records(folder, _steps_together_after(at["drain"], 3),
+    # Back means stepping together after it was seen alone: steps are fast enough that both
+    # groups take several together between the drain and the drained group's leaving.
+    _, alone = _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                                   and r["t"] > at["drain"] and r["groups"] == 1],
+                             what="group 0 alone after the drain")
+    recs, _ = _wait_records(folder, _steps_together_after(alone[0]["t"], 3),
                             what="group 1 back after the drain")
     at["back"] = time.time()
     node = next(n for n in cluster.cluster.worker_nodes if n.node_id == drained)
@@ -225,10 +227,10 @@ def _faults(cluster, folder: str) -> dict:
     at["kill"] = cluster.kill_node(next(n for n in cluster.cluster.worker_nodes
                                         if n.node_id == killed))
     cluster.nodes.append(cluster.add_node(wait=False))
-    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
-                                        and r["t"] > at["kill"] and r["groups"] == 1],
-                  what="group 1 alone after the node kill")
-    recs, _ = _wait_records(folder, _steps_together_after(at["kill"], 3),
+    _, alone = _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                                   and r["t"] > at["kill"] and r["groups"] == 1],
+                             what="group 1 alone after the node kill")
+    recs, _ = _wait_records(folder, _steps_together_after(alone[0]["t"], 3),
                             what="group 0 back after the kill")
 
     # A hung rank: group 1's rank 1 stopped (SIGSTOP) inside its collectives. Its group fails
@@ -237,12 +239,13 @@ def _faults(cluster, folder: str) -> dict:
     at["hung_pid"] = _last_start(recs, 1, 1)["pid"]
     at["stop"] = time.time()
     os.kill(at["hung_pid"], signal.SIGSTOP)
-    _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
-                                        and r["t"] > at["stop"] and r["groups"] == 1
-                                        and r["committed"]], what="group 0 alone after the hang")
+    _, alone = _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
+                                                   and r["t"] > at["stop"] and r["groups"] == 1
+                                                   and r["committed"]],
+                             what="group 0 alone after the hang")
 
     # Group 1 vanished: both of its processes stopped at once, once it is back.
-    recs, _ = _wait_records(folder, _steps_together_after(at["stop"], 3),
+    recs, _ = _wait_records(folder, _steps_together_after(alone[0]["t"], 3),
                             what="group 1 back after the hang")
     at["vanished_pids"] = [_last_start(recs, 1, rank)["pid"] for rank in range(WORKERS)]
     at["vanish"] = time.time()
