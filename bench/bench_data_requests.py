@@ -22,7 +22,8 @@ import sysconfig
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+CODE_ENV = "BENCH_DATA_REQUESTS_CODE"  # the checkout a worker (and its spawned ranks) imports
+sys.path.insert(0, os.environ.get(CODE_ENV, ROOT))
 
 LAYOUTS = [(1, 1), (2, 1), (8, 1), (4, 2)]  # (dp, tp): one rank, two, an 8-GPU node two ways
 GLOBAL_BATCH, MICRO_BATCH = 64, 4
@@ -67,7 +68,10 @@ def _rank(rank: int, world: int, url: str, options: dict, dp: int, tp: int, step
 def _layouts(code: str, url: str, options: dict, steps: int, window: int) -> None:
     """Worker mode: every layout on the checkout at `code`, one gloo group each; prints JSON
     lines of bytes read, the parent reads the server's counts between them."""
-    sys.path.insert(0, code)
+    import elastic_gpt
+
+    assert os.path.dirname(os.path.dirname(os.path.abspath(elastic_gpt.__file__))) == code, \
+        f"measuring {elastic_gpt.__file__}, not the checkout at {code}"
     from elastic_gpt.testing.gloo import run_gloo
 
     for dp, tp in LAYOUTS:
@@ -77,7 +81,7 @@ def _layouts(code: str, url: str, options: dict, steps: int, window: int) -> Non
 
 
 def _measure(code: str, server, url: str, steps: int, window: int) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": code}
+    env = {**os.environ, "PYTHONPATH": code, CODE_ENV: code}
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", code, "--url", url,
          "--options", json.dumps(server.storage_options()), "--steps", str(steps),
