@@ -201,6 +201,46 @@ def test_gpu_run_uses_nccl_and_one_gpu_per_worker():
     assert build_trainer_factory(cfg)(None).backend_config.backend == "gloo"
 
 
+def test_workers_get_the_fabric_nccl_and_allocator_settings_and_no_credentials(monkeypatch):
+    """The driver's NCCL_*, FI_* (EFA), TORCH_NCCL_* and allocator settings reach every worker
+    of a GPU job, over defaults a large run needs (expandable segments, the NCCL flight recorder
+    dumped on a collective timeout); credentials never do."""
+    from elastic_gpt.elastic.launcher import build_trainer_factory
+    from elastic_gpt.elastic.worker_group_job import worker_env
+
+    for key in list(os.environ):
+        if key.startswith(("NCCL_", "FI_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF")):
+            monkeypatch.delenv(key)
+    defaults = worker_env()
+    assert defaults["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert int(defaults["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert defaults["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("FI_PROVIDER", "efa")
+    monkeypatch.setenv("FI_EFA_USE_DEVICE_RDMA", "1")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "4000")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-workers")
+    cfg = load_config("jobs/configs/mini.yaml", ["data.path=unused", "scaling.use_gpu=true"])
+    env = build_trainer_factory(cfg)(None).run_config.worker_runtime_env["env_vars"]
+    assert env["NCCL_DEBUG"] == "INFO" and env["FI_PROVIDER"] == "efa"
+    assert env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "4000"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"  # the driver's wins
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "PYTHONPATH" in env
+
+
+def test_a_worker_trains_on_the_device_it_was_assigned(monkeypatch):
+    """Under Ray Train the device is Ray's assignment, not LOCAL_RANK's guess."""
+    from elastic_gpt.train.trainer import worker_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert worker_device(torch.device("cpu")) == torch.device("cpu")
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_to.append)
+    assert worker_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert set_to == [torch.device("cuda", 1)]
+
+
 def test_fused_adamw_runs_and_matches_the_unfused_step():
     """The GPU path asks for fused AdamW; torch has a fused CPU kernel too, so check it here."""
     from elastic_gpt.train.optimizer import build_optimizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ray
 import ray.train
+import ray.train.torch
 import torch.distributed as dist
 
 from elastic_gpt.config import Config, config_from_dict
@@ -60,8 +61,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
             _note_placement_group(loop_config["run_key"])
     # The layout groups ranks by these node ids, not by Ray Train's local/node ranks, which Ray
     # derives from node IPs (all equal on a one-machine test cluster).
+    # The device is the one Ray assigned this worker: where Ray does not share a node's
+    # CUDA_VISIBLE_DEVICES among its workers, LOCAL_RANK would name another worker's GPU.
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,
-                      membership=membership, rank_nodes=nodes, fault_tolerance=fault_tolerance)
+                      membership=membership, rank_nodes=nodes, fault_tolerance=fault_tolerance,
+                      device=ray.train.torch.get_device())
     try:
         summary = trainer.train()
     except Exception as e:

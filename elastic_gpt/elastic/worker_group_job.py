@@ -5,7 +5,8 @@ workers); replica groups run one of a fixed size per group (`replica_groups.run_
 all-or-nothing step). Both need the same things, which live here once:
 
 * `tune_ray_train_env`: what Ray Train's controller reads from its driver's environment;
-* `worker_env`: the workers' environment (our packages, storage endpoints; never credentials);
+* `worker_env`: the workers' environment (our packages, storage endpoints, the fabric's, NCCL's
+  and the allocator's settings; never credentials);
 * `use_gpu`, `run_key`: whether a worker takes a GPU, and the name of a run's GCS records;
 * `job_factory`: the `ElasticTorchTrainer` (scaling, run and torch config, the loop config);
 * `fatal_cause`, `budget_spent_line`: how the end of a job is read (C6 clear errors).
@@ -26,15 +27,38 @@ from elastic_gpt.console import last_line
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
                  "FSSPEC_S3_ENDPOINT_URL", "STORAGE_EMULATOR_HOST")
 
+# The fabric's, NCCL's and the CUDA allocator's settings a GPU run is tuned with on the driver
+# (or in the job's environment): NCCL_* (NCCL itself), FI_* (libfabric: EFA), TORCH_NCCL_*
+# (torch's NCCL process group: flight recorder, error handling), PYTORCH_CUDA_ALLOC_CONF, and
+# CUDA_DEVICE_MAX_CONNECTIONS (what Megatron-style overlap sets). They name no secrets.
+FORWARDED_PREFIXES = ("NCCL_", "FI_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF",
+                      "CUDA_DEVICE_MAX_CONNECTIONS")
+# What a worker gets unless the driver's environment says otherwise:
+# - expandable segments: the allocator grows segments instead of keeping fixed-size blocks,
+#   the fragmentation that otherwise runs a large model out of memory after hours (torchtitan
+#   sets it too);
+# - the NCCL flight recorder: the last collectives of every rank, dumped when one times out, so
+#   a hang names the rank and the collective it stopped in (torchtitan's comm.trace_buf_size);
+#   the dumps go to local files of TORCH_NCCL_DEBUG_INFO_TEMP_FILE + rank (`/tmp/nccl_trace_rank_`
+#   by default).
+WORKER_ENV_DEFAULTS = {
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
 TORCH_PG_SHUTDOWN_TIMEOUT = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S"  # ray.train.constants
 
 
 def worker_env() -> dict:
+    """The environment every worker process starts with: our packages, storage endpoints, the
+    GPU settings above (the driver's own values first), never credentials."""
     # Workers find our packages even when the driver runs from a source checkout.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    env = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **WORKER_ENV_DEFAULTS}
     env.update({k: os.environ[k] for k in FORWARDED_ENV if k in os.environ})
+    env.update({k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)})
     return env
 
 

@@ -79,6 +79,7 @@ class Trainer:
     """One worker's share of the run. All ranks construct it and call `train()` together.
 
     `rank_nodes` names each rank's node (any id; Ray's node id under Ray Train); None: one node.
+    `device`: the one the cluster assigned this worker (Ray's); None: from LOCAL_RANK.
     It decides the layout (parallel/mesh.py): tensor-parallel groups inside nodes, HSDP across.
     The batch split, the data stream, the loss scale and the metrics use the data-parallel rank
     and degree; the tensor-parallel ranks of one group train on the same micro-batches."""
@@ -86,14 +87,15 @@ class Trainer:
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
                  metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership(),
                  rank_nodes: list[str] | None = None,
-                 fault_tolerance: FaultTolerance = RestartPath()):
+                 fault_tolerance: FaultTolerance = RestartPath(),
+                 device: torch.device | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.fault_tolerance = fault_tolerance
         # The null defaults hold no state, so one instance can serve every Trainer.
         self.metrics, self.membership = metrics, membership
         self.mlflow_run_id = mlflow_run_id
         self.started = time.time()
-        self.device = worker_device()
+        self.device = worker_device(device)
         threads = cfg.train.threads_per_worker or cfg.scaling.cpus_per_worker
         torch.set_num_threads(threads)
         self.threads = threads
@@ -635,8 +637,14 @@ def _min_lr(cfg: Config) -> float:
     return cfg.train.min_lr if cfg.train.min_lr is not None else cfg.train.lr / 10
 
 
-def worker_device() -> torch.device:
-    """The device this worker trains on (`tune` measures on the same one)."""
+def worker_device(assigned: torch.device | None = None) -> torch.device:
+    """The device this worker trains on (`tune` measures on the same one), made current:
+    `assigned` (under Ray Train, the GPU Ray gave this worker, which is not LOCAL_RANK's where
+    Ray does not share CUDA_VISIBLE_DEVICES among a node's workers), else from LOCAL_RANK."""
+    if assigned is not None:
+        if assigned.type == "cuda":
+            torch.cuda.set_device(assigned)
+        return assigned
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
