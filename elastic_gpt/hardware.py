@@ -73,6 +73,36 @@ GPUS: dict[str, GPU] = {
         GPU("L40S", 362e12, 45.0, 864, 20, 40, 8, 3.77, 1.70, "AWS g6e.48xlarge"),
     ]
 }
+# Chips whose dense bf16 peak differs from their family's row, or that have no row, by the
+# words torch.cuda.get_device_name reports for them. MFU is measured against these; the planner
+# has no row for them (bandwidths and prices differ by where one rents them), add one with
+# --hardware-file. NVIDIA datasheets give bf16 "with sparsity", twice the dense figure:
+# - H100 PCIe 1,513 and H100 NVL 1,671 TFLOP/s (the H100 datasheet's PCIe and NVL columns);
+# - H200 NVL 1,671 (H200 datasheet, NVL column);
+# - GH200: its Hopper GPU is the H100 SXM's, 1,979 (GH200 Grace Hopper Superchip datasheet);
+# - H800 SXM: the H100 SXM's compute, 1,979, with NVLink cut to 400 GB/s (H800 datasheet);
+# - B200: 4.5 PFLOP/s per GPU (HGX B200 datasheet: 36 PFLOP/s for 8 GPUs).
+PEAK_VARIANTS: tuple[tuple[frozenset[str], float], ...] = (
+    (frozenset({"H100", "PCIE"}), 756e12),
+    (frozenset({"H100", "NVL"}), 835e12),
+    (frozenset({"H200", "NVL"}), 835e12),
+    (frozenset({"GH200"}), 989e12),
+    (frozenset({"H800"}), 989e12),
+    (frozenset({"B200"}), 2250e12),
+)
+
+
+def device_words(device_name: str) -> set[str]:
+    """The upper-case words of a device name: "NVIDIA H100 PCIe" -> {NVIDIA, H100, PCIE}."""
+    return set(re.split(r"[^0-9A-Z]+", device_name.upper())) - {""}
+
+
+def variant_peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a chip in PEAK_VARIANTS, or None."""
+    words = device_words(device_name)
+    return next((peak for need, peak in PEAK_VARIANTS if need <= words), None)
+
+
 ALIASES = {"a100": "A100-80GB", "a100-40g": "A100-40GB", "a100-80g": "A100-80GB",
            "h100-sxm": "H100", "h100-80gb": "H100", "h200-141gb": "H200", "a10": "A10G"}
 
@@ -93,9 +123,10 @@ def gpu_for_device(device_name: str, table: dict[str, GPU] | None = None) -> GPU
 
     A row matches when its family (the name before any "-": "A100" of "A100-40GB") is a whole word
     of the device name, so "NVIDIA L40S" is not taken for an L4 and "NVIDIA A10" not for an A10G.
-    Variants of one family share its peak (an "H100 PCIe" gets the SXM row's)."""
+    Variants of one family share its row (an "H100 PCIe" gets the SXM row's memory and
+    bandwidths); their own peaks are in PEAK_VARIANTS."""
     table = GPUS if table is None else table
-    words = set(re.split(r"[^0-9A-Z]+", device_name.upper()))
+    words = device_words(device_name)
     for gpu in table.values():
         if gpu.name.split("-")[0].upper() in words:
             return gpu

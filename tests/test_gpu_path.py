@@ -79,6 +79,35 @@ def test_blocks_reshard_after_forward_as_asked_and_the_root_never(world1, reshar
     assert model._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None
 
 
+def test_a_gpu_without_bf16_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    for name in ("auto", "bfloat16"):
+        with pytest.raises(ValueError) as e:
+            resolve_dtype(name, torch.device("cuda", 0))
+        assert str(e.value).startswith("Tesla V100-SXM2-16GB (compute capability 7.0) has no "
+                                       "bfloat16") and "train.dtype=float32" in str(e.value)
+        assert "\n" not in str(e.value)
+    assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
+
+
+def test_mfu_uses_each_variants_own_peak():
+    """H100 PCIe and NVL are not the SXM part; GH200, H800 and B200 have no planner row but do
+    have a peak (NVIDIA datasheets, dense = half the 'with sparsity' figure)."""
+    from elastic_gpt.hardware import GPUS
+    from elastic_gpt.train.throughput import gpu_peak_flops
+
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 NVL") == 835e12
+    assert gpu_peak_flops("NVIDIA H200 NVL") == 835e12
+    assert gpu_peak_flops("NVIDIA H200") == GPUS["H200"].peak_flops == 989e12
+    assert gpu_peak_flops("NVIDIA GH200 480GB") == 989e12
+    assert gpu_peak_flops("NVIDIA H800") == 989e12
+    assert gpu_peak_flops("NVIDIA B200") == 2250e12
+
+
 def test_mfu_divides_by_the_planners_gpu_table_and_an_unknown_gpu_gets_nan(caplog):
     from elastic_gpt.hardware import GPUS
     from elastic_gpt.train.throughput import gpu_peak_flops

@@ -23,10 +23,19 @@ from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper, local_
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 on CUDA (tensor cores) and fp32 on CPU (bf16 CPU matmuls are slow here)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    """'auto' is bf16 on CUDA (tensor cores) and fp32 on CPU (bf16 CPU matmuls are slow here).
+    bf16 on a GPU without it (before Ampere: V100, T4) is one clear error: torch would emulate
+    it far slower, and fp16 needs loss scaling, which this trainer does not do."""
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    if dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.is_available() \
+            and not torch.cuda.is_bf16_supported(including_emulation=False):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no "
+            f"bfloat16 tensor cores, which train.dtype={name} means on a GPU; set "
+            "train.dtype=float32, or run on an Ampere or newer GPU (A100, A10G, L4, H100)")
+    return dtype
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from elastic_gpt.hardware import gpu_for_device
+from elastic_gpt.hardware import gpu_for_device, variant_peak_flops
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ def peak_flops(device: torch.device, threads: int) -> float:
 def gpu_peak_flops(device_name: str) -> float:
     """The table's bf16 peak for this GPU. A GPU it lacks gets NaN, so its MFU is logged as NaN:
     any other guess (another chip's peak) would log a number that looks right and is not."""
+    variant = variant_peak_flops(device_name)
+    if variant is not None:
+        return variant
     gpu = gpu_for_device(device_name)
     if gpu is not None:
         return gpu.peak_flops
