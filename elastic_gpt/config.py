@@ -165,7 +165,9 @@ class ScalingSection:
     max_workers: int = 2
     """Most workers the run grows to when nodes join."""
     use_gpu: Literal["auto"] | bool = "auto"
-    """One GPU per worker. auto: GPUs when the cluster has any."""
+    """One GPU per worker. auto: GPUs when the cluster has any up; a cluster whose autoscaler
+    declares GPU node types none of which is up yet is refused with one line (true waits for
+    them, false trains on CPUs)."""
     cpus_per_worker: AtLeastOne = 1
     """CPUs Ray reserves for each worker."""
     accelerator_type: str | None = None

@@ -153,6 +153,38 @@ def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):
         ray.kill(h)
 
 
+def test_use_gpu_auto_refuses_a_gpu_cluster_whose_gpu_nodes_are_not_up_yet(ray_cluster):
+    """The autoscaler (or KubeRay) publishes its node types in the GCS; where they bring GPUs
+    and none is up, `auto` would train on CPUs: one line instead. The record is written where
+    the autoscaler keeps it, and read back through Ray's own reader."""
+    import ray
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.elastic.ray_internals import publish_node_types
+    from elastic_gpt.elastic.worker_group_job import use_gpu
+
+    def cfg(value):
+        return load_config("jobs/configs/mini.yaml", ["data.path=unused",
+                                                      f"scaling.use_gpu={value}"])
+
+    assert ray.cluster_resources().get("GPU", 0) == 0
+    assert use_gpu(cfg("auto")) is False  # no autoscaler record: a fixed CPU cluster
+    publish_node_types({"head": ({"CPU": 8}, 1), "p4d": ({"CPU": 96, "GPU": 8}, 4)})
+    try:
+        with pytest.raises(ValueError) as e:
+            use_gpu(cfg("auto"))
+        assert str(e.value) == (
+            "scaling.use_gpu=auto: the cluster's node types bring up to 32 GPUs, but no GPU "
+            "node is up yet; set scaling.use_gpu=true to wait for them (the autoscaler starts "
+            "them for the workers) or scaling.use_gpu=false to train on CPUs")
+        assert use_gpu(cfg("true")) is True and use_gpu(cfg("false")) is False
+        publish_node_types({"head": ({"CPU": 8}, 1), "cpu": ({"CPU": 16}, 10)})
+        assert use_gpu(cfg("auto")) is False  # an autoscaling CPU cluster
+    finally:
+        publish_node_types(None)
+    assert use_gpu(cfg("auto")) is False
+
+
 def test_goodput_ledger_moves_redone_work_from_productive_to_lost():
     ledger = GoodputLedger(_attempt_started=100.0)
     assert ledger.on_resume(restored_step=0, world_size=2, previous=None, cause=None,

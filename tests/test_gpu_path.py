@@ -260,7 +260,7 @@ def test_workers_get_the_fabric_nccl_and_allocator_settings_and_no_credentials(m
 
 def test_a_worker_trains_on_the_device_it_was_assigned(monkeypatch):
     """Under Ray Train the device is Ray's assignment, not LOCAL_RANK's guess."""
-    from elastic_gpt.train.trainer import worker_device
+    from elastic_gpt.train.device import worker_device
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert worker_device(torch.device("cpu")) == torch.device("cpu")

@@ -45,7 +45,10 @@ _TRAIN = "ray.train.v2._internal.execution"
 # Every private name this module imports.
 PRIVATE_APIS: tuple[Api, ...] = (
     Api("ray._private.state", "state",
-        members=("total_resources_per_node", "available_resources_per_node", "actor_table")),
+        members=("total_resources_per_node", "available_resources_per_node", "actor_table",
+                 # The most of each resource the autoscaler's node types could bring up (the
+                 # cluster config it, or KubeRay, publishes in the GCS): GPU nodes not up yet.
+                 "get_max_resources_from_cluster_config")),
     Api("ray._private.services", "canonicalize_bootstrap_address_or_die", params={"": ("addr",)}),
     Api("ray._private.services", "get_node_ip_address"),
     Api("ray._raylet", "GcsClient"),
@@ -105,6 +108,10 @@ TEST_APIS: tuple[Api, ...] = (
         "_derive_autoscaling_config_from_ray_cr", params={"": ("ray_cr",)}),
     Api("ray._private.runtime_env.packaging", "_zip_files",
         params={"": ("path_str", "excludes", "output_path", "include_gitignore")}),
+    # Where the autoscaler keeps its node types in the GCS: a test stands in for one.
+    Api("ray._raylet", "GCS_AUTOSCALER_CLUSTER_CONFIG_KEY"),
+    Api("ray._raylet", "GCS_AUTOSCALER_STATE_NAMESPACE"),
+    Api("ray.core.generated.autoscaler_pb2", "ClusterConfig"),  # its fields: the test reads back
 )
 
 # Private members of public Ray classes.
@@ -222,6 +229,14 @@ def live_actors(class_name: str) -> list[tuple[int, str]]:
             if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
 
 
+def declared_max_resources() -> dict[str, int]:
+    """The most of each resource the cluster's autoscaler could bring up (its node types times
+    their max counts), or {} where no autoscaler published a cluster config (a fixed cluster)."""
+    from ray._private.state import state
+
+    return dict(state.get_max_resources_from_cluster_config() or {})
+
+
 def node_id_label() -> str:
     """The label under which every node carries its node id (`ray.io/node-id`)."""
     from ray._raylet import RAY_NODE_ID_KEY
@@ -257,6 +272,24 @@ def resources_per_worker(scaling_config) -> dict[str, float]:
 
 
 # ---- Ray's cluster tooling, for the tests of our deploy files (TEST_APIS) ----------------------
+
+def publish_node_types(node_types: dict[str, tuple[dict[str, float], int]] | None) -> None:
+    """Write the record of node types an autoscaler (or KubeRay's) keeps in the GCS, name ->
+    (resources, max count), as a test's stand-in for one; None removes it."""
+    from ray._raylet import GCS_AUTOSCALER_CLUSTER_CONFIG_KEY, GCS_AUTOSCALER_STATE_NAMESPACE
+    from ray.core.generated.autoscaler_pb2 import ClusterConfig
+
+    if node_types is None:
+        kv_del(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), GCS_AUTOSCALER_STATE_NAMESPACE)
+        return
+    config = ClusterConfig()
+    for name, (resources, max_count) in node_types.items():
+        group = config.node_group_configs.add(name=name, max_count=max_count)
+        for key, amount in resources.items():
+            group.resources[key] = int(amount)
+    kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), config.SerializeToString(),
+           GCS_AUTOSCALER_STATE_NAMESPACE)
+
 
 def prepare_cluster_config(config: dict) -> dict:
     """A cluster yaml as `ray up` reads it: defaults filled in, then schema and cross-field checks

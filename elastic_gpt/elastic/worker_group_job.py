@@ -63,10 +63,24 @@ def worker_env() -> dict:
 
 
 def use_gpu(cfg: Config) -> bool:
+    """scaling.use_gpu, with `auto` decided from the GPUs up now. On a cluster whose autoscaler
+    declares GPU node types, none of which is up yet, `auto` would train on the CPUs of a GPU
+    cluster without a word: that is one clear line instead (true waits for the GPU nodes, which
+    the autoscaler starts on the workers' request)."""
     import ray
-    if cfg.scaling.use_gpu == "auto":
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return cfg.scaling.use_gpu
+    if cfg.scaling.use_gpu != "auto":
+        return cfg.scaling.use_gpu
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        return True
+    from elastic_gpt.elastic.ray_internals import declared_max_resources
+
+    declared = declared_max_resources().get("GPU", 0)
+    if declared > 0:
+        raise ValueError(
+            f"scaling.use_gpu=auto: the cluster's node types bring up to {declared} GPUs, but "
+            "no GPU node is up yet; set scaling.use_gpu=true to wait for them (the autoscaler "
+            "starts them for the workers) or scaling.use_gpu=false to train on CPUs")
+    return False
 
 
 def run_key(cfg: Config) -> str:

@@ -158,7 +158,8 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
     from elastic_gpt.parallel.mesh import ParallelDims
-    from elastic_gpt.train.trainer import Trainer, worker_device
+    from elastic_gpt.train.device import worker_device
+    from elastic_gpt.train.trainer import Trainer
 
     c = candidate_config(cfg, cand)
     warmup = 2 if cand.compile else 1
@@ -271,7 +272,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     import torch.distributed as dist
 
     from elastic_gpt.config import config_from_dict
-    from elastic_gpt.train.trainer import worker_device
+    from elastic_gpt.train.device import worker_device
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +49,7 @@ from elastic_gpt.train.collaborators import (
     NullMembership,
     NullMetricSink,
 )
+from elastic_gpt.train.device import worker_device
 from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
@@ -635,21 +635,6 @@ def _progress_line(step: int, max_steps: int, m: dict) -> str:
 
 def _min_lr(cfg: Config) -> float:
     return cfg.train.min_lr if cfg.train.min_lr is not None else cfg.train.lr / 10
-
-
-def worker_device(assigned: torch.device | None = None) -> torch.device:
-    """The device this worker trains on (`tune` measures on the same one), made current:
-    `assigned` (under Ray Train, the GPU Ray gave this worker, which is not LOCAL_RANK's where
-    Ray does not share CUDA_VISIBLE_DEVICES among a node's workers), else from LOCAL_RANK."""
-    if assigned is not None:
-        if assigned.type == "cuda":
-            torch.cuda.set_device(assigned)
-        return assigned
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def _broadcast(obj):
