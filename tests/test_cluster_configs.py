@@ -107,6 +107,36 @@ def test_aws_cluster_shape():
     assert "s3://" in head_start  # MLflow artifacts on S3
 
 
+# EFA interfaces per instance type (one per network card): AWS's "Supported instance types" table.
+EFA_CARDS = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5en.48xlarge": 16}
+
+
+def test_aws_gpu_workers_get_the_fabric():
+    """One zone, a cluster placement group and every EFA interface for the p4d/p5 types, EFA
+    inside their containers (devices, locked memory, the host's OFI plugin, FI_* settings), and
+    NCCL pointed at the plugin when Ray starts."""
+    config = prepared("ray-cluster.yaml")
+    assert "," not in config["provider"]["availability_zone"], "one zone"
+    efa_types = {n: t for n, t in config["available_node_types"].items()
+                 if t["node_config"]["InstanceType"] in EFA_CARDS}
+    assert efa_types, "the GPU workhorse types have EFA"
+    for name, t in efa_types.items():
+        nc = t["node_config"]
+        assert nc["Placement"]["GroupName"], name
+        cards = EFA_CARDS[nc["InstanceType"]]
+        nics = nc["NetworkInterfaces"]
+        assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(cards)), name
+        assert all(n["InterfaceType"] == "efa" for n in nics), name
+        assert [n["DeviceIndex"] for n in nics if n["NetworkCardIndex"] == 0] == [0], name
+        assert len({n["SubnetId"] for n in nics}) == 1, f"{name}: one subnet, in the one zone"
+        options = " ".join(t["docker"]["worker_run_options"])
+        for needed in ("--ulimit memlock=-1:-1", "/dev/infiniband/uverbs", "/opt/amazon:",
+                       "FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1"):
+            assert needed in options, (name, needed)
+    worker_start = commands(config, "worker_start_ray_commands")
+    assert "/opt/amazon/ofi-nccl/lib" in worker_start.split("ray start")[0]
+
+
 @pytest.mark.parametrize("path,provider", [("ray-cluster.yaml", "aws"),
                                            ("deploy/gcp-cluster.yaml", "gcp")])
 def test_every_worker_starts_the_spot_watcher(path, provider):
@@ -163,6 +193,20 @@ def test_aws_bootstrap_and_launch_every_node_type(tmp_path, monkeypatch):
             iam.create_role(RoleName=name, AssumeRolePolicyDocument="{}")
             iam.create_instance_profile(InstanceProfileName=name)
             iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+        # The subnet and the security group that admits itself (EFA), as docs/aws-spot.md
+        # creates them, put in place of the file's placeholders.
+        ec2 = boto3.client("ec2")
+        zone = config["provider"]["availability_zone"]
+        subnet = next(s["SubnetId"] for s in ec2.describe_subnets()["Subnets"]
+                      if s["AvailabilityZone"] == zone)
+        vpc = ec2.describe_subnets(SubnetIds=[subnet])["Subnets"][0]["VpcId"]
+        sg = ec2.create_security_group(GroupName="elastic-gpt", Description="efa",
+                                       VpcId=vpc)["GroupId"]
+        ec2.authorize_security_group_ingress(GroupId=sg, IpPermissions=[
+            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": sg}]}])
+        # (moto has no placement groups to create; it takes the name a launch gives.)
+        config = yaml.safe_load(yaml.safe_dump(config).replace("subnet-REPLACE-ME", subnet)
+                                .replace("sg-REPLACE-ME", sg))
 
         from elastic_gpt.elastic.ray_internals import aws_node_provider, bootstrap_aws
 
@@ -186,6 +230,7 @@ def test_aws_bootstrap_and_launch_every_node_type(tmp_path, monkeypatch):
         assert inst["IamInstanceProfile"]["Arn"].endswith(
             "/" + node_config["IamInstanceProfile"]["Name"])
         assert inst["MetadataOptions"]["HttpTokens"] == "required"
+        assert inst["SubnetId"] == subnet and inst["Placement"]["AvailabilityZone"] == zone, name
 
 
 # ----------------------------------------------------------------- KubeRay
@@ -219,6 +264,25 @@ def check_raycluster_spec(spec: dict) -> None:
                            ), f"{where}/{c['name']}: quantities are strings"
     assert spec.get("headGroupSpec", {}).get("serviceType", "ClusterIP") == "ClusterIP", \
         "the dashboard must not be exposed outside the cluster"
+
+
+@pytest.mark.parametrize("path,key", [("deploy/kuberay/raycluster.yaml", "spec"),
+                                      ("deploy/kuberay/rayjob.yaml", "rayClusterSpec")])
+def test_kuberay_gpu_workers_request_the_fabric(path, key):
+    """Every GPU container asks the EFA device plugin for the node's interfaces (requests equal
+    to limits, as extended resources must be), may lock memory, and points NCCL at EFA."""
+    doc = load(path)
+    spec = doc["spec"][key] if key != "spec" else doc["spec"]
+    gpu_containers = [c for _, pod in _pod_specs(spec) for c in pod["containers"]
+                      if "nvidia.com/gpu" in c.get("resources", {}).get("limits", {})]
+    assert gpu_containers
+    for c in gpu_containers:
+        res = c["resources"]
+        assert int(res["limits"]["vpc.amazonaws.com/efa"]) >= 1
+        assert res["requests"]["vpc.amazonaws.com/efa"] == res["limits"]["vpc.amazonaws.com/efa"]
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["FI_PROVIDER"] == "efa" and "/opt/amazon/ofi-nccl/lib" in env["LD_LIBRARY_PATH"]
 
 
 def test_kuberay_raycluster_manifest():
