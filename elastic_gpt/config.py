@@ -254,10 +254,13 @@ class ElasticSection:
     default (`elastic-gpt plan --spot-node-mtbf-hours`)."""
     hang_timeout_s: Annotated[float, Range(1)] = 600.0
     """A hung rank (a stuck process, a peer that vanished without closing its connections) is a
-    failure after this long: the bound on every collective and on a worker not answering Ray
-    Train's health check (torchft's quorum waits twice that: another group's hang first). Above
-    the longest legitimate wait of a step (a checkpoint write, the first NCCL connection of a
-    large group)."""
+    failure after this long: the bound on every collective of a steady step and on a worker not
+    answering Ray Train's health check (torchft's quorum waits twice that: another group's hang
+    first). Above the longest legitimate wait of a step (a checkpoint write)."""
+    init_timeout_s: Annotated[float, Range(1)] = 1800.0
+    """The bound on collectives while an attempt starts, until its first step is done, and
+    around its first checkpoint: communicators of a large group, the first compile, the
+    checkpoint read and the first write wait far longer than a steady step."""
     replica_groups: Literal["off"] | Annotated[int, Range(1)] = "off"
     """off: one worker group, restarted from the newest checkpoint on any membership change.
     N: N replica groups (docs/replica-groups.md): each its own Ray Train run of

@@ -23,6 +23,9 @@ moved fails here, at import, naming the torch version.
 - `local_indices`: which elements of a DTensor a rank holds, through each placement's
   `local_shard_size_and_offset` (a strided shard's every offset, `StridedShardOffsetMode.ALL`):
   what DTensor computes for itself, kept per element instead of as a first offset.
+- `set_collective_timeout` (`_set_pg_timeout` over every group in `_world.pg_map`): a new
+  timeout for the collectives of every process group this rank is in, the default one and the
+  device mesh's, on gloo and NCCL alike.
 
 The names are torch's own, so a reader can look them up. Nothing here knows about elastic-gpt.
 """
@@ -39,6 +42,7 @@ try:
     )
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
     from torch.distributed.tensor.placement_types import (
         _StridedShardOffsetMode as StridedShardOffsetMode,
@@ -50,7 +54,22 @@ except ImportError as e:
 
 __all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
            "StridedShardOffsetMode", "_copy_state_dict", "_create_cpu_state_dict",
-           "checkpoint_wrapper", "flatten_mesh", "local_indices", "set_element"]
+           "checkpoint_wrapper", "flatten_mesh", "local_indices", "set_collective_timeout",
+           "set_element"]
+
+
+def set_collective_timeout(seconds: float) -> int:
+    """The timeout of every process group this rank belongs to, from now on; returns how many.
+    A collective already waiting keeps the timeout it started with."""
+    import warnings
+    from datetime import timedelta
+
+    groups = list(_world.pg_map)
+    with warnings.catch_warnings():  # a group of another backend (torchft's) keeps its own
+        warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+        for group in groups:
+            _set_pg_timeout(timedelta(seconds=seconds), group)
+    return len(groups)
 
 
 def flatten_mesh(mesh, name: str):

@@ -189,12 +189,14 @@ def test_a_config_dict_written_by_old_main_loads():
                              # MFU against the device's own peak, as old main measured it.
                              "train": {**OLD_MAIN_DICT["train"], "peak_tflops": 0.0},
                              # Replica groups off: one worker group, as old main ran; and
-                             # the hang bound is old main's collective timeout. Grows are
+                             # the hang bound is old main's collective timeout (a start-up
+                             # gets a longer one). Grows are
                              # today's: gathered and weighed (old main grew after 1 s).
                              "elastic": {**OLD_MAIN_DICT["elastic"], "replica_groups": "off",
                                          "replica_heartbeat_timeout_s": 2.0,
                                          "replica_collective_timeout_s": 10.0,
-                                         "hang_timeout_s": 600.0, "grow_settle_s": 30.0,
+                                         "hang_timeout_s": 600.0, "init_timeout_s": 1800.0,
+                                         "grow_settle_s": 30.0,
                                          "node_mtbf_h": 200.0}}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"

@@ -148,7 +148,7 @@ def job_factory(cfg: Config, *, gpu: bool, num_workers: int | tuple[int, int], k
             scaling_config=scaling,
             run_config=run_config,
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo",
-                                     timeout_s=cfg.elastic.hang_timeout_s))
+                                     timeout_s=cfg.elastic.init_timeout_s))
     return make
 
 

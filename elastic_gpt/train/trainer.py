@@ -49,6 +49,7 @@ from elastic_gpt.train.collaborators import (
     NullMembership,
     NullMetricSink,
 )
+from elastic_gpt.train.collective_timeouts import CollectiveTimeouts
 from elastic_gpt.train.device import worker_device
 from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
@@ -153,6 +154,7 @@ class Trainer:
             trainer_state=self.trainer_state, before_save=self._flush_metrics,
             on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds),
             extra_files=self._save_tokenizer, collective_timeout_s=cfg.elastic.hang_timeout_s)
+        self.timeouts = CollectiveTimeouts(cfg.elastic.init_timeout_s, cfg.elastic.hang_timeout_s)
 
     def _build_model(self, initialise: bool) -> GPT:
         # Build on "meta" (no memory), shard, then materialise only this rank's shards.
@@ -579,9 +581,11 @@ class Trainer:
                 self.checkpointer.poll()  # a failed background write raises here
                 # The last step, and the step a planned restart resumes from, are always saved;
                 # of replica groups, the one leading this step's quorum saves.
+                self.timeouts.step_done()
                 if ft.leads:
-                    self.checkpointer.save(self.step,
-                                           force=self.step == end or bool(self.stop_reason))
+                    self.timeouts.before_save()
+                    self.timeouts.after_save(self.checkpointer.save(
+                        self.step, force=self.step == end or bool(self.stop_reason)))
                 self.membership.publish(self.step, step_time, self.ledger.to_dict())
                 last = metrics
                 if self.stop_reason:
