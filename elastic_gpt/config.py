@@ -136,6 +136,10 @@ class TrainSection:
     CPU."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them: less memory."""
+    activation_checkpointing_mode: Literal["full", "selective"] = "full"
+    """With activation_checkpointing: full recomputes each block whole; selective keeps the
+    outputs of its matmuls, attention and reduce-scatters and recomputes the rest (per-op, as
+    torchtitan's `selective` op mode). The memory model counts selective as no checkpointing."""
     compile: bool = False
     """torch.compile each transformer block (GPU; on CPU it costs minutes of compile time)."""
     reshard_after_forward: Literal["auto", "always", "never"] = "auto"

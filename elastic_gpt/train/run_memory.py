@@ -34,7 +34,9 @@ def resolve_run_memory(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
         model_shape(gpt_cfg), world_size=world_size, tp=cfg.parallel.tp,
         workers_per_node=node_sizes(nodes), micro_batch=micro_batch,
         micro_batches_per_rank=micro_batches_per_rank,
-        activation_checkpointing=cfg.train.activation_checkpointing,
+        # Selective checkpointing keeps most of a block's activations: counted as keeping all.
+        activation_checkpointing=(cfg.train.activation_checkpointing
+                                  and cfg.train.activation_checkpointing_mode == "full"),
         dtype=str(compute_dtype).removeprefix("torch."), device_bytes=group_device_bytes(device),
         gpu=gpu, hsdp=cfg.parallel.hsdp, grad_sync=cfg.train.grad_sync,
         reshard_after_forward=cfg.train.reshard_after_forward, **host)
