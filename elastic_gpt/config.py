@@ -142,6 +142,10 @@ class TrainSection:
     torchtitan's `selective` op mode). The memory model counts selective as no checkpointing."""
     compile: bool = False
     """torch.compile each transformer block (GPU; on CPU it costs minutes of compile time)."""
+    float8: bool = False
+    """The blocks' matmuls in float8 (torchao, dynamic scaling, FSDP2 gathering float8 weights):
+    for H100/H200-class GPUs, with train.compile (eager float8 is slower than bf16). Needs the
+    `float8` extra (torchao); not with parallel.tp > 1 yet."""
     reshard_after_forward: Literal["auto", "always", "never"] = "auto"
     """always: free each block's gathered weights after forward and gather again in backward
     (ZeRO-3, least memory, 2L - 1 all-gathers per micro-batch); never: keep them from a step's

@@ -188,7 +188,8 @@ def test_a_config_dict_written_by_old_main_loads():
                              "eval": {"path": "", "every_steps": 0, "samples": 64},
                              # MFU against the device's own peak, as old main measured it.
                              "train": {**OLD_MAIN_DICT["train"], "peak_tflops": 0.0,
-                                       "activation_checkpointing_mode": "full"},
+                                       "activation_checkpointing_mode": "full",
+                                       "float8": False},
                              # Replica groups off: one worker group, as old main ran; and
                              # the hang bound is old main's collective timeout (a start-up
                              # gets a longer one). Grows are

@@ -398,3 +398,51 @@ def test_selective_checkpointing_recomputes_the_cheap_ops_and_keeps_the_matmuls(
     assert rerun["full"] > 0 and rerun["selective"] == 0, rerun
     # ...while the elementwise ops (GELU, layer norm) are recomputed.
     assert len(backward_ops["selective"]) > len(backward_ops["none"])
+
+
+def _float8_step(rank: int, world: int, float8: bool) -> dict:
+    """One bf16 training step of a small GPT under FSDP2 (gloo), its linears float8 or not."""
+    from elastic_gpt.parallel.fsdp import parallelize
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32, vocab_size=128)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    parallelize(model, mesh, compute_dtype=torch.bfloat16, float8=float8)
+    model.to_empty(device="cpu")
+    init_sharded_weights(model, seed=0)
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    idx = torch.randint(0, 128, (4, 33), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(2):
+        loss = token_losses(model(idx[:, :-1]), idx[:, 1:]).float().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "kinds": kinds}
+
+
+def test_float8_linears_train_under_fsdp2_close_to_bf16():
+    """train.float8: the blocks' linears become torchao Float8Linear (the tied lm_head stays),
+    FSDP2 gathers their weights in float8, and two steps' losses stay within float8's rounding
+    of the bf16 run's (torch runs float8 matmuls on CPU too)."""
+    from elastic_gpt.testing.gloo import run_gloo
+
+    bf16, f8 = run_gloo(_float8_step, 2, False)[0], run_gloo(_float8_step, 2, True)[0]
+    assert "Float8Linear" in f8["kinds"] and "Float8Linear" not in bf16["kinds"]
+    assert "TiedLMHead" in f8["kinds"]  # the output layer keeps the embedding's weight
+    for a, b in zip(bf16["losses"], f8["losses"]):
+        assert math.isfinite(b) and abs(a - b) < 0.05 * a, (bf16["losses"], f8["losses"])
+    assert f8["losses"][1] < f8["losses"][0]  # it learns
+
+
+def test_float8_with_tensor_parallelism_is_one_clear_line():
+    from elastic_gpt.parallel.fsdp import parallelize
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=8, vocab_size=64))
+    with pytest.raises(ValueError, match="train.float8 with parallel.tp > 1 is not supported"):
+        parallelize(model, None, compute_dtype=torch.bfloat16, float8=True, tp_mesh=object())

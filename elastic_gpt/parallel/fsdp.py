@@ -146,12 +146,49 @@ def device_memory_bytes(device: torch.device) -> int:
     return host // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def apply_float8(model: GPT) -> int:
+    """The blocks' linears as torchao's Float8Linear (dynamic tensorwise scaling: the matmuls in
+    float8 with bf16 outputs, FSDP2 gathering the weights in float8, half the bytes of bf16), as
+    torchtitan's float8 converter does; returns how many. The tied lm_head stays in the compute
+    dtype (its weight is the embedding's), and so does any linear whose dims float8 kernels
+    cannot take (multiples of 16)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise ValueError(f"train.float8 needs float8 tensor cores (compute capability 8.9+: "
+                         f"L4, L40S, H100, H200, B200); {torch.cuda.get_device_name()} has "
+                         f"{major}.{minor}; set train.float8=false")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ValueError("train.float8 needs torchao: pip install 'elastic-gpt[float8]'") from None
+
+    converted = []
+
+    def take(module: torch.nn.Module, name: str) -> bool:
+        ok = (isinstance(module, torch.nn.Linear) and name.startswith("h.")
+              and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+        if ok:
+            converted.append(name)
+        return ok
+
+    convert_to_float8_training(model, module_filter_fn=take,
+                               config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    return len(converted)
+
+
 def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile: bool = False,
                 reshard_after_forward: bool = True, tp_mesh: DeviceMesh | None = None,
-                checkpointing_mode: str = "full") -> GPT:
-    """Tensor parallelism over `tp_mesh` (if given), then activation checkpointing and compile,
-    then FSDP over `mesh` (the data-parallel sub-mesh: 2-D for HSDP)."""
+                checkpointing_mode: str = "full", float8: bool = False) -> GPT:
+    """float8 linears (if asked), tensor parallelism over `tp_mesh` (if given), then activation
+    checkpointing and compile, then FSDP over `mesh` (the data-parallel sub-mesh: 2-D for
+    HSDP)."""
+    if float8:
+        if tp_mesh is not None:
+            raise ValueError("train.float8 with parallel.tp > 1 is not supported yet (its "
+                             "linears would need torchao's float8 tensor-parallel plans); set "
+                             "parallel.tp=1 or train.float8=false")
+        apply_float8(model)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
     if activation_checkpointing:
