@@ -193,6 +193,10 @@ class ParallelSection:
     intra-node links, gradients are all-reduced across nodes); off: one FSDP group over every
     data-parallel rank; auto: as the planner would choose for this group (on needs nodes with the
     same worker count, and a node's share of the model state on every GPU)."""
+    async_tp: bool = False
+    """Overlap each tensor-parallel matmul with its all-gather or reduce-scatter (torch's
+    micro-pipelined TP over symmetric memory, torchtitan's async TP): tp > 1 on CUDA GPUs with
+    train.compile."""
 
 
 @dataclass

@@ -23,6 +23,9 @@ moved fails here, at import, naming the torch version.
 - `local_indices`: which elements of a DTensor a rank holds, through each placement's
   `local_shard_size_and_offset` (a strided shard's every offset, `StridedShardOffsetMode.ALL`):
   what DTensor computes for itself, kept per element instead of as a first offset.
+- `enable_async_tp` (inductor's `_micro_pipeline_tp` and `enable_symm_mem_for_group`): the
+  compiler splits each tensor-parallel matmul to overlap it with its all-gather or
+  reduce-scatter over symmetric memory (torchtitan's async TP).
 - `set_collective_timeout` (`_set_pg_timeout` over every group in `_world.pg_map`): a new
   timeout for the collectives of every process group this rank is in, the default one and the
   device mesh's, on gloo and NCCL alike.
@@ -54,8 +57,19 @@ except ImportError as e:
 
 __all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
            "StridedShardOffsetMode", "_copy_state_dict", "_create_cpu_state_dict",
-           "checkpoint_wrapper", "flatten_mesh", "local_indices", "set_collective_timeout",
+           "checkpoint_wrapper", "enable_async_tp", "flatten_mesh", "local_indices",
+           "set_collective_timeout",
            "set_element"]
+
+
+def enable_async_tp(group_name: str) -> None:
+    """Compiled tensor-parallel matmuls overlap their collectives over the group `group_name`
+    (CUDA only: symmetric memory)."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(group_name)
 
 
 def set_collective_timeout(seconds: float) -> int:

@@ -446,3 +446,20 @@ def test_float8_with_tensor_parallelism_is_one_clear_line():
         model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=8, vocab_size=64))
     with pytest.raises(ValueError, match="train.float8 with parallel.tp > 1 is not supported"):
         parallelize(model, None, compute_dtype=torch.bfloat16, float8=True, tp_mesh=object())
+
+
+def test_async_tp_is_refused_where_torch_cannot_run_it():
+    """parallel.async_tp: one clear line without tensor parallelism, off CUDA or without the
+    compiler (what it switches on: tests/test_torch_internals.py)."""
+    from elastic_gpt.parallel.fsdp import check_async_tp
+
+    class Mesh:
+        def __init__(self, device_type):
+            self.device_type = device_type
+
+    for mesh, compile, says in ((None, True, "needs parallel.tp > 1"),
+                                (Mesh("cpu"), True, "needs CUDA GPUs"),
+                                (Mesh("cuda"), False, "set train.compile=true")):
+        with pytest.raises(ValueError, match=says):
+            check_async_tp(mesh, compile)
+    check_async_tp(Mesh("cuda"), True)

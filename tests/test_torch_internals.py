@@ -183,6 +183,23 @@ def test_a_dispatch_mode_sees_every_op_with_its_args():
     assert ("sum", [torch.Size([2, 3])]) in seen, changed(f"TorchDispatchMode saw {seen}")
 
 
+def test_async_tp_turns_on_the_micro_pipeline_pass_and_symmetric_memory(monkeypatch):
+    """enable_async_tp sets what torchtitan's async TP sets (both CUDA-only at run time)."""
+    import importlib
+
+    from elastic_gpt.torch_internals import enable_async_tp
+
+    inductor_config = importlib.import_module("torch._inductor.config")
+    assert hasattr(inductor_config, "_micro_pipeline_tp"), changed("inductor's _micro_pipeline_tp")
+    enabled = []
+    monkeypatch.setattr("torch.distributed._symmetric_memory.enable_symm_mem_for_group",
+                        enabled.append)
+    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
+    enable_async_tp("tp-group")
+    assert inductor_config._micro_pipeline_tp is True and enabled == ["tp-group"], changed(
+        "enable_symm_mem_for_group")
+
+
 def test_no_other_module_imports_private_torch():
     door = REPO / "elastic_gpt/torch_internals.py"
     assert _private_torch_imports(door), "the door itself imports them"

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from elastic_gpt.model.gpt import GPT
 from elastic_gpt.parallel.tensor import apply_tensor_parallel
-from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper, local_indices
+from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper, enable_async_tp, local_indices
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -176,10 +176,24 @@ def apply_float8(model: GPT) -> int:
     return len(converted)
 
 
+def check_async_tp(tp_mesh: DeviceMesh | None, compile: bool) -> None:
+    """parallel.async_tp needs what torch's micro-pipelined TP runs on: one clear line if not."""
+    if tp_mesh is None:
+        raise ValueError("parallel.async_tp overlaps tensor-parallel collectives: it needs "
+                         "parallel.tp > 1; set parallel.async_tp=false")
+    if tp_mesh.device_type != "cuda":
+        raise ValueError("parallel.async_tp needs CUDA GPUs (symmetric memory); set "
+                         "parallel.async_tp=false")
+    if not compile:
+        raise ValueError("parallel.async_tp is a compiler pass: set train.compile=true, or "
+                         "parallel.async_tp=false")
+
+
 def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile: bool = False,
                 reshard_after_forward: bool = True, tp_mesh: DeviceMesh | None = None,
-                checkpointing_mode: str = "full", float8: bool = False) -> GPT:
+                checkpointing_mode: str = "full", float8: bool = False,
+                async_tp: bool = False) -> GPT:
     """float8 linears (if asked), tensor parallelism over `tp_mesh` (if given), then activation
     checkpointing and compile, then FSDP over `mesh` (the data-parallel sub-mesh: 2-D for
     HSDP)."""
@@ -189,8 +203,12 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
                              "linears would need torchao's float8 tensor-parallel plans); set "
                              "parallel.tp=1 or train.float8=false")
         apply_float8(model)
+    if async_tp:
+        check_async_tp(tp_mesh, compile)
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
+        if async_tp:  # torchtitan's async TP: the compiled blocks overlap matmul and collective
+            enable_async_tp(tp_mesh.get_group().group_name)
     if activation_checkpointing:
         apply_activation_checkpointing(model, checkpointing_mode)
     if compile:

@@ -166,6 +166,7 @@ class Trainer:
         parallelize(model, self.dims.fsdp_mesh, compute_dtype=self.compute_dtype,
                     activation_checkpointing=t.activation_checkpointing, compile=t.compile,
                     checkpointing_mode=t.activation_checkpointing_mode, float8=t.float8,
+                    async_tp=self.cfg.parallel.async_tp,
                     reshard_after_forward=self.reshard_after_forward,
                     tp_mesh=self.dims.tp_mesh if self.dims.tp_enabled else None)
         model.to_empty(device=self.device)
