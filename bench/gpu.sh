@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # MFU and tokens/s on one NVIDIA GPU (H100/H200 class) for gpt2-124m, gpt2-350m and gpt3-1.3b:
 # bf16, FSDP2 on a world-size-1 NCCL group, SDPA flash attention, fused AdamW, torch.compile per
-# block. Under 8 minutes on one H200 (most of it is compilation). Figures go to $OUT (or bench/)
+# block (reset between models), with and without the trainer's per-step host read, against the
+# datasheet peak and the measured bf16 GEMM ceiling, peak memory beside the planner's; 1.3b also
+# in float8. Under 8 minutes on one H200 (most of it is compilation). Figures go to $OUT (or bench/)
 # as gpu_results.json; the environment is printed first so the figures can be reproduced.
 #
 #   bash bench/gpu.sh [extra args for bench/gpu_mfu.py, e.g. --models gpt2-124m --steps 10]
@@ -12,7 +14,10 @@ DEST=${OUT:-bench}
 mkdir -p "$DEST"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-# CPU test of the same path first (seconds): a failure here is cheaper than on the GPU.
-"$PY" -m pytest -q -x tests/test_gpu_path.py -p no:cacheprovider 2>&1 | tail -2 || true
+# The same path on the CPU first, with CUDA hidden (seconds): a Python error must cost no GPU
+# minute, and must stop the check here.
+CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -x tests/test_gpu_path.py -p no:cacheprovider 2>&1 | tail -3
+CUDA_VISIBLE_DEVICES="" "$PY" bench/gpu_mfu.py --cpu-dry-run --models tiny --float8-models tiny \
+    --steps 1 --warmup 1 --no-compile --json "$DEST/gpu_dry_run.json" > /dev/null
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
 timeout 450 "$PY" bench/gpu_mfu.py --json "$DEST/gpu_results.json" "$@"

@@ -11,7 +11,11 @@ Batches are random token ids already on the GPU (the data pipeline has its own b
 MFU = tokens/s x model FLOPs per token (`flops_per_token`: 6N + 12 L d T) / the chip's dense
 bf16 peak (elastic_gpt/hardware.py's table, which the trainer's MFU reads too). Timed: --steps
 steps after --warmup steps (compile happens there), with CUDA synchronisation only at the ends of
-the window.
+the window, then as many again reading each step's loss on the host (the trainer's one host read
+per step). Also: the environment, the chip's measured bf16 GEMM rate (MFU's practical ceiling),
+the planner's predicted memory beside the measured peak, and the --float8-models in float8. The
+compiler is reset before each model. `--cpu-dry-run` runs it all on the CPU (make test does, with
+CUDA hidden: tests/test_gpu_path.py).
 """
 
 from __future__ import annotations
@@ -31,12 +35,40 @@ import torch.distributed as dist  # noqa: E402
 DEFAULT_BATCH = {"gpt2-124m": 32, "gpt2-350m": 16, "gpt3-1.3b": 8, "gpt2-774m": 16, "small": 64}
 
 
+def gemm_ceiling(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """The bf16 GEMM rate this chip reaches (FLOP/s): the practical ceiling under the datasheet
+    peak that MFU is measured against."""
+    if device.type != "cuda":
+        n, reps = 256, 2
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if device.type == "cuda":
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        env["memory_gb"] = torch.cuda.get_device_properties(device).total_memory / 1e9
+    return env
+
+
 def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, ac: bool,
-                device: torch.device) -> dict:
+                device: torch.device, float8: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.cost_model.memory import model_shape
+    from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
     from elastic_gpt.cost_model.memory_settings import resolve_memory_settings
     from elastic_gpt.hardware import gpu_for_device
     from elastic_gpt.model.gpt import GPT, flops_per_token, preset_config
@@ -55,8 +87,10 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
         device_bytes=device_memory_bytes(device),
         gpu=gpu_for_device(torch.cuda.get_device_name(device)) if cuda else None,
     ).reshard_after_forward
+    torch.compiler.reset()  # each model compiles from scratch, as a fresh trainer would
     parallelize(model, init_device_mesh(device.type, (1,)), compute_dtype=torch.bfloat16,
-                activation_checkpointing=ac, compile=compile, reshard_after_forward=reshard)
+                activation_checkpointing=ac, compile=compile, reshard_after_forward=reshard,
+                float8=float8)
     model.to_empty(device=device)
     init_sharded_weights(model, seed=0)
     run_cfg = load_config(None, ["data.path=unused"])
@@ -65,14 +99,16 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     gen = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, V, (4, batch, T + 1), device=device, generator=gen)
 
-    def step(i: int) -> torch.Tensor:
+    def step(i: int, host_sync: bool = False) -> torch.Tensor:
         x = data[i % 4]
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(x[:, :T], targets=x[:, 1:]) / (batch * T)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)  # as the trainer
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if host_sync:  # the trainer reads its step's figures on the host once per step
+            loss.item()
         return loss.detach()
 
     t0 = time.perf_counter()
@@ -88,16 +124,28 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     sync()
     dt = time.perf_counter() - t0
     tokens_per_s = steps * batch * T / dt
+    # The same compiled model again, reading each step's loss on the host as the trainer does:
+    # what the host's launch time costs where the GPU waits for it.
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(i, host_sync=True)
+    sync()
+    synced_tokens_per_s = steps * batch * T / (time.perf_counter() - t0)
     fpt = flops_per_token(cfg)
     peak = peak_flops(device, torch.get_num_threads())
+    predicted = memory_per_gpu(model_shape(cfg), 1, batch, activation_checkpointing=ac,
+                               dtype="bfloat16", reshard_after_forward=reshard).total
     return {
         "model": name, "params": sum(p.numel() for p in model.parameters()),
         "batch": batch, "seq_len": T, "step_s": dt / steps, "tokens_per_s": tokens_per_s,
         "model_tflops": tokens_per_s * fpt / 1e12, "peak_tflops": peak / 1e12,
         "mfu": tokens_per_s * fpt / peak, "warmup_s": warm_s,
+        "host_sync_tokens_per_s": synced_tokens_per_s,
+        "host_sync_mfu": synced_tokens_per_s * fpt / peak,
         "max_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+        "predicted_mem_gb": predicted / 1e9,
         "last_loss": float(losses[-1]), "compile": compile, "activation_checkpointing": ac,
-        "reshard_after_forward": reshard,
+        "reshard_after_forward": reshard, "float8": float8,
     }
 
 
@@ -107,6 +155,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--float8-models", default="gpt3-1.3b",
+                    help="models also run with train.float8 (H100/H200 class)")
     ap.add_argument("--json", default="bench/gpu_results.json")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the same code on CPU with gloo (checks the script, not a figure)")
@@ -117,19 +167,26 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=0, world_size=1)
     else:
-        assert torch.cuda.is_available(), "bench/gpu_mfu.py needs an NVIDIA GPU"
+        if not torch.cuda.is_available():
+            sys.exit("bench/gpu_mfu.py needs an NVIDIA GPU (or --cpu-dry-run)")
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
-    out = {"device": name, "torch": torch.__version__, "results": []}
+    out = {"environment": environment(device), "results": []}
+    out["gemm_ceiling_tflops"] = gemm_ceiling(device) / 1e12
+    print(f"[gpu] {out['environment']}; bf16 GEMM ceiling {out['gemm_ceiling_tflops']:.0f} "
+          "TFLOP/s", flush=True)
+    # Each model in bf16; 1.3b also in float8.
+    runs = [(m, False) for m in args.models.split(",")]
+    runs += [(m, True) for m in args.models.split(",") if m in args.float8_models.split(",")]
     try:
-        for name in args.models.split(","):
+        for name, float8 in runs:
             batch = 2 if args.cpu_dry_run else DEFAULT_BATCH.get(name, 8)
             while True:
                 try:
                     r = bench_model(name, batch, args.steps, args.warmup,
-                                    compile=not args.no_compile, ac=False, device=device)
+                                    compile=not args.no_compile, ac=False, device=device,
+                                    float8=float8)
                     break
                 except torch.OutOfMemoryError:
                     torch.cuda.empty_cache()
@@ -137,9 +194,13 @@ def main() -> None:
                         raise
                     batch //= 2  # the figure is still meaningful with a smaller batch
                     print(f"[gpu] {name}: out of memory, retrying with batch {batch}", flush=True)
-            print(f"[gpu] {name}: {r['tokens_per_s']:,.0f} tok/s, {r['model_tflops']:.0f} TFLOP/s, "
-                  f"MFU {r['mfu']:.1%} (batch {r['batch']}x{r['seq_len']}, {r['step_s'] * 1e3:.0f} "
-                  f"ms/step, {r['max_mem_gb']:.0f} GB, warmup {r['warmup_s']:.0f} s)", flush=True)
+            r["mfu_of_ceiling"] = r["model_tflops"] / out["gemm_ceiling_tflops"]
+            print(f"[gpu] {name}{' float8' if float8 else ''}: {r['tokens_per_s']:,.0f} tok/s "
+                  f"({r['host_sync_tokens_per_s']:,.0f} with a host read per step), "
+                  f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%} ({r['mfu_of_ceiling']:.1%} "
+                  f"of the GEMM ceiling; batch {r['batch']}x{r['seq_len']}, "
+                  f"{r['step_s'] * 1e3:.0f} ms/step, {r['max_mem_gb']:.0f} GB, planner "
+                  f"{r['predicted_mem_gb']:.0f} GB, warmup {r['warmup_s']:.0f} s)", flush=True)
             out["results"].append(r)
             with open(args.json, "w") as f:  # partial results survive a timeout
                 json.dump(out, f, indent=1)

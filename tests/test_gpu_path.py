@@ -463,3 +463,23 @@ def test_async_tp_is_refused_where_torch_cannot_run_it():
         with pytest.raises(ValueError, match=says):
             check_async_tp(mesh, compile)
     check_async_tp(Mesh("cuda"), True)
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu_with_cuda_hidden(tmp_path):
+    """bench/gpu.sh's measurement script, every code path of it (bf16 and float8, the host-read
+    window, the GEMM ceiling, the planner's memory): a GPU minute never goes to a Python error."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.json"
+    subprocess.run([sys.executable, "bench/gpu_mfu.py", "--cpu-dry-run", "--models", "tiny",
+                    "--float8-models", "tiny", "--steps", "1", "--warmup", "1", "--no-compile",
+                    "--json", str(out)], check=True, timeout=300, capture_output=True,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "0"})
+    got = json.loads(out.read_text())
+    assert [r["float8"] for r in got["results"]] == [False, True]
+    assert got["gemm_ceiling_tflops"] > 0 and got["environment"]["device"] == "cpu"
+    for r in got["results"]:
+        assert r["tokens_per_s"] > 0 and r["host_sync_tokens_per_s"] > 0
+        assert r["predicted_mem_gb"] > 0 and math.isfinite(r["last_loss"])
