@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic_gpt.errors import FatalTrainingError, PlacementError
@@ -44,6 +46,8 @@ class ParallelDims:
     tp: int
     """Tensor-parallel degree: ranks one layer's weights are split over."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    connected: list[str] | None = field(default=None, init=False, repr=False)
+    """The mesh dims whose communicators build_mesh opened (None: it opened none)."""
 
     def __post_init__(self):
         for name in DIM_NAMES:
@@ -119,7 +123,8 @@ class ParallelDims:
 
     # ---- the mesh (collective: every rank builds it once) ------------------------------------
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str, connect_on: torch.device | None = None) -> DeviceMesh:
+        """Collective. The named mesh; with `connect_on`, every communicator of it opened now."""
         if self._mesh is None:
             self._mesh = init_device_mesh(
                 device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
@@ -127,6 +132,8 @@ class ParallelDims:
                 # A sum over every shard of a parameter (the gradient norm) spans dp_shard and
                 # tp; with this flattened dim DTensor does it in one all-reduce, not two.
                 flatten_mesh(self._mesh["dp_shard", "tp"], "dp_shard_tp")
+            if connect_on is not None:
+                self.connected = connect_communicators(self._mesh, connect_on)
         return self._mesh
 
     @property
@@ -144,6 +151,21 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
+
+
+def connect_communicators(mesh: DeviceMesh, device: torch.device) -> list[str]:
+    """Collective: one tiny all-reduce on the default group and on every mesh dim's group of more
+    than one rank, on `device`; the names of those dims. NCCL opens a group's communicator at its
+    first collective: left to the first step, the set-up of thousands of ranks' communicators
+    (minutes at scale) and its failures (a fabric that is not there) would land in FSDP's first
+    all-gather. Here they come before anything is built, under the start-up timeout, each bound
+    to the device Ray assigned."""
+    dims = [name for name in mesh.mesh_dim_names if mesh[name].size() > 1]
+    probe = torch.zeros(1, device=device)
+    dist.all_reduce(probe)
+    for name in dims:
+        dist.all_reduce(probe, group=mesh[name].get_group())
+    return dims
 
 
 def node_sizes(rank_nodes: list[str]) -> list[int]:

@@ -126,7 +126,7 @@ class Trainer:
         # the batch rank and degree are this rank's place in that split, which the mode's
         # `begin_step` says; on the restart path the data-parallel ones.
         self.batch_rank, self.batch_degree = self.dp_rank, self.dp_degree
-        self.dims.build_mesh(self.device.type)
+        self.dims.build_mesh(self.device.type, connect_on=self.device)  # communicators now
         self.store = CheckpointStore(cfg.checkpoint.path)
         # Decided before building: a resume reads every weight from its checkpoint, so it skips
         # the random init (CPU draws of the whole shard, on every rank, at every restart).
