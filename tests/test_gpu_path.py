@@ -483,3 +483,42 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_cuda_hidden(tmp_path):
     for r in got["results"]:
         assert r["tokens_per_s"] > 0 and r["host_sync_tokens_per_s"] > 0
         assert r["predicted_mem_gb"] > 0 and math.isfinite(r["last_loss"])
+
+
+def _float8_checkpoint(rank: int, world: int, url: str) -> dict:
+    """A float8 model's checkpoint loads into a bf16 one and back: the same names and values."""
+    from elastic_gpt.checkpoint.sharded import load_sharded, save_sharded
+    from elastic_gpt.parallel.fsdp import parallelize
+
+    def build(float8: bool, seed: int):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, seq_len=32, vocab_size=128))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        parallelize(model, mesh, compute_dtype=torch.bfloat16, float8=float8)
+        model.to_empty(device="cpu")
+        init_sharded_weights(model, seed=seed)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def values(model):
+        return {k.replace("_checkpoint_wrapped_module.", ""): v.full_tensor().clone()
+                for k, v in model.state_dict().items()}
+
+    f8, f8_opt = build(True, seed=0)
+    save_sharded(url + "/f8", f8, f8_opt)
+    plain, plain_opt = build(False, seed=1)
+    load_sharded(url + "/f8", plain, plain_opt)
+    save_sharded(url + "/plain", plain, plain_opt)
+    back, back_opt = build(True, seed=2)
+    load_sharded(url + "/plain", back, back_opt)
+    a, b, c = values(f8), values(plain), values(back)
+    return {"keys": sorted(a) == sorted(b) == sorted(c),
+            "equal": all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)}
+
+
+def test_a_float8_models_checkpoint_is_a_plain_one(tmp_path):
+    """train.float8 changes how the matmuls run, not what a checkpoint holds: its checkpoint
+    resumes without float8 (and export-hf reads it), and a plain one resumes with it."""
+    from elastic_gpt.testing.gloo import run_gloo
+
+    for got in run_gloo(_float8_checkpoint, 2, str(tmp_path)):
+        assert got == {"keys": True, "equal": True}
