@@ -522,3 +522,19 @@ def test_a_float8_models_checkpoint_is_a_plain_one(tmp_path):
 
     for got in run_gloo(_float8_checkpoint, 2, str(tmp_path)):
         assert got == {"keys": True, "equal": True}
+
+
+def test_the_gpu_trainer_check_runs_on_the_cpu_with_cuda_hidden(tmp_path):
+    """bench/gpu.sh's Trainer check (learns, saves asynchronously, resumes), on the CPU: the
+    same assertions the GPU run makes."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "trainer.json"
+    subprocess.run([sys.executable, "bench/gpu_trainer_check.py", "--cpu-dry-run", "--steps",
+                    "6", "--json", str(out)], check=True, timeout=300, capture_output=True,
+                   env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "0"})
+    got = json.loads(out.read_text())
+    assert got["resumed_at"] == 3 and got["committed"] == 6
+    assert got["loss_late"] < got["loss_early"]
