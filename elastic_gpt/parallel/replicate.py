@@ -109,6 +109,7 @@ class ReplicaGroup:
 
         torchft = self.torchft
         self.model, self.optimizer, self._run_state = model, optimizer, run_state
+        self._device = device
         backend = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         # Each operation on the cross-group process group gives up after the collective timeout:
         # a group whose node vanished (no connection refused, heartbeats just stop) is dropped
@@ -121,8 +122,8 @@ class ReplicaGroup:
             replica_id=f"replica_group_{self.group}", rank=self.group_rank,
             world_size=self.group_size, lighthouse_addr=self.lighthouse, timeout=self.timeout,
             # A quorum waits for the other groups: a hung one leaves only when its own collective
-            # gives up (the hang timeout), so this group's quorum must outlast that, or a hang
-            # in one group would fail the others too.
+            # gives up (the hang timeout), so this group's quorum outlasts that; one whose rank
+            # hangs outside a collective is outlasted by asking again (`_quorum`).
             quorum_timeout=2 * self.timeout,
             # Every group initialises the same weights from the seed (init_sharded_weights) or
             # restores the same checkpoint: no step-0 copy is needed.
@@ -176,10 +177,31 @@ class ReplicaGroup:
 
     # ---- the step ----------------------------------------------------------------------------
 
+    QUORUM_ROUNDS = 3
+    """Quorum calls of one step that may time out before the group fails. A group one of whose
+    ranks hangs between steps keeps heartbeating (its Manager lives in its rank 0) without ever
+    asking, and the Lighthouse keeps the others waiting for it until it fails: its rank 0 gives
+    up on the quorum when they do, and fails only after the hang timeout of its own barrier
+    (`_own_ranks_answer`). A second round outlasts that; the third is margin for a loaded host."""
+
     def _quorum(self) -> None:
         before = self.manager.current_step()
         t0 = time.perf_counter()
-        self.manager.start_quorum()
+        for round_ in range(1, self.QUORUM_ROUNDS + 1):
+            try:
+                self.manager.start_quorum()
+                break
+            except TimeoutError:
+                # Whose wait was it? A rank of this group that never asked hangs: the barrier
+                # fails after the hang timeout, and so does this group (Ray restarts it). Every
+                # rank answering means another group held the quorum back: ask again.
+                self._own_ranks_answer()
+                if round_ == self.QUORUM_ROUNDS:
+                    raise
+                log.warning("replica group %d: no quorum in %.0f s (another group holds it "
+                            "back); asking again", self.group, time.perf_counter() - t0)
+                # torchft re-raises the last quorum's error at the start of the next one.
+                self.manager._quorum_future = None
         self.quorum_s = time.perf_counter() - t0
         self._phases["quorum"] = time.perf_counter()
         if self.manager.current_step() != before:
@@ -189,6 +211,13 @@ class ReplicaGroup:
         # A quorum that failed (a peer vanished while the process group was reconfigured)
         # leaves the manager errored: this step's collectives do nothing and should_commit says
         # no, so the step is re-done at the next quorum.
+
+    def _own_ranks_answer(self) -> None:
+        """Every rank of this group reaches this barrier, or it raises after the group's
+        collective timeout (the hang timeout once the group steps)."""
+        probe = torch.zeros(1, device=self._device)
+        dist.all_reduce(probe)
+        probe.item()  # on CUDA the collective runs on a stream: wait for it here
 
     def set_step(self, step: int) -> None:
         """After a restore from a checkpoint: the quorum's step is the checkpoint's."""
