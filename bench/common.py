@@ -1,7 +1,9 @@
-"""Helpers shared by the bench scripts: the benchmark dataset, medians, the machine's load."""
+"""Helpers shared by the bench scripts: the benchmark dataset, medians, the machine's load, the
+one-rank process group of the GPU checks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -36,3 +38,30 @@ def median(xs) -> float:
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+@contextlib.contextmanager
+def one_rank_group(cpu_dry_run: bool, script: str, port: int, bind_device: bool = True):
+    """A process group of one rank, and the device it runs on: NCCL on GPU 0, made with the
+    device bound (`bind_device`) or without it as Ray Train makes it (the trainer binds it), or
+    gloo on the CPU for a dry run of the same code. No GPU and no dry run: the script exits with
+    one line."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if cpu_dry_run:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit(f"{script} needs an NVIDIA GPU (or --cpu-dry-run)")
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1,
+                                device_id=device if bind_device else None)
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()

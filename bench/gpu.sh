@@ -3,7 +3,9 @@
 # bf16, FSDP2 on a world-size-1 NCCL group, SDPA flash attention, fused AdamW, torch.compile per
 # block (reset between models), with and without the trainer's per-step host read, against the
 # datasheet peak and the measured bf16 GEMM ceiling, peak memory beside the planner's; 1.3b also
-# in float8. First the real Trainer at W=1 over NCCL: 30 steps, an async save, a resume. Under
+# in float8; one step of each model profiled into GEMM, attention, loss, optimizer and FSDP's
+# copies; the tensor-parallel path compiled on a one-rank mesh against the plain model. First the
+# real Trainer at W=1 over NCCL: 30 steps, an async save, a resume. Under
 # 9 minutes on one H200 (most of it is compilation). Figures go to $OUT (or bench/) as
 # gpu_trainer_check.json and gpu_results.json, with the environment they were measured in.
 #

@@ -13,8 +13,10 @@ bf16 peak (elastic_gpt/hardware.py's table, which the trainer's MFU reads too). 
 steps after --warmup steps (compile happens there), with CUDA synchronisation only at the ends of
 the window, then as many again reading each step's loss on the host (the trainer's one host read
 per step). Also: the environment, the chip's measured bf16 GEMM rate (MFU's practical ceiling),
-the planner's predicted memory beside the measured peak, and the --float8-models in float8. The
-compiler is reset before each model. `--cpu-dry-run` runs it all on the CPU (make test does, with
+the planner's predicted memory beside the measured peak, the --float8-models in float8, one step
+of each bf16 model profiled into its parts (bench/gpu_profile.py), and first of all the
+tensor-parallel path compiled on a one-rank mesh, checked against the plain model. The compiler
+is reset before each model. `--cpu-dry-run` runs it all on the CPU (make test does, with
 CUDA hidden: tests/test_gpu_path.py).
 """
 
@@ -22,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+from common import one_rank_group
+from gpu_profile import step_breakdown, tp_compile_smoke
 
 # micro-batch x seq_len per model: sized for one 80-141 GB GPU without activation checkpointing.
 DEFAULT_BATCH = {"gpt2-124m": 32, "gpt2-350m": 16, "gpt3-1.3b": 8, "gpt2-774m": 16, "small": 64}
@@ -64,7 +64,7 @@ def environment(device: torch.device) -> dict:
 
 
 def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, ac: bool,
-                device: torch.device, float8: bool = False) -> dict:
+                device: torch.device, float8: bool = False, profile: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_gpt.config import load_config
@@ -131,6 +131,7 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
         step(i, host_sync=True)
     sync()
     synced_tokens_per_s = steps * batch * T / (time.perf_counter() - t0)
+    breakdown = step_breakdown(lambda: step(0, host_sync=True), device) if profile else None
     fpt = flops_per_token(cfg)
     peak = peak_flops(device, torch.get_num_threads())
     predicted = memory_per_gpu(model_shape(cfg), 1, batch, activation_checkpointing=ac,
@@ -145,7 +146,7 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
         "max_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
         "predicted_mem_gb": predicted / 1e9,
         "last_loss": float(losses[-1]), "compile": compile, "activation_checkpointing": ac,
-        "reshard_after_forward": reshard, "float8": float8,
+        "reshard_after_forward": reshard, "float8": float8, "profile": breakdown,
     }
 
 
@@ -161,52 +162,58 @@ def main() -> None:
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the same code on CPU with gloo (checks the script, not a figure)")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    if args.cpu_dry_run:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("bench/gpu_mfu.py needs an NVIDIA GPU (or --cpu-dry-run)")
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    with one_rank_group(args.cpu_dry_run, "bench/gpu_mfu.py", 29533) as device:
+        run(args, device)
+
+
+def run(args, device: torch.device) -> None:
     out = {"environment": environment(device), "results": []}
     out["gemm_ceiling_tflops"] = gemm_ceiling(device) / 1e12
     print(f"[gpu] {out['environment']}; bf16 GEMM ceiling {out['gemm_ceiling_tflops']:.0f} "
           "TFLOP/s", flush=True)
-    # Each model in bf16; 1.3b also in float8.
+    # First the tensor-parallel path, compiled, on a mesh of one rank: equal to the plain model.
+    out["tp_compile_smoke"] = smoke = tp_compile_smoke(device, compile=not args.no_compile)
+    print(f"[gpu] tensor-parallel path on a one-rank mesh (compile={smoke['compile']}): losses "
+          f"{[round(v, 4) for v in smoke['tp']['losses']]} vs plain "
+          f"{[round(v, 4) for v in smoke['plain']['losses']]}: "
+          f"{'equal' if smoke['equal'] else 'NOT EQUAL'}", flush=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    if not smoke["equal"]:
+        sys.exit("bench/gpu_mfu.py: the tensor-parallel path's losses differ from the plain one's")
+    # Each model in bf16 (one step of each profiled); 1.3b also in float8.
     runs = [(m, False) for m in args.models.split(",")]
     runs += [(m, True) for m in args.models.split(",") if m in args.float8_models.split(",")]
-    try:
-        for name, float8 in runs:
-            batch = 2 if args.cpu_dry_run else DEFAULT_BATCH.get(name, 8)
-            while True:
-                try:
-                    r = bench_model(name, batch, args.steps, args.warmup,
-                                    compile=not args.no_compile, ac=False, device=device,
-                                    float8=float8)
-                    break
-                except torch.OutOfMemoryError:
-                    torch.cuda.empty_cache()
-                    if batch == 1:
-                        raise
-                    batch //= 2  # the figure is still meaningful with a smaller batch
-                    print(f"[gpu] {name}: out of memory, retrying with batch {batch}", flush=True)
-            r["mfu_of_ceiling"] = r["model_tflops"] / out["gemm_ceiling_tflops"]
-            print(f"[gpu] {name}{' float8' if float8 else ''}: {r['tokens_per_s']:,.0f} tok/s "
-                  f"({r['host_sync_tokens_per_s']:,.0f} with a host read per step), "
-                  f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%} ({r['mfu_of_ceiling']:.1%} "
-                  f"of the GEMM ceiling; batch {r['batch']}x{r['seq_len']}, "
-                  f"{r['step_s'] * 1e3:.0f} ms/step, {r['max_mem_gb']:.0f} GB, planner "
-                  f"{r['predicted_mem_gb']:.0f} GB, warmup {r['warmup_s']:.0f} s)", flush=True)
-            out["results"].append(r)
-            with open(args.json, "w") as f:  # partial results survive a timeout
-                json.dump(out, f, indent=1)
-    finally:
-        dist.destroy_process_group()
-
+    for name, float8 in runs:
+        batch = 2 if args.cpu_dry_run else DEFAULT_BATCH.get(name, 8)
+        while True:
+            try:
+                r = bench_model(name, batch, args.steps, args.warmup,
+                                compile=not args.no_compile, ac=False, device=device,
+                                float8=float8, profile=not float8)
+                break
+            except torch.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                if batch == 1:
+                    raise
+                batch //= 2  # the figure is still meaningful with a smaller batch
+                print(f"[gpu] {name}: out of memory, retrying with batch {batch}", flush=True)
+        r["mfu_of_ceiling"] = r["model_tflops"] / out["gemm_ceiling_tflops"]
+        print(f"[gpu] {name}{' float8' if float8 else ''}: {r['tokens_per_s']:,.0f} tok/s "
+              f"({r['host_sync_tokens_per_s']:,.0f} with a host read per step), "
+              f"{r['model_tflops']:.0f} TFLOP/s, MFU {r['mfu']:.1%} ({r['mfu_of_ceiling']:.1%} "
+              f"of the GEMM ceiling; batch {r['batch']}x{r['seq_len']}, "
+              f"{r['step_s'] * 1e3:.0f} ms/step, {r['max_mem_gb']:.0f} GB, planner "
+              f"{r['predicted_mem_gb']:.0f} GB, warmup {r['warmup_s']:.0f} s)", flush=True)
+        if r["profile"]:
+            p = r["profile"]
+            print(f"[gpu] {name} one step: {p['busy_of_wall']:.0%} of its wall time busy; "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in sorted(p["share"].items(),
+                                                                key=lambda kv: -kv[1])),
+                  flush=True)
+        out["results"].append(r)
+        with open(args.json, "w") as f:  # partial results survive a timeout
+            json.dump(out, f, indent=1)
 
 if __name__ == "__main__":
     main()

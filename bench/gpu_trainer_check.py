@@ -6,8 +6,9 @@ A tiny byte-level dataset is made from the standard library's sources; the `mini
 it at W=1 (bf16 on the GPU, `checkpoint.async_save` on), stopping half way with a committed
 checkpoint; a second Trainer resumes from it and trains to the end. Asserted: the resumed
 attempt starts from the checkpoint (no weight init), the loss falls, and the last step is
-committed and loadable. `--cpu-dry-run` runs the same on the CPU over gloo (make test does,
-with CUDA hidden), so no GPU minute goes to a Python error.
+committed and loadable; on the GPU, that the Trainer bound the default group (made without a
+device, as Ray Train makes it) to its device. `--cpu-dry-run` runs the same on the CPU over gloo
+(make test does, with CUDA hidden), so no GPU minute goes to a Python error.
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import sysconfig
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
+from common import one_rank_group
 
 
 def _attempt(cfg_args: list[str], device: torch.device) -> tuple[object, list[dict]]:
@@ -60,6 +59,8 @@ def check(steps: int, device: torch.device, root: str) -> dict:
             "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1000"]
     t0 = time.perf_counter()
     first, first_log = _attempt([*args, f"run.stop_at_step={half}"], device)
+    if device.type == "cuda":  # the mesh's groups were split from the default one's communicator
+        assert dist.group.WORLD.bound_device_id == device, dist.group.WORLD.bound_device_id
     store = CheckpointStore(ckpt)
     assert store.latest().step == half, "the first attempt's checkpoint is committed"
     second, second_log = _attempt(args, device)
@@ -84,22 +85,11 @@ def main() -> None:
     ap.add_argument("--json", default="bench/gpu_trainer_check.json")
     ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    if args.cpu_dry_run:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("bench/gpu_trainer_check.py needs an NVIDIA GPU (or --cpu-dry-run)")
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
-    try:
-        with tempfile.TemporaryDirectory() as root:
-            result = check(args.steps, device, root)
-    finally:
-        dist.destroy_process_group()
+    # The group made as Ray Train makes it, without a device: the Trainer binds it.
+    with one_rank_group(args.cpu_dry_run, "bench/gpu_trainer_check.py", 29534,
+                        bind_device=False) as device, \
+            tempfile.TemporaryDirectory() as root:
+        result = check(args.steps, device, root)
     print(f"[gpu trainer] {result}", flush=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -26,6 +26,8 @@ moved fails here, at import, naming the torch version.
 - `enable_async_tp` (inductor's `_micro_pipeline_tp` and `enable_symm_mem_for_group`): the
   compiler splits each tensor-parallel matmul to overlap it with its all-gather or
   reduce-scatter over symmetric memory (torchtitan's async TP).
+- `bind_default_group` (`bound_device_id` and `eager_connect_single_device` on the default
+  group): what `init_process_group(device_id=...)` does, for a default group made without it.
 - `set_collective_timeout` (`_set_pg_timeout` over every group in `_world.pg_map`): a new
   timeout for the collectives of every process group this rank is in, the default one and the
   device mesh's, on gloo and NCCL alike.
@@ -45,7 +47,7 @@ try:
     )
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout, _world
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
     from torch.distributed.tensor.placement_types import (
         _StridedShardOffsetMode as StridedShardOffsetMode,
@@ -57,7 +59,7 @@ except ImportError as e:
 
 __all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
            "StridedShardOffsetMode", "_copy_state_dict", "_create_cpu_state_dict",
-           "checkpoint_wrapper", "enable_async_tp", "flatten_mesh", "local_indices",
+           "bind_default_group", "checkpoint_wrapper", "enable_async_tp", "flatten_mesh", "local_indices",
            "set_collective_timeout",
            "set_element"]
 
@@ -70,6 +72,23 @@ def enable_async_tp(group_name: str) -> None:
 
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(group_name)
+
+
+def bind_default_group(device: torch.device) -> bool:
+    """Bind the default process group to `device` and open its communicator there now, as
+    `init_process_group(device_id=device)` would have; returns whether it did (accelerators whose
+    backend splits communicators: NCCL). Every group made afterwards, a device mesh's, is then
+    split from that communicator (ncclCommSplit) instead of being set up from scratch."""
+    if device.type == "cpu":
+        return False
+    group = _get_default_group()
+    if group.bound_device_id is None:
+        backend = group._get_backend(device)
+        if not backend.supports_splitting:
+            return False
+        group.bound_device_id = device
+        backend.eager_connect_single_device(device)
+    return True
 
 
 def set_collective_timeout(seconds: float) -> int:

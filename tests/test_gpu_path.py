@@ -483,6 +483,42 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_cuda_hidden(tmp_path):
     for r in got["results"]:
         assert r["tokens_per_s"] > 0 and r["host_sync_tokens_per_s"] > 0
         assert r["predicted_mem_gb"] > 0 and math.isfinite(r["last_loss"])
+    # One bf16 step profiled into its parts; every part of a GPT step is there.
+    profile = got["results"][0]["profile"]
+    assert {"gemm", "attention", "loss", "optimizer", "fsdp_copies_and_collectives"} <= set(
+        k for k, v in profile["seconds"].items() if v > 0), profile
+    assert sum(profile["share"].values()) == pytest.approx(1.0)
+    assert 0 < profile["busy_s"] <= profile["wall_s"] * 1.05
+    # The tensor-parallel path on a one-rank mesh gives the plain model's losses and norms.
+    smoke = got["tp_compile_smoke"]
+    assert smoke["equal"] and len(smoke["tp"]["losses"]) == 3, smoke
+
+
+def test_the_step_profile_names_cuda_kernels_by_part_of_the_step():
+    """The GPU's kernel names, which this machine cannot produce: each lands in its part."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", "bench/gpu_profile.py")
+    gpu_profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_profile)
+    part = gpu_profile.categorise
+    gemm = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas"
+    assert part(["cudaLaunchKernel", gemm, "aten::mm"], ["elastic_gpt::loss"]) == "gemm"
+    assert part(["aten::mm", "nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTT"]) == "gemm"
+    assert part(["aten::_flash_attention_backward",
+                 "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel"]) == "attention"
+    assert part(["cudaLaunchKernel", "ncclDevKernel_AllGather_RING_LL"],
+                ["FSDP::all_gather"]) == "fsdp_copies_and_collectives"
+    assert part(["aten::split_with_sizes_copy", "split_with_sizes_copy_out_contiguous_no_cast"],
+                ["FSDP::post_backward"]) == "fsdp_copies_and_collectives"
+    assert part(["aten::_fused_adamw_", "multi_tensor_apply_kernel"],
+                ["Optimizer.step#AdamW.step"]) == "optimizer"
+    assert part(["aten::_foreach_mul_", "multi_tensor_apply_kernel"],
+                ["Optimizer.step#AdamW.step"]) == "optimizer"
+    assert part(["aten::exp_", "vectorized_elementwise_kernel"],
+                ["aten::sub_", "elastic_gpt::loss"]) == "loss"
+    assert part(["triton_red_fused__log_softmax_0"], ["CompiledFunction"]) == "loss"
+    assert part(["triton_poi_fused_gelu_1"], ["CompiledFunction"]) == "other"
 
 
 def _float8_checkpoint(rank: int, world: int, url: str) -> dict:

@@ -281,6 +281,8 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # at most this many logits (64 MiB in fp32), whatever the batch: the whole fp32 logits of a
 # (16 x 1024)-token micro-batch over GPT-2's vocabulary are 3.3 GB, and their gradient as much.
 LOSS_CHUNK_LOGITS = 1 << 24
+LOSS_SCOPE = "elastic_gpt::loss"
+"""The profiler's name for the loss's own work, forward and backward (bench/gpu_profile.py)."""
 
 
 def chunked_token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -319,6 +321,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """The summed loss; the forward leaves the logits' gradient for the backward's matmuls."""
 
     @staticmethod
+    @torch.profiler.record_function(LOSS_SCOPE)
     def forward(ctx, hidden, weight, targets, dtype, chunk):
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit
             h, w = hidden.reshape(-1, hidden.size(-1)).to(dtype), weight.to(dtype)
@@ -329,6 +332,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @torch.profiler.record_function(LOSS_SCOPE)
     def backward(ctx, grad_loss):
         grad_logits, h, w = ctx.saved_tensors
         shape, hidden_dtype, weight_dtype = ctx.shapes

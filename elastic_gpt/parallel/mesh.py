@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elastic_gpt.errors import FatalTrainingError, PlacementError
 from elastic_gpt.parallel.tp_rules import nodes_problem
-from elastic_gpt.torch_internals import flatten_mesh
+from elastic_gpt.torch_internals import bind_default_group, flatten_mesh
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
 
@@ -126,6 +126,10 @@ class ParallelDims:
     def build_mesh(self, device_type: str, connect_on: torch.device | None = None) -> DeviceMesh:
         """Collective. The named mesh; with `connect_on`, every communicator of it opened now."""
         if self._mesh is None:
+            if connect_on is not None:
+                # Ray Train makes the default group without a device: bound now, the mesh's
+                # groups are split from its communicator.
+                bind_default_group(connect_on)
             self._mesh = init_device_mesh(
                 device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
             if self.tp_enabled:
