@@ -448,21 +448,23 @@ def test_float8_with_tensor_parallelism_is_one_clear_line():
         parallelize(model, None, compute_dtype=torch.bfloat16, float8=True, tp_mesh=object())
 
 
-def test_async_tp_is_refused_where_torch_cannot_run_it():
-    """parallel.async_tp: one clear line without tensor parallelism, off CUDA or without the
-    compiler (what it switches on: tests/test_torch_internals.py)."""
-    from elastic_gpt.parallel.fsdp import check_async_tp
+def test_async_tp_is_refused_where_torch_cannot_run_it(world1):
+    """parallel.async_tp: one clear line without tensor parallelism, without the compiler or off
+    CUDA, from `parallelize` before anything is changed (what it switches on:
+    tests/test_torch_internals.py)."""
+    def model():
+        with torch.device("meta"):
+            return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, seq_len=8, vocab_size=64))
 
-    class Mesh:
-        def __init__(self, device_type):
-            self.device_type = device_type
-
-    for mesh, compile, says in ((None, True, "needs parallel.tp > 1"),
-                                (Mesh("cpu"), True, "needs CUDA GPUs"),
-                                (Mesh("cuda"), False, "set train.compile=true")):
+    for tp_mesh, compile, says in ((None, True, "needs parallel.tp > 1"),
+                                   (world1, False, "set train.compile=true"),
+                                   (world1, True, "needs CUDA GPUs")):
+        untouched = model()
         with pytest.raises(ValueError, match=says):
-            check_async_tp(mesh, compile)
-    check_async_tp(Mesh("cuda"), True)
+            parallelize(untouched, world1, compute_dtype=torch.float32, compile=compile,
+                        tp_mesh=tp_mesh, async_tp=True)
+        assert not isinstance(untouched.h[0], FSDPModule)
+        assert not isinstance(untouched.lm_head.weight, DTensor)
 
 
 def test_the_gpu_benchmark_runs_on_the_cpu_with_cuda_hidden(tmp_path):

@@ -181,11 +181,11 @@ def check_async_tp(tp_mesh: DeviceMesh | None, compile: bool) -> None:
     if tp_mesh is None:
         raise ValueError("parallel.async_tp overlaps tensor-parallel collectives: it needs "
                          "parallel.tp > 1; set parallel.async_tp=false")
-    if tp_mesh.device_type != "cuda":
-        raise ValueError("parallel.async_tp needs CUDA GPUs (symmetric memory); set "
-                         "parallel.async_tp=false")
     if not compile:
         raise ValueError("parallel.async_tp is a compiler pass: set train.compile=true, or "
+                         "parallel.async_tp=false")
+    if tp_mesh.device_type != "cuda":
+        raise ValueError("parallel.async_tp needs CUDA GPUs (symmetric memory); set "
                          "parallel.async_tp=false")
 
 
