@@ -100,3 +100,43 @@ def test_a_tensor_parallel_group_reads_its_batches_once(s3, dataset):
         assert [f for _, f, *_ in batches] == ([f for _, f, *_ in want] if rank % 2 == 0
                                                 else [0] * STEPS)
     assert sum(s3.requests().values()) == one_reader_each  # two readers for four ranks
+
+
+class _Recorded:
+    """A step stream that keeps the batches it hands out, to compare with what is trained on."""
+
+    def __init__(self, stream):
+        self.stream, self.batches = stream, []
+
+    def __next__(self):
+        self.batches.append(next(self.stream))
+        return self.batches[-1]
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def test_a_group_reader_sends_its_batch_from_where_it_was_assembled(stdlib_dataset):
+    """No host copy per step: the reading rank's batch reaches the device and the broadcast from
+    the memory the stream assembled it in (page-locked on a GPU run, where a copy would be
+    pageable and its transfer synchronous), padding slots included."""
+    import numpy as np
+
+    from elastic_gpt.testing.gloo import gloo_group
+    from elastic_gpt.train.group_batches import GroupBroadcastBatches
+
+    split = BatchSplit(global_batch_size=6, micro_batch_size=2)  # rank 1 of 2: one real, one pad
+    with gloo_group():
+        source = _Recorded(open_step_stream(stdlib_dataset, batch_split=split, rank=1,
+                                            world_size=2, start_step=0, seed=SEED,
+                                            prefetch_steps=0))
+        with GroupBroadcastBatches(source, group=torch.distributed.group.WORLD, batch_split=split,
+                                   batch_rank=1, batch_degree=2, record_tokens=65, start_step=0,
+                                   device=torch.device("cpu")) as batches:
+            got = [next(batches) for _ in range(3)]
+    for b, read in zip(got, source.batches):
+        assert (b.step, b.weights, b.fingerprint) == (read.step, read.weights, read.fingerprint)
+        assert len(b.tokens) == len(read.tokens) == 2
+        for mine, theirs in zip(b.tokens, read.tokens):
+            assert torch.equal(mine, theirs)
+            assert np.shares_memory(mine.numpy(), theirs.numpy()), "a copy of the batch"

@@ -63,10 +63,15 @@ class CorruptShardError(FatalTrainingError, ValueError):
 
 @dataclass
 class StepBatch:
+    """One rank's batch of one step. Its real micro-batches are one allocation, `real_tokens`
+    (page-locked for a GPU), of which `tokens`' real slots are views: the step reaches the device,
+    or a group's broadcast, in one copy and with no stacking on the host."""
+
     step: int
     tokens: list[torch.Tensor]   # one int64 (micro_batch_size, seq_len + 1) tensor per slot
     weights: list[float]         # 1.0 real micro-batch, 0.0 zero-weight padding repeat
     fingerprint: int             # sum of sample_hash over this rank's real samples, mod 2**52
+    real_tokens: torch.Tensor    # int64 (real slots, micro_batch_size, seq_len + 1)
 
 
 class ShardReader:
@@ -280,14 +285,16 @@ def assemble_step(step: int, records: np.ndarray, hashes: np.ndarray, batch_spli
     wide = torch.from_numpy(np.ascontiguousarray(records, dtype=np.int64))
     if pin_memory:  # page-locked: the copy to the GPU is a real async DMA, not a staged memcpy
         wide = wide.pin_memory()
-    tokens = [wide[i * m:(i + 1) * m] for i in range(n_real)]
+    real = wide.view(n_real, m, wide.shape[-1])
+    tokens = list(real.unbind(0))
     weights = [1.0] * n_real
     for _ in range(batch_split.slots(world_size) - n_real):
         # A zero-weight repeat keeps the collectives in step (C1 fixed global batch).
         tokens.append(tokens[-1])
         weights.append(0.0)
     fingerprint = int(sum(int(h) for h in hashes)) & FINGERPRINT_MASK
-    return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint)
+    return StepBatch(step=step, tokens=tokens, weights=weights, fingerprint=fingerprint,
+                     real_tokens=real)
 
 
 class StepStream:

@@ -32,8 +32,8 @@ class GroupBroadcastBatches:
         self.src = dist.get_global_rank(group, 0)
         self.next_step = start_step
         self.slots = batch_split.slots(batch_degree)
-        self.shape = (self.slots, batch_split.micro_batch_size, record_tokens)
         n_real = len(batch_split.rank_micro_batches(batch_rank, batch_degree))
+        self.real_shape = (n_real, batch_split.micro_batch_size, record_tokens)
         self.weights = [1.0] * n_real + [0.0] * (self.slots - n_real)
 
     def __iter__(self):
@@ -43,15 +43,20 @@ class GroupBroadcastBatches:
         if self.source is not None:
             batch = next(self.source)
             assert batch.step == self.next_step, (batch.step, self.next_step)
-            tokens = torch.stack(batch.tokens).to(self.device, non_blocking=True)
+            # The batch as assembled, page-locked on a GPU run: the copy to the device is an
+            # async DMA straight from it. Stacking the slots would copy it into pageable memory.
+            real = batch.real_tokens.to(self.device, non_blocking=True)
             fingerprint = batch.fingerprint
         else:
-            tokens = torch.empty(self.shape, dtype=torch.int64, device=self.device)
+            real = torch.empty(self.real_shape, dtype=torch.int64, device=self.device)
             fingerprint = 0  # counted once per group, by the reading rank
-        dist.broadcast(tokens, src=self.src, group=self.group)
+        dist.broadcast(real, src=self.src, group=self.group)
+        tokens = list(real.unbind(0))
+        # Every rank pads its own slots, as assemble_step does: the repeats need no broadcast.
+        tokens += [tokens[-1]] * (self.slots - len(tokens))
         step, self.next_step = self.next_step, self.next_step + 1
-        return StepBatch(step=step, tokens=list(tokens.unbind(0)), weights=list(self.weights),
-                         fingerprint=fingerprint)
+        return StepBatch(step=step, tokens=tokens, weights=list(self.weights),
+                         fingerprint=fingerprint, real_tokens=real)
 
     @property
     def bytes_read(self) -> int:
