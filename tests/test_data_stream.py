@@ -15,7 +15,7 @@ from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.fingerprint import sample_hash
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.order import BatchSplit, SampleOrder
-from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, open_step_stream
+from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, ShardReader, open_step_stream
 
 pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
 
@@ -216,3 +216,27 @@ def test_unreachable_storage_is_one_line():
     with pytest.raises(ValueError, match="cannot reach the storage behind s3://corpus/ds.*"
                                          "check the endpoint URL"):
         load_manifest("s3://corpus/ds", so)
+
+
+def test_evicted_blocks_are_freed_and_the_cache_holds_what_it_counts(stdlib_dataset):
+    """Blocks fetched in one request are held apart: evicting one frees it, whatever became of its
+    siblings, so the cache's bound (in blocks) bounds its memory."""
+    import gc
+    import tracemalloc
+
+    m = load_manifest(stdlib_dataset)
+    tracemalloc.start()
+    try:
+        reader = ShardReader(m, block_records=64, window=64)  # a cache of a few blocks
+        reader.read([(0, s) for s in range(m.shards[0].num_samples)])  # one request, many blocks
+        reader.read([(1, 0)])  # evicts all but a few blocks of shard 0
+        gc.collect()
+        held, counted = tracemalloc.get_traced_memory()[0], reader.cached_bytes
+        del reader
+        gc.collect()
+        freed = held - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    slack = 32 << 10  # the reader's own objects
+    assert m.shards[0].num_samples * m.record_bytes - counted > 10 * slack  # evicted: not held
+    assert counted <= freed < counted + slack, (counted, freed)

@@ -105,6 +105,13 @@ class ShardReader:
     def bytes_read(self) -> int:
         return self.data_bytes_read + self.index_bytes_read
 
+    @property
+    def cached_bytes(self) -> int:
+        """What the reader holds between reads: its cached blocks (records and hashes) and the
+        whole indexes of their shards."""
+        return (sum(rec.nbytes + h.nbytes for rec, h in self._blocks.values())
+                + sum(index.nbytes for index in self._indexes.values()))
+
     def _check_sizes(self, k: int, index: bool = True) -> None:
         """On first use of a shard: its .bin (and .idx, unless it is read whole, which checks
         its size) have the sizes the manifest promises."""
@@ -204,8 +211,10 @@ class ShardReader:
             rec = np.frombuffer(blob, dtype=dtype).reshape(hi - lo, self.m.record_tokens)
             hashes = self._verify(k, lo, rec, self._indexes[k][lo:hi])
             for start in range(lo, hi, B):
-                self._blocks[(k, start // B)] = (rec[start - lo:start - lo + B],
-                                                 hashes[start - lo:start - lo + B])
+                # A copy per block: a view would keep the run's whole blob alive until the
+                # last block of it is evicted, and the cache's bound would not bound its bytes.
+                self._blocks[(k, start // B)] = (rec[start - lo:start - lo + B].copy(),
+                                                 hashes[start - lo:start - lo + B].copy())
         records = np.empty((len(samples), self.m.record_tokens), dtype)
         hashes = np.empty(len(samples), "<u8")
         for n, (k, s) in enumerate(samples):
