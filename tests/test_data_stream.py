@@ -240,3 +240,15 @@ def test_evicted_blocks_are_freed_and_the_cache_holds_what_it_counts(stdlib_data
     slack = 32 << 10  # the reader's own objects
     assert m.shards[0].num_samples * m.record_bytes - counted > 10 * slack  # evicted: not held
     assert counted <= freed < counted + slack, (counted, freed)
+
+
+def test_a_failed_index_read_names_the_index(dataset, tmp_path):
+    """Record reads fetch records and their index entries together; an index read that fails is
+    reported with the index's URL, not its shard's."""
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset, ds)
+    reader = ShardReader(load_manifest(str(ds)), block_records=1)
+    reader.read([(1, 0)])  # the shard's files are there when first used
+    (ds / "shard-00001.idx").unlink()  # then the index goes (a lifecycle rule, a re-upload)
+    with pytest.raises(ValueError, match=r"/shard-00001\.idx does not exist"):
+        reader.read([(1, 1)])

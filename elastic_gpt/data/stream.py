@@ -256,7 +256,8 @@ class ShardReader:
         starts += [8 * s for _, s, _ in runs]
         ends += [8 * (s + n) for _, s, n in runs]
         blobs = self._fetch(paths, starts, ends,
-                            [self.m.shard_url(k) for k, _, _ in runs] * 2)
+                            [self.m.shard_url(k) for k, _, _ in runs]
+                            + [self.m.index_url(k) for k, _, _ in runs])
         dtype = np.dtype(self.m.dtype).newbyteorder("<")
         parts, hashes = [], []
         for (k, s, n), blob, iblob in zip(runs, blobs[:n_runs], blobs[n_runs:]):
