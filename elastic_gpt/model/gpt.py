@@ -161,6 +161,16 @@ class GPT(nn.Module):
             for name, value in self.initial_values(seed):
                 self.get_parameter(name).copy_(value)
 
+    def parameter_index(self, name: str) -> int:
+        """The parameter's position in this model's parameters: what its initial value is drawn
+        from (a pipeline stage answers with the whole model's position)."""
+        if not hasattr(self, "_parameter_index"):
+            self.__dict__["_parameter_index"] = {
+                n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): i
+                for i, (n, _) in enumerate(self.named_parameters())}
+        return self._parameter_index[name.replace("_checkpoint_wrapped_module.", "")
+                                     .replace("_orig_mod.", "")]
+
     def initial_values(self, seed: int):
         """(name, full tensor) per parameter, in parameter order (`initial_value`)."""
         for index, (name, p) in enumerate(self.named_parameters()):

@@ -13,6 +13,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -68,20 +69,26 @@ def _selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+def blocks(model: nn.Module) -> list[tuple[int | str, nn.Module]]:
+    """(key in `model.h`, block) of a GPT (a list of blocks) or of a pipeline stage (its blocks
+    by their index in the whole model); `model.h[key] = wrapped` replaces one."""
+    return list(model.h.items()) if isinstance(model.h, nn.ModuleDict) else list(enumerate(model.h))
+
+
 def apply_activation_checkpointing(model: GPT, mode: str = "full") -> None:
     """Recompute in backward what each block's forward made. full: everything (activation memory
     O(layers) -> O(1) blocks, ~+33% FLOPs); selective: all but the outputs of matmuls, attention
     and reduce-scatters (the cheap elementwise ops and norms are recomputed: most of the memory
     saved for a few percent more time)."""
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
-    for i, block in enumerate(model.h):
-        model.h[i] = checkpoint_wrapper(block, preserve_rng_state=True, **extra)
+    for key, block in blocks(model):
+        model.h[key] = checkpoint_wrapper(block, preserve_rng_state=True, **extra)
 
 
 def apply_compile(model: GPT) -> None:
     """Compile each block separately: blocks are identical, so one graph is reused L times."""
-    for i, block in enumerate(model.h):
-        model.h[i] = torch.compile(block, fullgraph=True)
+    for key, block in blocks(model):
+        model.h[key] = torch.compile(block, fullgraph=True)
 
 
 def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
@@ -96,7 +103,7 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
     """
     mp = mixed_precision_policy(compute_dtype)
     last = len(model.h) - 1
-    for i, block in enumerate(model.h):
+    for i, (_, block) in enumerate(blocks(model)):
         fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
                     reshard_after_forward=reshard_after_forward and i < last)
     fully_shard(model, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
@@ -222,7 +229,8 @@ def init_sharded_weights(model: GPT, seed: int) -> None:
     starts from identical weights at any world size and layout, each rank's cost is its shard's,
     and nothing is communicated."""
     with torch.no_grad():
-        for index, (name, p) in enumerate(model.named_parameters()):
+        for name, p in model.named_parameters():
+            index = model.parameter_index(name)
             if isinstance(p, DTensor):
                 held = local_indices(p.shape, p.device_mesh, p.placements)
                 p.to_local().copy_(model.initial_value(index, name, p.shape, seed, held))

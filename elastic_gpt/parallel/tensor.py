@@ -87,8 +87,9 @@ class FusedColwiseParallel(ParallelStyle):
 
 
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
-    """Shard every block and the embeddings/output over `tp_mesh` (see the module docstring)."""
-    parallelize_module(model, tp_mesh, {
+    """Shard every block and the embeddings/output over `tp_mesh` (see the module docstring).
+    A pipeline stage has only some of the outer modules: each gets its plan if it is there."""
+    outer = {
         # Vocab-parallel lookup; the partial sums are reduce-scattered onto the sequence.
         "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         # Positions are (T,) -> (T, C): the sequence is dim 0 of this output.
@@ -97,8 +98,10 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
         # Reads wte's vocab-sharded weight; the logits stay a DTensor sharded over the vocab.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                    use_local_output=False),
-    })
-    for block in model.h:
+    }
+    parallelize_module(model, tp_mesh, {name: plan for name, plan in outer.items()
+                                        if getattr(model, name, None) is not None})
+    for block in (model.h.values() if isinstance(model.h, nn.ModuleDict) else model.h):
         parallelize_module(block, tp_mesh, {
             "ln_1": SequenceParallel(),
             "attn": PrepareModuleInput(input_layouts=(Shard(1),),

@@ -1,0 +1,263 @@
+"""Pipeline parallelism: the GPT's layers split into stages over the `pp` ranks of a mesh, run by
+`torch.distributed.pipelining`'s schedules (1F1B; interleaved 1F1B with several stages per rank).
+
+The model is cut into `pp x stages_per_rank` contiguous stages (`stage_layers`, balanced by each
+part's forward FLOPs): the first holds the token and position embeddings, the last the final
+norm, the output layer and the loss, every stage a run of blocks. Rank r holds stages r, r + pp,
+... (torchtitan's and Megatron's loop order), so one micro-batch visits every rank once per loop.
+
+A stage (`GPTStage`) is made of the very modules of a GPT built on "meta", under the names they
+have in the whole model ("h.7.attn.c_attn.weight"), so the sharded checkpoint of any layout holds
+the same keys as the unpipelined one, and resumes at any other (pp, tp, dp) and exports as GPT-2.
+
+GPT-2's output layer is the token embedding (tied weights). The first and the last stage each
+hold `wte`: the first looks tokens up in it, the last multiplies by it. Both start from the same
+values (the same init or checkpoint) and take the same update, because after the backward their
+gradients are summed over the pair of ranks holding them (`TiedEmbedding`, Megatron's embedding
+group), so they stay equal; the gradient norm counts that weight once (`clip_grad_norm`).
+
+The loss on the last stage is the summed cross-entropy of the micro-batch's logits, scaled by
+the caller (the step's share of the mean over exactly G sequences, C1), so the schedule must not
+scale the gradients again (`scale_grads=False`).
+
+Nothing here knows about Ray or the Trainer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from elastic_gpt.model.gpt import GPT, GPTConfig, TiedLMHead, token_losses
+
+SCHEDULES = ("1f1b", "interleaved_1f1b")
+"""`parallel.pp_schedule`: one stage per rank, or several (virtual stages, a smaller bubble)."""
+
+
+class PipelineLayoutError(ValueError):
+    """A pipeline the model or the batch cannot be cut into."""
+
+
+def stage_costs(cfg: GPTConfig) -> tuple[float, float]:
+    """(one block, the output layer and loss) in forward FLOPs per token: what `stage_layers`
+    balances. A block's matmuls are 24 d^2 and its attention 4 T d; the output layer's 2 V d.
+    The embedding lookups cost no FLOPs."""
+    d, T, V = cfg.n_embd, cfg.seq_len, cfg.vocab_size
+    return 24 * d * d + 4 * T * d, 2 * V * d
+
+
+def stage_layers(cfg: GPTConfig, num_stages: int) -> list[range]:
+    """The blocks of each of `num_stages` contiguous stages, at least one each: the costliest
+    stage (the last one counting the output layer) as cheap as it can be, and among the cuts
+    that reach that, the most even one (the least sum of squared stage costs)."""
+    L = cfg.n_layer
+    if num_stages < 1:
+        raise PipelineLayoutError(f"a pipeline needs at least one stage, got {num_stages}")
+    if num_stages > L:
+        raise PipelineLayoutError(
+            f"{num_stages} pipeline stages need at least one block each, and model.n_layer is "
+            f"{L}; use parallel.pp x stages per rank <= {L}")
+    block, head = stage_costs(cfg)
+
+    def cost(s: int, blocks: int) -> float:
+        return blocks * block + (head if s == num_stages - 1 else 0.0)
+
+    def cut(bound: float) -> tuple[float, list[int]] | None:
+        """The cut of least sum of squares with every stage at most `bound`: (that sum, the
+        first block of each stage after the first), or None if there is none."""
+        inf = float("inf")
+        # best[s][i]: the least sum of squares of stages s.. holding blocks i..L-1.
+        best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
+        nxt = [[0] * (L + 1) for _ in range(num_stages + 1)]
+        best[num_stages][L] = 0.0
+        for s in range(num_stages - 1, -1, -1):
+            for i in range(L):
+                for j in range(i + 1, L + 1):
+                    c = cost(s, j - i)
+                    if c <= bound and c * c + best[s + 1][j] < best[s][i]:
+                        best[s][i], nxt[s][i] = c * c + best[s + 1][j], j
+        if best[0][0] == inf:
+            return None
+        starts, i = [], 0
+        for s in range(num_stages):
+            i = nxt[s][i]
+            starts.append(i)
+        return best[0][0], starts
+
+    # The least possible costliest stage is one of the stage costs there are: the smallest
+    # that admits a cut.
+    bounds = sorted({cost(s, n) for s in (0, num_stages - 1) for n in range(1, L + 1)})
+    starts = next(found[1] for b in bounds if (found := cut(b)) is not None)
+    edges = [0, *starts]
+    return [range(edges[k], edges[k + 1]) for k in range(num_stages)]
+
+
+def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` holds: pp_rank, pp_rank + pp, ..."""
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+class GPTStage(nn.Module):
+    """Stage `index` of `num_stages` of `gpt` (built on "meta"): its modules, under the names
+    they have in the whole GPT. forward: token ids (the first stage) or hidden states -> hidden
+    states, or on the last stage the logits (B, T, vocab)."""
+
+    def __init__(self, gpt: GPT, index: int, num_stages: int, layers: range):
+        super().__init__()
+        self.cfg = gpt.cfg
+        self.index, self.num_stages = index, num_stages
+        self.first, self.last = index == 0, index == num_stages - 1
+        self.layers = layers
+        full = {name: i for i, (name, _) in enumerate(gpt.named_parameters())}
+        if self.first or self.last:
+            self.wte = gpt.wte
+        if self.first:
+            self.wpe, self.drop = gpt.wpe, gpt.drop
+        self.h = nn.ModuleDict({str(i): gpt.h[i] for i in layers})
+        if self.last:
+            self.ln_f = gpt.ln_f
+            self.lm_head = TiedLMHead(self.wte)
+        self._index_in_gpt = {name: full[name] for name, _ in self.named_parameters()}
+
+    def parameter_index(self, name: str) -> int:
+        """The parameter's position in the whole GPT: what its initial value is drawn from."""
+        return self._index_in_gpt[name.replace("_checkpoint_wrapped_module.", "")
+                                  .replace("_orig_mod.", "")]
+
+    initial_value = GPT.initial_value  # the whole model's init, by name and position
+
+    @property
+    def holds_tied_embedding(self) -> bool:
+        return self.first or self.last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            T = x.size(1)
+            if T > self.cfg.seq_len:
+                raise ValueError(f"sequence of {T} tokens is longer than model.seq_len="
+                                 f"{self.cfg.seq_len}")
+            x = self.drop(self.wte(x) + self.wpe(torch.arange(T, device=x.device)))
+        for block in self.h.values():
+            x = block(x)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def split_model(gpt: GPT, pp_rank: int, pp: int, stages_per_rank: int) -> list[GPTStage]:
+    """This pipeline rank's stages of `gpt` (on "meta"; the rest of the model is dropped)."""
+    num_stages = pp * stages_per_rank
+    layers = stage_layers(gpt.cfg, num_stages)
+    return [GPTStage(gpt, i, num_stages, layers[i])
+            for i in rank_stages(pp_rank, pp, stages_per_rank)]
+
+
+def summed_loss(scale: float):
+    """The last stage's loss of one micro-batch: its summed cross-entropy times `scale` (the
+    caller's share of the step's mean)."""
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_losses(logits, targets) * scale
+    return loss_fn
+
+
+def build_schedule(stages: list[GPTStage], pp_group: dist.ProcessGroup, device: torch.device,
+                   n_microbatches: int, loss_fn, schedule: str):
+    """torch's schedule over this rank's stages; n_microbatches per step, at least pp."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+    )
+
+    pp = dist.get_world_size(pp_group)
+    if schedule not in SCHEDULES:
+        raise PipelineLayoutError(f"parallel.pp_schedule={schedule!r} is not one of "
+                                  f"{', '.join(SCHEDULES)}")
+    if n_microbatches < pp:
+        raise PipelineLayoutError(
+            f"a step of {n_microbatches} micro-batch(es) per pipeline cannot fill {pp} stages; "
+            f"make train.global_batch_size / (data-parallel degree x train.micro_batch_size) "
+            f">= parallel.pp")
+    if schedule == "1f1b" and len(stages) != 1:
+        raise PipelineLayoutError("parallel.pp_schedule=1f1b runs one stage per rank; use "
+                                  "interleaved_1f1b for more")
+    pipeline_stages = [PipelineStage(s, s.index, s.num_stages, device, group=pp_group)
+                       for s in stages]
+    if schedule == "1f1b":
+        return Schedule1F1B(pipeline_stages[0], n_microbatches, loss_fn=loss_fn,
+                            scale_grads=False)
+    return ScheduleInterleaved1F1B(pipeline_stages, n_microbatches, loss_fn=loss_fn,
+                                   scale_grads=False)
+
+
+def run_step(schedule, stages: list[GPTStage], x: torch.Tensor | None,
+             y: torch.Tensor | None) -> torch.Tensor | None:
+    """One step through the pipeline: forward and backward of every micro-batch of `x` (read
+    by the first stage) against `y` (read by the last); returns the sum of the micro-batches'
+    losses on the rank holding the last stage, else None."""
+    first = any(s.first for s in stages)
+    last = any(s.last for s in stages)
+    losses: list[torch.Tensor] = []
+    args = (x,) if first else ()
+    schedule.step(*args, target=y if last else None, losses=losses if last else None)
+    if not last:
+        return None
+    total = sum(loss.detach() for loss in losses)
+    return total.to_local() if isinstance(total, DTensor) else total
+
+
+class TiedEmbedding:
+    """The token embedding that the first stage looks up in and the last multiplies by: their
+    gradients summed over the pair of ranks that hold them, every step, so both copies take the
+    same update. Collective over the whole group at construction (each pair's process group)."""
+
+    def __init__(self, mesh: DeviceMesh, stages: list[GPTStage]):
+        """`mesh`: the whole named mesh, "pp" its first dim."""
+        pp = mesh.size(0)
+        self.weight = next((s.wte.weight for s in stages if s.holds_tied_embedding), None)
+        self.group = None
+        if pp == 1:
+            return
+        ranks = mesh.mesh.reshape(pp, -1)
+        for column in range(ranks.size(1)):  # every rank makes every pair's group, in order
+            pair = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                self.group = group
+
+    def sum_gradients(self) -> None:
+        """After the backward: each copy's gradient is the sum of both."""
+        if self.group is None or self.weight is None or self.weight.grad is None:
+            return
+        grad = self.weight.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        dist.all_reduce(local, group=self.group)
+
+
+def clip_grad_norm(stages: list[GPTStage], max_norm: float, pp_group: dist.ProcessGroup,
+                   ) -> torch.Tensor:
+    """Clip every stage's gradients to `max_norm` by the norm of the whole model's gradient;
+    returns that norm. Each stage's part is reduced over its data- and tensor-parallel shards
+    (DTensor), then over the pipeline; the tied embedding counts once (the first stage's)."""
+    grads = [p.grad for s in stages for name, p in s.named_parameters()
+             if p.grad is not None and not (s.last and not s.first and name == "wte.weight")]
+    squares = [torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]
+    total = torch.zeros((), dtype=torch.float32, device=_device(stages))
+    for sq in squares:
+        total = total + (sq.full_tensor() if isinstance(sq, DTensor) else sq)
+    dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    # Scaled shard by shard: the coefficient is the same plain number on every rank.
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    shards = [g.to_local() if isinstance(g, DTensor) else g
+              for s in stages for p in s.parameters() if (g := p.grad) is not None]
+    torch._foreach_mul_(shards, coef)
+    return norm
+
+
+def _device(stages: list[GPTStage]) -> torch.device:
+    p = next(stages[0].parameters())
+    return p.to_local().device if isinstance(p, DTensor) else p.device

@@ -1,0 +1,131 @@
+"""Pipeline parallelism (parallel/pipeline.py): stages balanced by cost, and a pipelined step on
+real gloo ranks (1F1B, interleaved 1F1B, with FSDP over data parallelism) giving the loss, every
+full gradient and the clipped norm of one process on the same global batch."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.parallel.pipeline import (
+    PipelineLayoutError,
+    rank_stages,
+    stage_costs,
+    stage_layers,
+)
+from elastic_gpt.testing.gloo import run_gloo
+
+CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
+G = 8  # sequences per step
+CLIP = 0.05  # below the gradient's norm, so clipping scales
+
+
+def test_stages_balance_the_blocks_and_the_output_layer():
+    # A small vocabulary: the output layer costs little; blocks split evenly.
+    assert stage_layers(GPTConfig(n_layer=8, n_head=2, n_embd=64, seq_len=32,
+                                  vocab_size=64), 4) == [range(0, 2), range(2, 4), range(4, 6),
+                                                         range(6, 8)]
+    # GPT-2's vocabulary on a narrow model: the output layer costs ~2 blocks, so the last stage
+    # takes fewer blocks.
+    cfg = GPTConfig(n_layer=12, n_head=12, n_embd=768, seq_len=1024, vocab_size=50304)
+    block, head = stage_costs(cfg)
+    layers = stage_layers(cfg, 4)
+    assert len(layers[-1]) < min(len(r) for r in layers[:-1])
+    assert sum(len(r) for r in layers) == 12 and layers[0].start == 0 and layers[-1].stop == 12
+    costs = [len(r) * block + (head if i == 3 else 0) for i, r in enumerate(layers)]
+    # No other cut has a cheaper costliest stage (every cut of 12 blocks into 4 runs).
+    best = min(max(c[0] * block, (c[1] - c[0]) * block, (c[2] - c[1]) * block,
+                   (12 - c[2]) * block + head)
+               for c in itertools.combinations(range(1, 12), 3))
+    assert max(costs) == best
+    assert rank_stages(1, 2, 2) == [1, 3]
+
+
+def test_a_pipeline_the_model_cannot_hold_is_one_clear_line():
+    with pytest.raises(PipelineLayoutError, match="at least one block each.*n_layer is 4"):
+        stage_layers(CFG, 5)
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (G, CFG.seq_len + 1),
+                         generator=torch.Generator().manual_seed(1))
+
+
+def _reference() -> dict:
+    """One process, the whole model, the same global batch: the mean loss over G sequences."""
+    model = GPT(CFG)
+    model.init_weights(seed=0)
+    data = _batch()
+    T = CFG.seq_len
+    loss = model(data[:, :T], targets=data[:, 1:]) / (G * T)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"loss": float(loss.detach()), "grads": grads, "norm": float(norm), "clipped": clipped}
+
+
+def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_gpt.parallel.fsdp import apply_fsdp, init_sharded_weights
+    from elastic_gpt.parallel.pipeline import (
+        TiedEmbedding,
+        build_schedule,
+        clip_grad_norm,
+        run_step,
+        split_model,
+        summed_loss,
+    )
+
+    dp = world // pp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+    with torch.device("meta"):
+        gpt = GPT(CFG)
+    stages = split_model(gpt, pp_rank, pp, per_rank)
+    for stage in stages:
+        apply_fsdp(stage, mesh["dp_shard"], torch.float32)
+        stage.to_empty(device="cpu")
+        init_sharded_weights(stage, seed=0)
+    tied = TiedEmbedding(mesh, stages)
+    T = CFG.seq_len
+    local = _batch()[dp_rank * G // dp:(dp_rank + 1) * G // dp]
+    # Each rank's loss is its share of the mean over G*T tokens; FSDP averages over dp ranks.
+    sched = build_schedule(stages, mesh["pp"].get_group(), torch.device("cpu"),
+                           n_microbatches=local.size(0), loss_fn=summed_loss(dp / (G * T)),
+                           schedule=schedule)
+    loss = run_step(sched, stages, local[:, :T], local[:, 1:])
+    tied.sum_gradients()
+    grads = {n: p.grad.full_tensor().clone() for s in stages for n, p in s.named_parameters()}
+    norm = clip_grad_norm(stages, CLIP, mesh["pp"].get_group())
+    clipped = {n: p.grad.full_tensor() for s in stages for n, p in s.named_parameters()}
+    return {"loss": None if loss is None else float(loss) / dp, "grads": grads,
+            "norm": float(norm), "clipped": clipped,
+            "stages": [s.index for s in stages]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,pp,schedule,per_rank", [
+    (2, 2, "1f1b", 1),
+    (2, 2, "interleaved_1f1b", 2),
+    (4, 2, "1f1b", 1),
+], ids=["pp2", "pp2-interleaved", "pp2xdp2"])
+def test_a_pipelined_step_is_the_one_process_step(world, pp, schedule, per_rank):
+    ref = _reference()
+    ranks = run_gloo(_pipelined, world, pp, schedule, per_rank)
+    # Every stage is somewhere, and every parameter of the model is on some rank.
+    assert sorted({i for r in ranks for i in r["stages"]}) == list(range(pp * per_rank))
+    assert set().union(*(r["grads"] for r in ranks)) == set(ref["grads"])
+    losses = [r["loss"] for r in ranks if r["loss"] is not None]
+    assert sum(losses) == pytest.approx(ref["loss"], rel=1e-5)
+    for r in ranks:
+        assert r["norm"] == pytest.approx(ref["norm"], rel=1e-5)
+        for name, grad in r["grads"].items():
+            # wte is held by the first and the last stage: each copy has the whole gradient.
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(r["clipped"][name], ref["clipped"][name], rtol=1e-5,
+                                       atol=1e-7)
