@@ -30,7 +30,8 @@ moved fails here, at import, naming the torch version.
   group): what `init_process_group(device_id=...)` does, for a default group made without it.
 - `set_collective_timeout` (`_set_pg_timeout` over every group in `_world.pg_map`): a new
   timeout for the collectives of every process group this rank is in, the default one and the
-  device mesh's, on gloo and NCCL alike.
+  device mesh's, on gloo and NCCL alike; `collective_timeouts` reads back what each group's
+  backends have (their `options._timeout`).
 
 The names are torch's own, so a reader can look them up. Nothing here knows about elastic-gpt.
 """
@@ -59,8 +60,8 @@ except ImportError as e:
 
 __all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
            "StridedShardOffsetMode", "_copy_state_dict", "_create_cpu_state_dict",
-           "bind_default_group", "checkpoint_wrapper", "enable_async_tp", "flatten_mesh", "local_indices",
-           "set_collective_timeout",
+           "bind_default_group", "checkpoint_wrapper", "collective_timeouts", "enable_async_tp",
+           "flatten_mesh", "local_indices", "set_collective_timeout",
            "set_element"]
 
 
@@ -103,6 +104,18 @@ def set_collective_timeout(seconds: float) -> int:
         for group in groups:
             _set_pg_timeout(timedelta(seconds=seconds), group)
     return len(groups)
+
+
+def collective_timeouts() -> set[float]:
+    """The collective timeouts, in seconds, that the backends of the process groups this rank
+    belongs to have now: one value while every group has the same."""
+    seconds = set()
+    for group in _world.pg_map:
+        for device in group._device_types:
+            timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+            if timeout is not None:  # a backend besides gloo and NCCL may keep it elsewhere
+                seconds.add(timeout.total_seconds())
+    return seconds
 
 
 def flatten_mesh(mesh, name: str):

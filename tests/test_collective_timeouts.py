@@ -49,19 +49,24 @@ def test_a_late_peer_is_waited_for_at_start_and_a_failure_when_steady():
 
 
 def test_the_first_checkpoint_is_under_the_start_up_bound_then_steps_are_not():
+    """What the process groups themselves have after each event, the default group and another
+    one (as a device mesh makes) alike."""
+    from elastic_gpt.testing.gloo import gloo_group
+    from elastic_gpt.torch_internals import collective_timeouts
     from elastic_gpt.train.collective_timeouts import CollectiveTimeouts
 
     seen = []
-    timeouts = CollectiveTimeouts(STARTUP_S, STEADY_S)
-    timeouts._set = lambda s: seen.append(s)  # what would be set, in order
-    timeouts.step_done()
-    timeouts.before_save()
-    timeouts.after_save(False)  # not due at this step
-    timeouts.before_save()
-    timeouts.after_save(True)  # the attempt's first checkpoint
-    timeouts.before_save()
-    timeouts.after_save(True)
-    assert seen == [STEADY_S, STARTUP_S, STEADY_S, STARTUP_S, STEADY_S, STEADY_S]
+    with gloo_group():
+        dist.new_group([0])
+        timeouts = CollectiveTimeouts(STARTUP_S, STEADY_S)
+        for event in (timeouts.step_done,
+                      timeouts.before_save, lambda: timeouts.after_save(False),  # not due yet
+                      timeouts.before_save, lambda: timeouts.after_save(True),  # the first one
+                      timeouts.before_save, lambda: timeouts.after_save(True)):
+            event()
+            seen.append(collective_timeouts())
+    assert seen == [{STEADY_S}, {STARTUP_S}, {STEADY_S}, {STARTUP_S}, {STEADY_S}, {STEADY_S},
+                    {STEADY_S}]
 
 
 def test_the_trainer_ends_its_start_up_at_its_first_step(stdlib_dataset, tmp_path):
