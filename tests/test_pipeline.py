@@ -68,8 +68,9 @@ def _reference() -> dict:
     return {"loss": float(loss.detach()), "grads": grads, "norm": float(norm), "clipped": clipped}
 
 
-def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int) -> dict:
+def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int, tp: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from elastic_gpt.parallel.fsdp import apply_fsdp, init_sharded_weights
     from elastic_gpt.parallel.pipeline import (
@@ -80,14 +81,17 @@ def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int) -> 
         split_model,
         summed_loss,
     )
+    from elastic_gpt.parallel.tensor import apply_tensor_parallel
 
-    dp = world // pp
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
+    dp = world // (pp * tp)
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
     with torch.device("meta"):
         gpt = GPT(CFG)
     stages = split_model(gpt, pp_rank, pp, per_rank)
     for stage in stages:
+        if tp > 1:
+            apply_tensor_parallel(stage, mesh["tp"])
         apply_fsdp(stage, mesh["dp_shard"], torch.float32)
         stage.to_empty(device="cpu")
         init_sharded_weights(stage, seed=0)
@@ -98,25 +102,29 @@ def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int) -> 
     sched = build_schedule(stages, mesh["pp"].get_group(), torch.device("cpu"),
                            n_microbatches=local.size(0), loss_fn=summed_loss(dp / (G * T)),
                            schedule=schedule)
-    loss = run_step(sched, stages, local[:, :T], local[:, 1:])
+    with loss_parallel():  # vocab-sharded logits under tensor parallelism (a no-op without)
+        loss = run_step(sched, stages, local[:, :T], local[:, 1:])
     tied.sum_gradients()
     grads = {n: p.grad.full_tensor().clone() for s in stages for n, p in s.named_parameters()}
     norm = clip_grad_norm(stages, CLIP, mesh["pp"].get_group())
     clipped = {n: p.grad.full_tensor() for s in stages for n, p in s.named_parameters()}
-    return {"loss": None if loss is None else float(loss) / dp, "grads": grads,
+    # The tp ranks of a stage hold the same (replicated) loss: one reports it.
+    counted = loss is not None and mesh.get_local_rank("tp") == 0
+    return {"loss": float(loss) / dp if counted else None, "grads": grads,
             "norm": float(norm), "clipped": clipped,
             "stages": [s.index for s in stages]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,pp,schedule,per_rank", [
-    (2, 2, "1f1b", 1),
-    (2, 2, "interleaved_1f1b", 2),
-    (4, 2, "1f1b", 1),
-], ids=["pp2", "pp2-interleaved", "pp2xdp2"])
-def test_a_pipelined_step_is_the_one_process_step(world, pp, schedule, per_rank):
+@pytest.mark.parametrize("world,pp,schedule,per_rank,tp", [
+    (2, 2, "1f1b", 1, 1),
+    (2, 2, "interleaved_1f1b", 2, 1),
+    (4, 2, "1f1b", 1, 1),
+    (4, 2, "1f1b", 1, 2),
+], ids=["pp2", "pp2-interleaved", "pp2xdp2", "pp2xtp2"])
+def test_a_pipelined_step_is_the_one_process_step(world, pp, schedule, per_rank, tp):
     ref = _reference()
-    ranks = run_gloo(_pipelined, world, pp, schedule, per_rank)
+    ranks = run_gloo(_pipelined, world, pp, schedule, per_rank, tp)
     # Every stage is somewhere, and every parameter of the model is on some rank.
     assert sorted({i for r in ranks for i in r["stages"]}) == list(range(pp * per_rank))
     assert set().union(*(r["grads"] for r in ranks)) == set(ref["grads"])
