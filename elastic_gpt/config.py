@@ -197,6 +197,16 @@ class ParallelSection:
     """Overlap each tensor-parallel matmul with its all-gather or reduce-scatter (torch's
     micro-pipelined TP over symmetric memory, torchtitan's async TP): tp > 1 on CUDA GPUs with
     train.compile."""
+    pp: AtLeastOne = 1
+    """Pipeline-parallel degree: the model's layers split into stages over pp runs of ranks
+    (embeddings on the first, the output layer and loss on the last, blocks balanced by cost),
+    each step's micro-batches streamed through them. Workers come in whole pipelines of pp x tp;
+    the data-parallel degree is W / (pp x tp), and elasticity changes only it."""
+    pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
+    """1f1b: one stage per rank; interleaved_1f1b: parallel.pp_stages_per_rank stages per rank
+    (Megatron's virtual stages: a bubble that many times smaller, for as many more transfers)."""
+    pp_stages_per_rank: AtLeastOne = 1
+    """Stages per pipeline rank: 1 for 1f1b, at least 2 for interleaved_1f1b."""
 
 
 @dataclass
@@ -510,14 +520,16 @@ def validate(cfg: Config) -> None:
         log.warning("train.warmup_steps=%d is longer than train.max_steps=%d: warming up over all "
                     "%d steps instead", t.warmup_steps, t.max_steps, t.max_steps)
         t.warmup_steps = t.max_steps
-    tp = cfg.parallel.tp
-    problem = workers_problem(tp, {"scaling.min_workers": s.min_workers,
-                                   "scaling.max_workers": s.max_workers})
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    problem = workers_problem(tp * pp, {"scaling.min_workers": s.min_workers,
+                                        "scaling.max_workers": s.max_workers},
+                              flag="parallel.tp" if pp == 1 else "parallel.tp x parallel.pp")
     if problem:
         raise ValueError(problem)
     batch_split = BatchSplit(t.global_batch_size, t.micro_batch_size)
     # C1 fixed global batch, over the data-parallel degree
-    batch_split.check_world_size(s.max_workers, tp=tp)
+    batch_split.check_world_size(s.max_workers, tp=tp * pp)
+    _check_pipeline(cfg, batch_split)
     ck = cfg.checkpoint
     if ck.every_steps == 0 and ck.every_minutes == 0:
         raise ValueError("checkpoint.every_steps=0 and checkpoint.every_minutes=0 leave no "
@@ -528,6 +540,31 @@ def validate(cfg: Config) -> None:
     elif not cfg.data.path:
         raise ValueError("data.path is empty; point it at a dataset made by `elastic-gpt "
                          "prepare-data --output URL` (e.g. data.path=data/stdlib)")
+
+
+def _check_pipeline(cfg: Config, batch_split) -> None:
+    """parallel.pp's schedule, and a step that fills the pipeline at the most workers."""
+    par = cfg.parallel
+    if par.pp_schedule == "1f1b" and par.pp_stages_per_rank != 1:
+        raise ValueError(f"parallel.pp_schedule=1f1b runs one stage per rank, and "
+                         f"parallel.pp_stages_per_rank is {par.pp_stages_per_rank}; use "
+                         "parallel.pp_schedule=interleaved_1f1b or pp_stages_per_rank=1")
+    if par.pp_schedule == "interleaved_1f1b" and par.pp_stages_per_rank < 2:
+        raise ValueError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank"
+                         " >= 2 (stages per rank); use 2, or parallel.pp_schedule=1f1b")
+    if par.pp == 1:
+        return
+    if cfg.elastic.replica_groups != "off":
+        raise ValueError("elastic.replica_groups with parallel.pp > 1 is not supported yet; set "
+                         "elastic.replica_groups=off (the restart path resizes whole pipelines)")
+    dp = cfg.scaling.max_workers // (par.pp * par.tp)
+    slots = batch_split.slots(dp)
+    if slots < par.pp:
+        raise ValueError(
+            f"at {cfg.scaling.max_workers} workers a step gives each pipeline {slots} "
+            f"micro-batch(es), fewer than its parallel.pp={par.pp} stages; raise "
+            f"train.global_batch_size to at least {par.pp * dp * batch_split.micro_batch_size} "
+            "or lower train.micro_batch_size or scaling.max_workers")
 
 
 def _check_sources(data: DataSection) -> None:

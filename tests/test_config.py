@@ -176,7 +176,9 @@ def test_a_config_dict_written_by_old_main_loads():
     # A section old main lacked gets its defaults, which are what old main did: no tensor
     # parallelism (and HSDP's auto, which a group of one node leaves off), one dataset rather than
     # a mixture, and evaluation only where a validation split exists (old datasets have none).
-    assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto", "async_tp": False},
+    assert cfg.to_dict() == {**OLD_MAIN_DICT, "parallel": {"tp": 1, "hsdp": "auto", "async_tp": False,
+                                                           "pp": 1, "pp_schedule": "1f1b",
+                                                           "pp_stages_per_rank": 1},
                              # No clock cadence, as old main; its saves are written by more
                              # streams per rank, which changes the files, not what they hold.
                              "checkpoint": {**OLD_MAIN_DICT["checkpoint"], "every_minutes": 0.0,

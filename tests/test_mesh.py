@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from elastic_gpt.errors import FatalTrainingError, PlacementError, permanent_failure
-from elastic_gpt.parallel.mesh import ParallelDims, node_sizes
+from elastic_gpt.parallel.mesh import ParallelDims, ParallelLayoutError, node_sizes
 from elastic_gpt.testing.gloo import gloo_group
 
 
@@ -88,8 +88,26 @@ def test_the_mesh_is_named_and_built_once():
         d = ParallelDims(1, 1, 1)
         mesh = d.build_mesh("cpu")
         assert d.build_mesh("cpu") is mesh and d.mesh is mesh
-        assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
         assert d.fsdp_mesh.mesh_dim_names == ("dp_shard",) and d.tp_mesh.size() == 1
+        assert d.pp_mesh.size() == 1 and d.batch_group() is None
+
+
+def test_pipeline_stages_are_the_outermost_runs_of_ranks():
+    # 8 ranks, pp=2 x dp=2 x tp=2: ranks 0-3 hold the first stage, 4-7 the second.
+    d = ParallelDims.for_nodes(8, tp=2, hsdp="off", pp=2)
+    assert (d.pp, d.dp_degree, d.tp, d.world_size) == (2, 2, 2, 8)
+    assert [d.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [d.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [d.tp_rank(r) for r in range(8)] == [0, 1] * 4
+    assert d.describe() == "dp 2 x tp 2 x pp 2"
+    # HSDP replicates across the nodes of one stage: each stage spans nodes a, b (two ranks each).
+    hsdp = ParallelDims.for_nodes(8, tp=1, hsdp="auto", pp=2,
+                                  rank_nodes=["a", "a", "b", "b", "c", "c", "d", "d"])
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.pp) == (2, 2, 2)
+    with pytest.raises(ParallelLayoutError, match="not whole pipelines of parallel.pp=2 x "
+                                                  "parallel.tp=2.*multiples of 4"):
+        ParallelDims.for_nodes(6, tp=2, hsdp="off", pp=2)
 
 
 def _connect(rank: int, world: int) -> dict:

@@ -137,3 +137,60 @@ def test_a_pipelined_step_is_the_one_process_step(world, pp, schedule, per_rank,
             torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(r["clipped"][name], ref["clipped"][name], rtol=1e-5,
                                        atol=1e-7)
+
+
+# ---- the Trainer's pipelined step ----------------------------------------------------------
+
+
+def _trainer_step(rank: int, world: int, overrides: list[str]) -> dict:
+    import torch.distributed as dist
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.data.stream import open_step_stream
+    from elastic_gpt.train.trainer import Trainer
+
+    cfg = load_config("jobs/configs/mini.yaml", overrides)
+    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
+    stream = open_step_stream(cfg.data.path, batch_split=trainer.batch_split, rank=trainer.dp_rank,
+                              world_size=trainer.dp_degree, start_step=0, seed=cfg.data.seed)
+    batch = next(stream)
+    stream.close()
+    loss_sum = trainer.forward_backward(batch)
+    counted = trainer.tp_rank == 0 and (trainer.pipeline is None or trainer.pipeline.last)
+    if not counted:
+        loss_sum.zero_()
+    dist.all_reduce(loss_sum)
+    grads = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""):
+             p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    norm = trainer.clip_gradients()
+    return {"loss": float(loss_sum) / (12 * trainer.gpt_cfg.seq_len), "grads": grads,
+            "norm": float(norm), "setup": trainer.setup_line()}
+
+
+def trainer_step(world: int, data: str, tmp_path, extra: tuple[str, ...] = ()) -> list[dict]:
+    overrides = ["model.preset=tiny", "model.n_layer=4", f"data.path={data}",
+                 "train.global_batch_size=12", "train.micro_batch_size=2",
+                 f"scaling.max_workers={world}", f"scaling.min_workers={world}", "eval.samples=0",
+                 "checkpoint.path=" + str(tmp_path / "unused"), *extra]
+    return run_gloo(_trainer_step, world, overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,extra,layout", [
+    (2, ("parallel.pp=2",), "dp 1 x tp 1 x pp 2"),
+    (2, ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+         "parallel.pp_stages_per_rank=2"), "dp 1 x tp 1 x pp 2"),
+    (4, ("parallel.pp=2", "parallel.tp=2"), "dp 1 x tp 2 x pp 2"),
+], ids=["pp2", "pp2-interleaved", "pp2xtp2"])
+def test_the_trainers_pipelined_step_is_its_one_process_step(stdlib_dataset, tmp_path, world,
+                                                              extra, layout):
+    single = trainer_step(1, stdlib_dataset, tmp_path)[0]
+    ranks = trainer_step(world, stdlib_dataset, tmp_path, extra)
+    assert layout in ranks[0]["setup"], ranks[0]["setup"]
+    held = set().union(*(r["grads"] for r in ranks))
+    assert held == set(single["grads"])
+    for r in ranks:
+        assert r["loss"] == pytest.approx(single["loss"], rel=1e-6)
+        assert r["norm"] == pytest.approx(single["norm"], rel=1e-5)
+        for name, grad in r["grads"].items():
+            torch.testing.assert_close(grad, single["grads"][name], rtol=1e-5, atol=1e-6)

@@ -1,11 +1,13 @@
-"""The named device mesh: how the W ranks of a group split into data and tensor parallelism.
+"""The named device mesh: how the W ranks of a group split into pipeline, data and tensor
+parallelism.
 
-W = dp_replicate x dp_shard x tp. `ParallelDims` holds the three degrees, checks them, builds the
-DeviceMesh once (dims "dp_replicate", "dp_shard", "tp", tp innermost so a tensor-parallel group is
-tp consecutive ranks) and answers what the rest of the code asks instead of doing arithmetic on
-rank and world size: which data-parallel rank this is and how many there are (what C1 fixed global
-batch and C2 data order are stated over), which sub-mesh FSDP shards over, which one tensor
-parallelism uses, whether the loss is vocab-parallel (torchtitan's `ParallelDims` is the model).
+W = pp x dp_replicate x dp_shard x tp. `ParallelDims` holds the four degrees, checks them, builds
+the DeviceMesh once (dims "pp", "dp_replicate", "dp_shard", "tp", torchtitan's order: tp innermost
+so a tensor-parallel group is tp consecutive ranks, pp outermost so a stage's ranks are too)
+and answers what the rest of the code asks instead of doing arithmetic on rank and world size:
+which data-parallel rank this is and how many there are (what C1 fixed global batch and C2 data
+order are stated over), which sub-mesh FSDP shards over, which one tensor parallelism uses,
+whether the loss is vocab-parallel (torchtitan's `ParallelDims` is the model).
 
 `ParallelDims.for_nodes` derives the degrees from where the ranks run: a tensor-parallel group
 must stay inside one node (its collectives run every layer, on the fast intra-node link), and
@@ -29,7 +31,7 @@ from elastic_gpt.errors import FatalTrainingError, PlacementError
 from elastic_gpt.parallel.tp_rules import nodes_problem
 from elastic_gpt.torch_internals import bind_default_group, flatten_mesh
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 class ParallelLayoutError(FatalTrainingError, ValueError):
@@ -45,6 +47,9 @@ class ParallelDims:
     """Ranks one FSDP shard group spans."""
     tp: int
     """Tensor-parallel degree: ranks one layer's weights are split over."""
+    pp: int = 1
+    """Pipeline stages' ranks: the model's layers are split over pp runs of W / pp ranks (the
+    outermost dim: a stage's ranks are consecutive, as its data- and tensor-parallel groups are)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     connected: list[str] | None = field(default=None, init=False, repr=False)
     """The mesh dims whose communicators build_mesh opened (None: it opened none)."""
@@ -57,10 +62,10 @@ class ParallelDims:
 
     @classmethod
     def for_nodes(cls, world_size: int, *, tp: int, hsdp: str,
-                  rank_nodes: list[str] | None = None) -> ParallelDims:
+                  rank_nodes: list[str] | None = None, pp: int = 1) -> ParallelDims:
         """The layout for `world_size` ranks whose node (by any id) is `rank_nodes[rank]`; None:
         all on one node. hsdp: on (replicate across nodes, shard within one), off, or auto (on
-        when the ranks span more than one node with the same number on each)."""
+        when a pipeline stage's ranks span more than one node with the same number on each)."""
         nodes = list(rank_nodes) if rank_nodes is not None else ["node"] * world_size
         if len(nodes) != world_size:
             raise ValueError(f"{len(nodes)} node ids for {world_size} ranks")
@@ -70,24 +75,32 @@ class ParallelDims:
             raise ParallelLayoutError(
                 f"parallel.tp={tp} is more than the {world_size} worker(s) of this group; use "
                 f"parallel.tp <= scaling.min_workers")
+        if pp < 1 or world_size % (pp * tp):
+            raise ParallelLayoutError(
+                f"{world_size} worker(s) are not whole pipelines of parallel.pp={pp} x "
+                f"parallel.tp={tp} ranks; use scaling.min_workers and max_workers that are "
+                f"multiples of {max(pp, 1) * tp}")
         per_node = node_sizes(nodes)
         problem = nodes_problem(tp, per_node, how="scaling.cpus_per_worker / GPUs per node")
         if problem:
             raise PlacementError(problem, per_node, tp)
-        even = len(set(per_node)) == 1
+        # HSDP replicates across the nodes of one pipeline stage (every stage alike).
+        stage = node_sizes(nodes[:world_size // pp])
+        even = len(set(stage)) == 1
         if hsdp == "on" and not even:
             raise PlacementError(
                 f"parallel.hsdp=on needs the same number of workers on every node, got "
                 f"{per_node}; use parallel.hsdp=auto or off", per_node, tp)
-        if hsdp == "on" or (hsdp == "auto" and len(per_node) > 1 and even):
-            replicate = len(per_node)
+        if hsdp == "on" or (hsdp == "auto" and len(stage) > 1 and even):
+            replicate = len(stage)
         else:
             replicate = 1
-        return cls(dp_replicate=replicate, dp_shard=world_size // (replicate * tp), tp=tp)
+        return cls(dp_replicate=replicate, dp_shard=world_size // (pp * replicate * tp), tp=tp,
+                   pp=pp)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_degree(self) -> int:
@@ -107,19 +120,28 @@ class ParallelDims:
         """Logits stay sharded over the vocabulary into the loss (torch's loss_parallel)."""
         return self.tp_enabled
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def dp_rank(self, rank: int) -> int:
-        """Which data-parallel rank global rank `rank` is: its tensor-parallel group's index."""
-        return rank // self.tp
+        """Which data-parallel rank global rank `rank` is: its tensor-parallel group's index
+        within its pipeline stage."""
+        return rank // self.tp % self.dp_degree
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline rank (the stages it holds) global rank `rank` is."""
+        return rank // (self.dp_degree * self.tp)
 
     def describe(self) -> str:
         """For the setup line: "dp 2 (HSDP 2 x 1) x tp 2"."""
         dp = f"dp {self.dp_degree}"
         if self.hsdp:
             dp += f" (HSDP {self.dp_replicate} x {self.dp_shard})"
-        return f"{dp} x tp {self.tp}"
+        return f"{dp} x tp {self.tp}" + (f" x pp {self.pp}" if self.pp_enabled else "")
 
     # ---- the mesh (collective: every rank builds it once) ------------------------------------
 
@@ -131,7 +153,8 @@ class ParallelDims:
                 # groups are split from its communicator.
                 bind_default_group(connect_on)
             self._mesh = init_device_mesh(
-                device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=DIM_NAMES)
+                device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                mesh_dim_names=DIM_NAMES)
             if self.tp_enabled:
                 # A sum over every shard of a parameter (the gradient norm) spans dp_shard and
                 # tp; with this flattened dim DTensor does it in one all-reduce, not two.
@@ -155,6 +178,20 @@ class ParallelDims:
     @property
     def tp_mesh(self) -> DeviceMesh:
         return self.mesh["tp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    def batch_group(self) -> dist.ProcessGroup | None:
+        """The ranks that train on the same micro-batches (one data-parallel rank's pipeline
+        stages and tensor-parallel shares), which one of them reads for all; None if one rank."""
+        dims = [d for d in ("pp", "tp") if self.mesh.size(DIM_NAMES.index(d)) > 1]
+        if not dims:
+            return None
+        if len(dims) == 1:
+            return self.mesh[dims[0]].get_group()
+        return flatten_mesh(self.mesh["pp", "tp"], "pp_tp").get_group()
 
 
 def connect_communicators(mesh: DeviceMesh, device: torch.device) -> list[str]:

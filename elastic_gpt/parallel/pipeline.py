@@ -25,6 +25,8 @@ Nothing here knows about Ray or the Trainer.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -261,3 +263,81 @@ def clip_grad_norm(stages: list[GPTStage], max_norm: float, pp_group: dist.Proce
 def _device(stages: list[GPTStage]) -> torch.device:
     p = next(stages[0].parameters())
     return p.to_local().device if isinstance(p, DTensor) else p.device
+
+
+class RankModel(nn.Module):
+    """What one pipeline rank holds of the GPT, its stages' modules registered under their
+    whole-model names: the parameters, state dict and sharded checkpoint of a pipelined run have
+    the unpipelined one's keys. Not called: the schedule runs the stages."""
+
+    def __init__(self, stages: list[GPTStage]):
+        super().__init__()
+        for name in ("wte", "wpe", "ln_f"):
+            module = next((getattr(s, name) for s in stages if hasattr(s, name)), None)
+            if module is not None:
+                setattr(self, name, module)
+        self.h = nn.ModuleDict({k: b for s in stages for k, b in s.h.items()})
+        self.cfg = stages[0].cfg
+        self._index_in_gpt = {n: i for s in stages for n, i in s._index_in_gpt.items()}
+        self.__dict__["_stages"] = stages  # not submodules: their modules are registered above
+
+    def to_empty(self, *, device, recurse: bool = True) -> RankModel:
+        """Through each stage: FSDP re-points its sharded parameters when its root is moved."""
+        for stage in self._stages:
+            stage.to_empty(device=device, recurse=recurse)
+        return self
+
+    parameter_index = GPTStage.parameter_index
+    initial_value = GPT.initial_value
+
+
+class Pipeline:
+    """This rank's stages of a pipelined GPT and the schedule that runs them; built on "meta"
+    from `gpt`, each stage handed to `parallelize` (tensor parallelism, FSDP, ...) as a model of
+    its own. `model` is the rank's part as one module (`RankModel`)."""
+
+    def __init__(self, gpt: GPT, mesh: DeviceMesh, pp_rank: int, stages_per_rank: int,
+                 schedule: str, parallelize):
+        pp = mesh["pp"].size()
+        self.stages = split_model(gpt, pp_rank, pp, stages_per_rank)
+        for stage in self.stages:
+            parallelize(stage)
+        self.model = RankModel(self.stages)
+        self.mesh, self.schedule_name = mesh, schedule
+        self.first = any(s.first for s in self.stages)
+        self.last = any(s.last for s in self.stages)
+        self._schedule = None
+        self._tied: TiedEmbedding | None = None
+
+    def forward_backward(self, tokens: list[torch.Tensor], weights: list[float], seq_len: int,
+                         scale: float, compute_dtype: torch.dtype, vocab_sharded: bool,
+                         device: torch.device) -> torch.Tensor:
+        """Collective over the pipeline: every micro-batch of the step through the stages, its
+        loss times `scale` backpropagated; the tied embedding's gradients summed. Returns the
+        step's summed token loss (float64) on the rank holding the last stage, else zero.
+        A zero-weight slot (padding that keeps the collectives in step) has every target
+        ignored: no loss, no gradient."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        if self._schedule is None:  # the stages are materialised by now
+            self._schedule = build_schedule(
+                self.stages, self.mesh["pp"].get_group(), device, len(tokens),
+                summed_loss(scale), self.schedule_name)
+            self._tied = TiedEmbedding(self.mesh, self.stages)
+        batch = torch.cat([t.to(device, non_blocking=True) for t in tokens])
+        x, y = batch[:, :seq_len], batch[:, 1:seq_len + 1].clone()
+        rows = tokens[0].size(0)
+        for k, weight in enumerate(weights):
+            if weight == 0.0:
+                y[k * rows:(k + 1) * rows] = -100  # cross-entropy's ignore_index
+        with torch.autocast(device.type, dtype=compute_dtype,
+                            enabled=compute_dtype != torch.float32), \
+                (loss_parallel() if vocab_sharded else contextlib.nullcontext()):
+            loss = run_step(self._schedule, self.stages, x, y)
+        self._tied.sum_gradients()
+        if loss is None:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return loss.double() / scale
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.stages, max_norm, self.mesh["pp"].get_group())

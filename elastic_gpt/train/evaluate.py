@@ -145,6 +145,52 @@ class Evaluator:
                           samples=self.num_samples, seconds=time.perf_counter() - t0)
 
 
+def open_evaluator(cfg, manifest: Manifest, *, micro_batch_size: int, seq_len: int, dp_rank: int,
+                   dp_degree: int, count_rank: bool, rank: int, world_size: int,
+                   device: torch.device) -> Evaluator | None:
+    """Collective. The held-out set (eval.path, else <data.path>/val when prepare-data wrote
+    one), or None: eval.samples=0, no validation set, or a pipelined model (the evaluation
+    runs the whole model on each rank). `count_rank`: this rank's loss counts (one rank of each
+    tensor-parallel group)."""
+    from elastic_gpt.console import say
+    from elastic_gpt.data.manifest import open_validation_manifest
+
+    ev = cfg.eval
+    if not ev.samples:
+        return None
+    if cfg.parallel.pp > 1:
+        if rank == 0:
+            say("[elastic-gpt] no evaluation: held-out evaluation does not run through pipeline "
+                "stages yet (parallel.pp > 1); set eval.samples=0 to silence this")
+        return None
+    val = open_validation_manifest(ev.path, cfg.data.path, manifest)
+    # Evaluation is collective: a rank that cannot see the validation set (a local path on
+    # another node) must stop the group, not leave the others waiting in its all-gathers.
+    seen = torch.tensor([float(val is not None)], device=device)
+    dist.all_reduce(seen)
+    if 0 < seen.item() < world_size:
+        raise ValueError(f"the validation set {val.url if val else cfg.data.path + '/val'}"
+                         f" is visible to {int(seen.item())} of {world_size} workers; "
+                         "put it on storage every node reads (s3://, gs://, a shared "
+                         "filesystem), or set eval.samples=0")
+    if val is None:
+        if rank == 0:
+            why = (f"no validation set at {cfg.data.path}/val; prepare one with "
+                   "prepare-data --val-fraction or --val-docs, or set eval.path"
+                   if cfg.data.path else
+                   "a mixture (data.sources) has no single validation split; set eval.path")
+            say(f"[elastic-gpt] no evaluation: {why}")
+        return None
+    evaluator = Evaluator(val, samples=ev.samples, micro_batch_size=micro_batch_size,
+                          seq_len=seq_len, dp_rank=dp_rank, dp_degree=dp_degree,
+                          count_rank=count_rank, device=device)
+    if rank == 0 and not evaluator.has_byte_counts:
+        say(f"[elastic-gpt] val/bits_per_byte unavailable: {val.url} has no byte counts "
+            f"(manifest version {val.version}, or a tokenizer without fixed token bytes); "
+            "re-run prepare-data to get them")
+    return evaluator
+
+
 def gzip_bits_per_byte(manifest: Manifest, samples: int, tokenizer,
                        storage_options: dict | None = None) -> tuple[float, int] | None:
     """gzip -9's bits per byte on the text of the evaluated sequences, and that text's size:

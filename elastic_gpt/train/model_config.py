@@ -1,7 +1,7 @@
 """The model shape a run trains: the config's preset and model.* keys, completed from the dataset.
 
 The driver's preflight and the planner call this as the workers do, so all of them agree on the
-shape, and on whether parallel.tp can split it; it imports neither the Trainer nor
+shape, and on whether parallel.tp and parallel.pp can split it; it imports neither the Trainer nor
 torch.distributed.
 """
 
@@ -27,6 +27,12 @@ def model_config_for(cfg: Config, manifest) -> GPTConfig:
                          f"--seq-len {fields['seq_len']}")
     gpt = GPTConfig(**fields, dropout=m.dropout)
     check_tensor_parallel(gpt, cfg.parallel.tp)
+    stages = cfg.parallel.pp * cfg.parallel.pp_stages_per_rank
+    if stages > gpt.n_layer:
+        raise ValueError(f"parallel.pp={cfg.parallel.pp} x parallel.pp_stages_per_rank="
+                         f"{cfg.parallel.pp_stages_per_rank} stages need at least one block each, "
+                         f"and the model has {gpt.n_layer}; use at most {gpt.n_layer} stages or "
+                         "a deeper model (model.n_layer)")
     return gpt
 
 

@@ -26,7 +26,6 @@ from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
 from elastic_gpt.data.fingerprint import join_fingerprint, split_fingerprint
-from elastic_gpt.data.manifest import open_validation_manifest
 from elastic_gpt.data.mixture import open_training_data
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
@@ -41,6 +40,7 @@ from elastic_gpt.parallel.fsdp import (
     resolve_dtype,
 )
 from elastic_gpt.parallel.mesh import ParallelDims
+from elastic_gpt.parallel.pipeline import Pipeline
 from elastic_gpt.parallel.tensor import summed_token_loss
 from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.collaborators import (
@@ -51,7 +51,7 @@ from elastic_gpt.train.collaborators import (
 )
 from elastic_gpt.train.collective_timeouts import CollectiveTimeouts
 from elastic_gpt.train.device import worker_device
-from elastic_gpt.train.evaluate import EvalResult, Evaluator, gzip_bits_per_byte
+from elastic_gpt.train.evaluate import EvalResult, gzip_bits_per_byte, open_evaluator
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.group_batches import GroupBroadcastBatches
@@ -111,7 +111,7 @@ class Trainer:
         # The layout as configured first (a tp the nodes cannot hold is one clear line), then
         # what `auto` leaves to memory, resolved for this group (train/run_memory.py).
         dp_degree = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
-                                           rank_nodes=rank_nodes).dp_degree
+                                           rank_nodes=rank_nodes, pp=cfg.parallel.pp).dp_degree
         self.memory_settings = resolve_run_memory(
             cfg, self.gpt_cfg, world_size=world_size, rank_nodes=rank_nodes,
             micro_batch=self.batch_split.micro_batch_size,
@@ -119,9 +119,10 @@ class Trainer:
             compute_dtype=self.compute_dtype)
         self.dims = ParallelDims.for_nodes(
             world_size, tp=cfg.parallel.tp, hsdp="on" if self.memory_settings.hsdp else "off",
-            rank_nodes=rank_nodes)
+            rank_nodes=rank_nodes, pp=cfg.parallel.pp)
         self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
         self.tp_rank = self.dims.tp_rank(rank)
+        self.pipeline: Pipeline | None = None
         # Replica groups (C7 all-or-nothing step) split a step over every live group's ranks:
         # the batch rank and degree are this rank's place in that split, which the mode's
         # `begin_step` says; on the restart path the data-parallel ones.
@@ -147,7 +148,10 @@ class Trainer:
         self.peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
                      else peak_flops(self.device, threads))  # per worker
         self._nonfinite_streak = 0
-        self.evaluator = self._build_evaluator()
+        self.evaluator = open_evaluator(
+            cfg, self.manifest, micro_batch_size=self.batch_split.micro_batch_size,
+            seq_len=self.gpt_cfg.seq_len, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
+            count_rank=self.tp_rank == 0, rank=rank, world_size=world_size, device=self.device)
         self.last_eval: EvalResult | None = None
         self.checkpointer = make_checkpointer(
             cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
@@ -163,52 +167,25 @@ class Trainer:
         t = self.cfg.train
         self.n_params = sum(p.numel() for p in model.parameters())
         self.reshard_after_forward = self.memory_settings.reshard_after_forward
-        parallelize(model, self.dims.fsdp_mesh, compute_dtype=self.compute_dtype,
-                    activation_checkpointing=t.activation_checkpointing, compile=t.compile,
-                    checkpointing_mode=t.activation_checkpointing_mode, float8=t.float8,
-                    async_tp=self.cfg.parallel.async_tp,
-                    reshard_after_forward=self.reshard_after_forward,
-                    tp_mesh=self.dims.tp_mesh if self.dims.tp_enabled else None)
+        parallelize_part = functools.partial(
+            parallelize, mesh=self.dims.fsdp_mesh, compute_dtype=self.compute_dtype,
+            activation_checkpointing=t.activation_checkpointing, compile=t.compile,
+            checkpointing_mode=t.activation_checkpointing_mode, float8=t.float8,
+            async_tp=self.cfg.parallel.async_tp, reshard_after_forward=self.reshard_after_forward,
+            tp_mesh=self.dims.tp_mesh if self.dims.tp_enabled else None)
+        if self.dims.pp_enabled:  # this rank's stages, each parallelized as a model of its own
+            p = self.cfg.parallel
+            self.pipeline = Pipeline(model, self.dims.mesh, self.dims.pp_rank(self.rank),
+                                     p.pp_stages_per_rank, p.pp_schedule, parallelize_part)
+            model = self.pipeline.model
+        else:
+            parallelize_part(model)
         model.to_empty(device=self.device)
         if initialise:
             t0 = time.perf_counter()
             init_sharded_weights(model, seed=t.seed)
             self.startup["init_s"] = time.perf_counter() - t0
         return model
-
-    def _build_evaluator(self) -> Evaluator | None:
-        """The held-out set (eval.path, else <data.path>/val when prepare-data wrote one), or
-        None: eval.samples=0, or no validation set."""
-        ev = self.cfg.eval
-        if not ev.samples:
-            return None
-        val = open_validation_manifest(ev.path, self.cfg.data.path, self.manifest)
-        # Evaluation is collective: a rank that cannot see the validation set (a local path on
-        # another node) must stop the group, not leave the others waiting in its all-gathers.
-        seen = torch.tensor([float(val is not None)], device=self.device)
-        dist.all_reduce(seen)
-        if 0 < seen.item() < self.world_size:
-            raise ValueError(f"the validation set {val.url if val else self.cfg.data.path + '/val'}"
-                             f" is visible to {int(seen.item())} of {self.world_size} workers; "
-                             "put it on storage every node reads (s3://, gs://, a shared "
-                             "filesystem), or set eval.samples=0")
-        if val is None:
-            if self.rank == 0:
-                why = (f"no validation set at {self.cfg.data.path}/val; prepare one with "
-                       "prepare-data --val-fraction or --val-docs, or set eval.path"
-                       if self.cfg.data.path else
-                       "a mixture (data.sources) has no single validation split; set eval.path")
-                say(f"[elastic-gpt] no evaluation: {why}")
-            return None
-        evaluator = Evaluator(
-            val, samples=ev.samples, micro_batch_size=self.batch_split.micro_batch_size,
-            seq_len=self.gpt_cfg.seq_len, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
-            count_rank=self.tp_rank == 0, device=self.device)
-        if self.rank == 0 and not evaluator.has_byte_counts:
-            say(f"[elastic-gpt] val/bits_per_byte unavailable: {val.url} has no byte counts "
-                f"(manifest version {val.version}, or a tokenizer without fixed token bytes); "
-                "re-run prepare-data to get them")
-        return evaluator
 
     def _eval_due(self, steps_done: int) -> bool:
         every = self.cfg.eval.every_steps
@@ -324,6 +301,11 @@ class Trainer:
         batch_split = self.batch_split
         T = self.gpt_cfg.seq_len
         global_tokens = batch_split.global_batch_size * T
+        if self.pipeline is not None:  # the same scaling as below, one schedule for the step
+            torch.manual_seed(self._dropout_seed(0))
+            return self.pipeline.forward_backward(
+                batch.tokens, batch.weights, T, self.batch_degree / global_tokens,
+                self.compute_dtype, self.dims.loss_parallel, self.device)
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         first_mb = batch_split.rank_micro_batches(self.batch_rank, self.batch_degree).start
@@ -374,6 +356,8 @@ class Trainer:
         gradient is a DTensor on the data- (and tensor-) parallel mesh, so the norm is reduced
         over all of them, each element counted once, whatever the layout."""
         clip = self.cfg.train.grad_clip
+        if self.pipeline is not None:  # over every stage, the tied embedding counted once
+            return self.pipeline.clip_grad_norm(clip if clip > 0 else math.inf)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), clip if clip > 0 else math.inf, foreach=True)
         return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
@@ -392,9 +376,11 @@ class Trainer:
         # The membership flag rides on the same all-reduce: every rank learns at the same step
         # boundary that the group must checkpoint and restart.
         stop = 1.0 if self.membership.reason else 0.0
-        # The tp ranks of a group hold the same loss and read the same samples: one counts them.
-        if self.tp_rank:
+        # The tp ranks of a group hold the same loss and read the same samples: one counts them;
+        # of a pipeline's stages, the last holds the loss and the first counts the samples.
+        if self.tp_rank or (self.pipeline and not self.pipeline.first):
             lo = hi = 0
+        if self.tp_rank or (self.pipeline and not self.pipeline.last):
             loss_sum = torch.zeros_like(loss_sum)
         stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
         stats[0] = loss_sum
@@ -435,12 +421,14 @@ class Trainer:
 
     def _open_stream(self):
         """This rank's batches from self.step on, for its place in the step's split. Under
-        tensor parallelism the group's first rank reads them and the others receive them."""
-        if not self.dims.tp_enabled:
+        tensor or pipeline parallelism the first rank of the ranks that train on the same
+        micro-batches reads them and the others receive them."""
+        group = self.dims.batch_group()
+        if group is None:
             return self._open_reader()
         return GroupBroadcastBatches(
-            self._open_reader() if self.tp_rank == 0 else None,
-            group=self.dims.tp_mesh.get_group(), batch_split=self.batch_split,
+            self._open_reader() if dist.get_rank(group) == 0 else None,
+            group=group, batch_split=self.batch_split,
             batch_rank=self.batch_rank, batch_degree=self.batch_degree,
             record_tokens=self.manifest.record_tokens, start_step=self.step, device=self.device)
 
@@ -558,7 +546,7 @@ class Trainer:
                     # Over every worker the step's batch was split over: with replica groups
                     # every live group's (C7 all-or-nothing step), not this group's alone.
                     mn.TRAIN_MFU: tokens_per_s * self.flops_per_token /
-                    (self.peak * self.batch_degree * self.dims.tp),
+                    (self.peak * self.batch_degree * self.dims.tp * self.dims.pp),
                     mn.TRAIN_WORLD_SIZE: self.world_size,
                     # Micro-batches per rank of this step's split (over every live replica
                     # group's ranks with replica groups, C7 all-or-nothing step).
