@@ -194,3 +194,75 @@ def test_the_trainers_pipelined_step_is_its_one_process_step(stdlib_dataset, tmp
         assert r["norm"] == pytest.approx(single["norm"], rel=1e-5)
         for name, grad in r["grads"].items():
             torch.testing.assert_close(grad, single["grads"][name], rtol=1e-5, atol=1e-6)
+
+
+# ---- resharding between pipeline and data parallelism through checkpoints ----------------------
+
+STEPS = 6
+
+
+def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:
+    from elastic_gpt.config import load_config
+    from elastic_gpt.tracking import metric_names as mn
+    from elastic_gpt.train.trainer import NullMetricSink, Trainer
+
+    class Recorder(NullMetricSink):
+        def __init__(self):
+            self.seen = {}
+
+        def log(self, metrics, step):
+            if mn.TRAIN_LOSS in metrics:
+                self.seen[step] = (metrics[mn.TRAIN_LOSS], metrics[mn.DATA_FINGERPRINT])
+
+    cfg = load_config("jobs/configs/mini.yaml", overrides)
+    recorder = Recorder()
+    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None, metrics=recorder)
+    trainer.train()
+    return {"seen": recorder.seen, "setup": trainer.setup_line()}
+
+
+def train(data: str, ckpt, pp: int, stop_at: int) -> dict:
+    overrides = ["model.preset=tiny", "model.n_layer=4", f"data.path={data}",
+                 "train.global_batch_size=8", "train.micro_batch_size=2",
+                 f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3",
+                 "train.log_every=100", "checkpoint.every_steps=2", "checkpoint.keep=5",
+                 f"checkpoint.path={ckpt}", "scaling.min_workers=2", "scaling.max_workers=2",
+                 f"parallel.pp={pp}", f"run.stop_at_step={stop_at}", "eval.samples=0"]
+    return run_gloo(_train_worker, 2, overrides)[0]
+
+
+@pytest.mark.slow
+def test_checkpoints_reshard_between_pipeline_and_data_parallel(stdlib_dataset, tmp_path):
+    """Saved at (pp 2, dp 1), resumed at (pp 1, dp 2) and back: every step trains on the
+    uninterrupted run's samples with its losses; the pipelined checkpoint is GPT-2's layout."""
+    from transformers import GPT2LMHeadModel
+
+    from elastic_gpt.checkpoint.sharded import load_model_weights
+    from elastic_gpt.inference.hf_export import export_hf
+    from elastic_gpt.model.gpt import GPT
+
+    whole = train(stdlib_dataset, tmp_path / "whole", pp=1, stop_at=STEPS)["seen"]
+    ckpt = tmp_path / "resharded"
+    first = train(stdlib_dataset, ckpt, pp=2, stop_at=2)  # (pp 2, dp 1)
+    assert "dp 1 x tp 1 x pp 2" in first["setup"]
+    seen = dict(first["seen"])
+    seen.update(train(stdlib_dataset, ckpt, pp=1, stop_at=4)["seen"])  # (pp 1, dp 2) from step 2
+    seen.update(train(stdlib_dataset, ckpt, pp=2, stop_at=STEPS)["seen"])  # back, from step 4
+    assert sorted(seen) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert seen[s][1] == whole[s][1], f"step {s} trained on other samples (C2 data order)"
+        assert seen[s][0] == pytest.approx(whole[s][0], abs=2e-3), f"step {s}"
+
+    # The pipelined session's last checkpoint: one GPT-2 (tied embedding and all), which
+    # Hugging Face's model reads and computes the whole model's logits with.
+    step_dir = str(ckpt / f"step_{STEPS:08d}")
+    export_hf(step_dir, str(tmp_path / "hf"))
+    hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    c = hf.config
+    ours = GPT(GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd,
+                         seq_len=c.n_positions, vocab_size=c.vocab_size))
+    load_model_weights(step_dir, ours)
+    assert c.n_layer == 4
+    x = torch.arange(2 * 32).reshape(2, 32) % c.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)
