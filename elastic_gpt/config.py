@@ -523,7 +523,8 @@ def validate(cfg: Config) -> None:
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     problem = workers_problem(tp * pp, {"scaling.min_workers": s.min_workers,
                                         "scaling.max_workers": s.max_workers},
-                              flag="parallel.tp" if pp == 1 else "parallel.tp x parallel.pp")
+                              flag="parallel.tp" if pp == 1 else "parallel.tp x parallel.pp",
+                              unit="tensor-parallel groups" if pp == 1 else "pipelines")
     if problem:
         raise ValueError(problem)
     batch_split = BatchSplit(t.global_batch_size, t.micro_batch_size)

@@ -104,6 +104,24 @@ def test_micro_batches_are_counted_per_data_parallel_rank():
         load_config(TINY, over)
 
 
+def test_a_pipeline_the_run_cannot_fill_or_schedule_is_one_clear_line():
+    ok = ["train.global_batch_size=16", "train.micro_batch_size=2", "scaling.min_workers=2",
+          "scaling.max_workers=4", "parallel.pp=2"]
+    cfg = load_config(TINY, ok)
+    assert (cfg.parallel.pp, cfg.parallel.pp_schedule) == (2, "1f1b")
+    for extra, says in (
+            (["scaling.max_workers=5"], r"must be multiples of parallel.tp x parallel.pp=2 "
+                                        r"\(workers come in whole pipelines\)"),
+            (["parallel.tp=2"], "must be multiples of parallel.tp x parallel.pp=4"),
+            (["train.global_batch_size=4"], r"a step gives each pipeline 1 micro-batch\(es\), "
+                                            r"fewer than its parallel.pp=2 stages"),
+            (["parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
+            (["parallel.pp_stages_per_rank=2"], "pp_schedule=1f1b runs one stage per rank"),
+            (["elastic.replica_groups=2"], "replica_groups with parallel.pp > 1 is not supported")):
+        with pytest.raises(ValueError, match=says):
+            load_config(TINY, [*ok, *extra])
+
+
 def test_yaml_values_users_write_today_keep_their_meaning(tmp_path):
     yml = tmp_path / "c.yaml"
     yml.write_text("data: {path: d}\nscaling: {use_gpu: auto}\ntrain: {dtype: bfloat16, "

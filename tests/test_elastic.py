@@ -129,6 +129,21 @@ def test_groups_are_planned_in_whole_tensor_parallel_groups_per_node(per_node, m
     assert all(w % tp == 0 and w <= per_node[n] for n, w in got.items())
 
 
+@pytest.mark.parametrize("per_node,max_workers,tp,pp,hsdp,plan", [
+    ({"a": 2, "b": 2}, 4, 1, 2, "auto", {"a": 2, "b": 2}),  # two pipelines of 2 stages
+    ({"a": 2, "b": 1}, 4, 1, 2, "auto", {"a": 2}),  # 3 fit: whole pipelines only, so 2
+    ({"a": 3, "b": 2, "c": 1}, 8, 1, 4, "auto", {"a": 3, "b": 1}),  # a stage may cross nodes
+    ({"a": 4, "b": 2}, 8, 2, 2, "auto", {"a": 4}),  # whole pipelines of pp 2 x tp 2
+    ({"a": 2}, 4, 1, 4, "auto", {}),  # not one whole pipeline: wait for capacity
+    ({"a": 2, "b": 2, "c": 2}, 12, 1, 2, "on", {"a": 2, "b": 2, "c": 2}),
+    ({"a": 3, "b": 3, "c": 3}, 12, 1, 2, "on", {"a": 3, "b": 3}),  # replicas, whole pipelines
+])
+def test_groups_are_planned_in_whole_pipelines(per_node, max_workers, tp, pp, hsdp, plan):
+    got = group_plan(per_node, max_workers, tp, hsdp, pp)
+    assert got == plan
+    assert sum(got.values()) % (pp * tp) == 0
+
+
 def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):
     import ray
 

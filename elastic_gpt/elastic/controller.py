@@ -49,10 +49,11 @@ class ElasticTorchTrainer(TorchTrainer):
 
     def __init__(self, train_loop_per_worker, *, run_key: str, max_failures_per_hour: float,
                  tp: int = 1, hsdp: str = "auto", grow_settle_s: float = 0.0,
-                 node_mtbf_h: float = math.inf, **trainer_kwargs):
+                 node_mtbf_h: float = math.inf, pp: int = 1, **trainer_kwargs):
         self.run_key = run_key
         self.max_failures_per_hour = max_failures_per_hour
-        self.tp, self.hsdp = tp, hsdp  # groups are sized in whole tensor-parallel groups
+        # Groups are sized in whole tensor-parallel groups per node and whole pipelines.
+        self.tp, self.hsdp, self.pp = tp, hsdp, pp
         self.grow_settle_s, self.node_mtbf_h = grow_settle_s, node_mtbf_h  # the grow rule's
         super().__init__(train_loop_per_worker, **trainer_kwargs)
 
@@ -60,7 +61,7 @@ class ElasticTorchTrainer(TorchTrainer):
         records = RunRecords(self.run_key)
         controller_init_kwargs["scaling_policy"] = LiveCapacityScalingPolicy(
             self.scaling_config, records, tp=self.tp, hsdp=self.hsdp,
-            grow_settle_s=self.grow_settle_s, node_mtbf_h=self.node_mtbf_h)
+            grow_settle_s=self.grow_settle_s, node_mtbf_h=self.node_mtbf_h, pp=self.pp)
         controller_init_kwargs["failure_policy"] = ElasticFailurePolicy(
             self.run_config.failure_config, records, self.max_failures_per_hour)
         return super()._initialize_and_run_controller(**controller_init_kwargs)

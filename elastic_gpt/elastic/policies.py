@@ -46,10 +46,10 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
     next membership change expected (elastic/resize_rule.py; `node_mtbf_h` is its prior)."""
 
     def __init__(self, scaling_config, records: RunRecords, tp: int = 1, hsdp: str = "auto",
-                 grow_settle_s: float = 0.0, node_mtbf_h: float = math.inf):
+                 grow_settle_s: float = 0.0, node_mtbf_h: float = math.inf, pp: int = 1):
         super().__init__(scaling_config)
         self.records = records
-        self.tp, self.hsdp = tp, hsdp
+        self.tp, self.hsdp, self.pp = tp, hsdp, pp
         self.grow_settle_s, self.node_mtbf_h = grow_settle_s, node_mtbf_h
         # The run's own ScalingConfig in the controller, whose per-worker label selectors Ray
         # Train places each new group with (after_controller_start).
@@ -85,7 +85,7 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         most = self.scaling_config.max_workers
         if self.placement_cap is not None:
             most = min(most, self.placement_cap)
-        return group_plan(per_node, most, self.tp, self.hsdp)
+        return group_plan(per_node, most, self.tp, self.hsdp, self.pp)
 
     def _place(self, plan: dict[str, int]) -> None:
         """Pin each worker of the next group to its node in `plan` where the layout needs whole
@@ -179,25 +179,36 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
 
 
 def group_plan(per_node: dict[str, int], max_workers: int, tp: int = 1,
-               hsdp: str = "auto") -> dict[str, int]:
+               hsdp: str = "auto", pp: int = 1) -> dict[str, int]:
     """Workers per node for a new group, from the workers that fit on each node now: whole
     tensor-parallel groups per node (a group never spans nodes), the nodes with the most room
-    first (as few nodes as can hold it, as Ray's PACK would), at most max_workers (a multiple of
-    tp). Under hsdp=on, whole replicas too: the same number of workers on every node used, the
-    most workers any such choice gives. Nodes that get no worker are left out."""
+    first (as few nodes as can hold it, as Ray's PACK would), at most max_workers, in whole
+    pipelines of pp x tp (the stages of a pipeline may span nodes). Under hsdp=on, whole
+    replicas too: the same number of workers on every node used, the most workers any such
+    choice gives. Nodes that get no worker are left out."""
+    unit = pp * tp
     room = sorted(((n // tp * tp, node) for node, n in per_node.items()),
                   key=lambda r: (-r[0], r[1]))
     if hsdp != "on":
-        plan, left = {}, max_workers // tp * tp
+        plan, left = {}, max_workers // unit * unit
         for usable, node in room:
             if min(usable, left) > 0:
                 plan[node] = min(usable, left)
                 left -= plan[node]
-        return plan
+        # Whole pipelines: what does not make one comes off the emptiest nodes used.
+        extra = sum(plan.values()) % unit
+        for node in reversed(list(plan)):
+            cut = min(extra, plan[node])
+            plan[node] -= cut
+            extra -= cut
+        return {node: n for node, n in plan.items() if n}
     best: dict[str, int] = {}
     for nodes, (per, _) in enumerate(room, 1):  # the `nodes` fullest nodes, `per` workers each
-        if per and min(nodes, max_workers // per) * per > sum(best.values()):
-            best = {node: per for _, node in room[:min(nodes, max_workers // per)]}
+        used = min(nodes, max_workers // per) if per else 0
+        while used and used * per % unit:
+            used -= 1
+        if used * per > sum(best.values()):
+            best = {node: per for _, node in room[:used]}
     return best
 
 

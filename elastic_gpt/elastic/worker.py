@@ -42,7 +42,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # A placement the layout cannot use raises PlacementError on every rank here, which the
     # controller retries: before rank 0 consumes the record of why the previous attempt ended
     # (WorkerMembership), which the retry's ledger event still needs.
-    ParallelDims.for_nodes(world, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp, rank_nodes=nodes)
+    ParallelDims.for_nodes(world, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp, rank_nodes=nodes,
+                           pp=cfg.parallel.pp)
     # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
     metrics: MetricSink = (MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id
                            else NullMetricSink())

@@ -143,7 +143,7 @@ def job_factory(cfg: Config, *, gpu: bool, num_workers: int | tuple[int, int], k
         return ElasticTorchTrainer(
             train_loop_per_worker, run_key=key,
             max_failures_per_hour=cfg.elastic.max_failures_per_hour, tp=cfg.parallel.tp,
-            hsdp=cfg.parallel.hsdp, grow_settle_s=cfg.elastic.grow_settle_s,
+            hsdp=cfg.parallel.hsdp, pp=cfg.parallel.pp, grow_settle_s=cfg.elastic.grow_settle_s,
             node_mtbf_h=cfg.elastic.node_mtbf_h, train_loop_config=loop_config,
             scaling_config=scaling,
             run_config=run_config,

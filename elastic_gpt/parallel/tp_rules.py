@@ -43,17 +43,17 @@ def model_problem(tp: int, *, n_head: int, seq_len: int, vocab_size: int | None 
     return None
 
 
-def workers_problem(tp: int, counts: dict[str, int], *, flag: str = "parallel.tp") -> str | None:
+def workers_problem(tp: int, counts: dict[str, int], *, flag: str = "parallel.tp",
+                    unit: str = "tensor-parallel groups") -> str | None:
     """Why worker counts `counts` (a key -> its value, e.g. {"scaling.min_workers": 2}) do not
-    come in whole tensor-parallel groups of tp, or None."""
+    come in whole `unit` (tensor-parallel groups, or pipelines) of tp ranks, or None."""
     bad = {k: v for k, v in counts.items() if v % tp or v < tp}
     if not bad:
         return None
     names = " and ".join(f"{k}={v}" for k, v in counts.items())
     fix = " ".join(f"{k}={max(tp, v // tp * tp)}" for k, v in counts.items())
     verb = "must be multiples" if len(counts) > 1 else "must be a multiple"
-    return (f"{names} {verb} of {flag}={tp} (workers come in whole tensor-parallel groups); "
-            f"e.g. {fix}")
+    return f"{names} {verb} of {flag}={tp} (workers come in whole {unit}); e.g. {fix}"
 
 
 def nodes_problem(tp: int, per_node: Iterable[int], *, flag: str = "parallel.tp",
