@@ -266,3 +266,33 @@ def test_checkpoints_reshard_between_pipeline_and_data_parallel(stdlib_dataset, 
     x = torch.arange(2 * 32).reshape(2, 32) % c.vocab_size
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+
+
+def _trainer_eval(rank: int, world: int, overrides: list[str]) -> dict:
+    from elastic_gpt.config import load_config
+    from elastic_gpt.train.trainer import Trainer
+
+    cfg = load_config("jobs/configs/mini.yaml", overrides)
+    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
+    result = trainer.evaluate(0)
+    return {"loss": result.loss, "tokens": result.tokens}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,extra", [
+    (2, ("parallel.pp=2",)),
+    (4, ("parallel.pp=2", "parallel.tp=2")),
+], ids=["pp2", "pp2xtp2"])
+def test_held_out_evaluation_runs_through_the_stages(stdlib_dataset, world, extra, tmp_path):
+    """The held-out loss through the pipeline (a step's micro-batches per call, the last one
+    padded with ignored rows) is the one-process loss over the same tokens."""
+    base = ["model.preset=tiny", "model.n_layer=4", f"data.path={stdlib_dataset}",
+            "train.global_batch_size=8", "train.micro_batch_size=2", f"eval.path={stdlib_dataset}",
+            "eval.samples=13", "checkpoint.path=" + str(tmp_path / "unused")]
+    single = run_gloo(_trainer_eval, 1, [*base, "scaling.min_workers=1",
+                                         "scaling.max_workers=1"])[0]
+    ranks = run_gloo(_trainer_eval, world, [*base, f"scaling.min_workers={world}",
+                                            f"scaling.max_workers={world}", *extra])
+    for r in ranks:
+        assert r["tokens"] == single["tokens"] == 13 * 64
+        assert r["loss"] == pytest.approx(single["loss"], rel=1e-6)

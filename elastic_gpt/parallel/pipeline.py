@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor
 from elastic_gpt.model.gpt import GPT, GPTConfig, TiedLMHead, token_losses
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
+IGNORED = -100
+"""The target of a padding row: cross-entropy's ignore_index, no loss and no gradient."""
 """`parallel.pp_schedule`: one stage per rank, or several (virtual stages, a smaller bubble)."""
 
 
@@ -308,36 +310,78 @@ class Pipeline:
         self.last = any(s.last for s in self.stages)
         self._schedule = None
         self._tied: TiedEmbedding | None = None
+        self.micro_batches = self.micro_batch_rows = 0  # a step's, set by `prepare`
 
     def forward_backward(self, tokens: list[torch.Tensor], weights: list[float], seq_len: int,
-                         scale: float, compute_dtype: torch.dtype, vocab_sharded: bool,
+                         compute_dtype: torch.dtype, vocab_sharded: bool,
                          device: torch.device) -> torch.Tensor:
-        """Collective over the pipeline: every micro-batch of the step through the stages, its
-        loss times `scale` backpropagated; the tied embedding's gradients summed. Returns the
-        step's summed token loss (float64) on the rank holding the last stage, else zero.
-        A zero-weight slot (padding that keeps the collectives in step) has every target
+        """Collective over the pipeline (`prepare`d): every micro-batch of the step through the
+        stages, its loss times the scale backpropagated; the tied embedding's gradients summed.
+        Returns the step's summed token loss (float64) on the rank holding the last stage, else
+        zero. A zero-weight slot (padding that keeps the collectives in step) has every target
         ignored: no loss, no gradient."""
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        if self._schedule is None:  # the stages are materialised by now
-            self._schedule = build_schedule(
-                self.stages, self.mesh["pp"].get_group(), device, len(tokens),
-                summed_loss(scale), self.schedule_name)
-            self._tied = TiedEmbedding(self.mesh, self.stages)
         batch = torch.cat([t.to(device, non_blocking=True) for t in tokens])
         x, y = batch[:, :seq_len], batch[:, 1:seq_len + 1].clone()
         rows = tokens[0].size(0)
         for k, weight in enumerate(weights):
             if weight == 0.0:
-                y[k * rows:(k + 1) * rows] = -100  # cross-entropy's ignore_index
-        with torch.autocast(device.type, dtype=compute_dtype,
-                            enabled=compute_dtype != torch.float32), \
-                (loss_parallel() if vocab_sharded else contextlib.nullcontext()):
+                y[k * rows:(k + 1) * rows] = IGNORED
+        with self._context(compute_dtype, vocab_sharded, device):
             loss = run_step(self._schedule, self.stages, x, y)
         self._tied.sum_gradients()
+        return self._summed(loss, device)
+
+    def prepare(self, n_microbatches: int, rows: int, scale: float,
+                device: torch.device) -> None:
+        """Collective over the pipeline, once (the stages materialised): the schedule of
+        `n_microbatches` of `rows` sequences per step with the loss times `scale`, and the tied
+        embedding's pairs."""
+        if self._schedule is None:
+            self.micro_batches, self.micro_batch_rows = n_microbatches, rows
+            self._schedule = build_schedule(
+                self.stages, self.mesh["pp"].get_group(), device, n_microbatches,
+                summed_loss(scale), self.schedule_name)
+            self._scale = scale
+            self._tied = TiedEmbedding(self.mesh, self.stages)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, compute_dtype: torch.dtype,
+                 vocab_sharded: bool, device: torch.device) -> torch.Tensor:
+        """Collective over the pipeline: the summed token loss of `x` against `y` (the step's
+        micro-batch count of rows of the step's micro-batch size; IGNORED targets count for
+        nothing) through the stages, forward only; on the last stage's rank, else zero. Every
+        gathered weight is released after it, as a training step expects."""
+        from torch.distributed.fsdp import FSDPModule
+
+        losses: list[torch.Tensor] = []
+        with self._context(compute_dtype, vocab_sharded, device):
+            self._schedule.eval(*((x.to(device),) if self.first else ()),
+                                target=y.to(device) if self.last else None,
+                                losses=losses if self.last else None)
+        for stage in self.stages:
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        total = sum(loss.detach() for loss in losses) if self.last else None
+        if isinstance(total, DTensor):
+            total = total.to_local()
+        return self._summed(total, device)
+
+    def _summed(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         if loss is None:
             return torch.zeros((), dtype=torch.float64, device=device)
-        return loss.double() / scale
+        return loss.double() / self._scale
+
+    @staticmethod
+    def _context(compute_dtype: torch.dtype, vocab_sharded: bool, device: torch.device):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device.type, dtype=compute_dtype,
+                                           enabled=compute_dtype != torch.float32))
+        if vocab_sharded:
+            stack.enter_context(loss_parallel())
+        return stack
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.stages, max_norm, self.mesh["pp"].get_group())

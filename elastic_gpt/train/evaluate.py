@@ -103,10 +103,35 @@ class Evaluator:
             else:  # a zero-weight forward keeps this rank's collectives paired with the others'
                 self.batches.append((torch.zeros(1, seq_len + 1, dtype=torch.int64), 0.0, 0))
 
+    def _through(self, pipeline, compute_dtype: torch.dtype, loss_parallel: bool):
+        """(summed loss, tokens, text bytes) of this rank's share through the pipeline's
+        stages: its schedule's micro-batch count of chunks per call, each padded to the
+        micro-batch size with rows whose targets are ignored (the schedule's shapes are the
+        training step's)."""
+        from elastic_gpt.parallel.pipeline import IGNORED
+
+        T, rows, per_call = self.seq_len, pipeline.micro_batch_rows, pipeline.micro_batches
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = text_bytes = 0
+        for start in range(0, len(self.batches), per_call):
+            x = torch.zeros(per_call * rows, T, dtype=torch.int64)
+            y = torch.full((per_call * rows, T), IGNORED, dtype=torch.int64)
+            for k, (chunk, weight, nbytes) in enumerate(self.batches[start:start + per_call]):
+                if weight:
+                    n = chunk.size(0)
+                    x[k * rows:k * rows + n] = chunk[:, :T]
+                    y[k * rows:k * rows + n] = chunk[:, 1:T + 1]
+                    tokens += n * T
+                    text_bytes += nbytes
+            loss_sum += pipeline.evaluate(x, y, compute_dtype, loss_parallel, self.device)
+        return loss_sum, tokens, text_bytes
+
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module, *, compute_dtype: torch.dtype,
-                 loss_parallel: bool) -> EvalResult:
-        """Collective over every rank of the group: all call it at the same step."""
+                 loss_parallel: bool, pipeline=None) -> EvalResult:
+        """Collective over every rank of the group: all call it at the same step. `pipeline`
+        (parallel/pipeline.py's `Pipeline`): the model's stages run it, a step's worth of
+        micro-batches at a time."""
         t0 = time.perf_counter()
         T = self.seq_len
         was_training = model.training
@@ -114,7 +139,10 @@ class Evaluator:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = text_bytes = 0
         try:
-            for chunk, weight, nbytes in self.batches:
+            if pipeline is not None:
+                loss_sum, tokens, text_bytes = self._through(pipeline, compute_dtype,
+                                                             loss_parallel)
+            for chunk, weight, nbytes in self.batches if pipeline is None else ():
                 chunk = chunk.to(self.device, non_blocking=True)
                 x, y = chunk[:, :T], chunk[:, 1:T + 1]
                 # The training step's loss, without its backward.
@@ -149,19 +177,13 @@ def open_evaluator(cfg, manifest: Manifest, *, micro_batch_size: int, seq_len: i
                    dp_degree: int, count_rank: bool, rank: int, world_size: int,
                    device: torch.device) -> Evaluator | None:
     """Collective. The held-out set (eval.path, else <data.path>/val when prepare-data wrote
-    one), or None: eval.samples=0, no validation set, or a pipelined model (the evaluation
-    runs the whole model on each rank). `count_rank`: this rank's loss counts (one rank of each
-    tensor-parallel group)."""
+    one), or None: eval.samples=0, or no validation set. `count_rank`: this rank's loss counts
+    (one rank of each tensor-parallel group, of a pipeline the last stage's)."""
     from elastic_gpt.console import say
     from elastic_gpt.data.manifest import open_validation_manifest
 
     ev = cfg.eval
     if not ev.samples:
-        return None
-    if cfg.parallel.pp > 1:
-        if rank == 0:
-            say("[elastic-gpt] no evaluation: held-out evaluation does not run through pipeline "
-                "stages yet (parallel.pp > 1); set eval.samples=0 to silence this")
         return None
     val = open_validation_manifest(ev.path, cfg.data.path, manifest)
     # Evaluation is collective: a rank that cannot see the validation set (a local path on

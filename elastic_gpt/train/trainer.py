@@ -134,6 +134,10 @@ class Trainer:
         self.startup: dict[str, float] = {"init_s": 0.0, "checkpoint_read_s": 0.0}
         self.resume_from = self._newest_checkpoint()
         self.model = self._build_model(initialise=self.resume_from is None)
+        if self.pipeline is not None:  # a step's micro-batches, scaled as forward_backward's
+            T, split = self.gpt_cfg.seq_len, self.batch_split
+            self.pipeline.prepare(split.slots(self.dp_degree), split.micro_batch_size,
+                                  self.dp_degree / (split.global_batch_size * T), self.device)
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.step = 0
@@ -151,7 +155,8 @@ class Trainer:
         self.evaluator = open_evaluator(
             cfg, self.manifest, micro_batch_size=self.batch_split.micro_batch_size,
             seq_len=self.gpt_cfg.seq_len, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
-            count_rank=self.tp_rank == 0, rank=rank, world_size=world_size, device=self.device)
+            count_rank=self.tp_rank == 0 and (self.pipeline is None or self.pipeline.last),
+            rank=rank, world_size=world_size, device=self.device)
         self.last_eval: EvalResult | None = None
         self.checkpointer = make_checkpointer(
             cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
@@ -197,7 +202,8 @@ class Trainer:
         numbering), logged through the metric sink; its wall time is the ledger's eval_s, not
         productive time."""
         result = self.evaluator.evaluate(self.model, compute_dtype=self.compute_dtype,
-                                         loss_parallel=self.dims.loss_parallel)
+                                         loss_parallel=self.dims.loss_parallel,
+                                         pipeline=self.pipeline)
         self.ledger.on_eval(result.seconds)
         self.metrics.log(result.metrics(), step)
         if self.rank == 0:
@@ -301,11 +307,11 @@ class Trainer:
         batch_split = self.batch_split
         T = self.gpt_cfg.seq_len
         global_tokens = batch_split.global_batch_size * T
-        if self.pipeline is not None:  # the same scaling as below, one schedule for the step
+        if self.pipeline is not None:  # one schedule for the step's micro-batches
             torch.manual_seed(self._dropout_seed(0))
-            return self.pipeline.forward_backward(
-                batch.tokens, batch.weights, T, self.batch_degree / global_tokens,
-                self.compute_dtype, self.dims.loss_parallel, self.device)
+            return self.pipeline.forward_backward(batch.tokens, batch.weights, T,
+                                                  self.compute_dtype, self.dims.loss_parallel,
+                                                  self.device)
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         first_mb = batch_split.rank_micro_batches(self.batch_rank, self.batch_degree).start
