@@ -28,6 +28,9 @@ moved fails here, at import, naming the torch version.
   reduce-scatter over symmetric memory (torchtitan's async TP).
 - `bind_default_group` (`bound_device_id` and `eager_connect_single_device` on the default
   group): what `init_process_group(device_id=...)` does, for a default group made without it.
+- `pipeline_sends` (`torch.distributed.pipelining.schedules._batch_p2p`, through which every
+  schedule sends and receives): the bytes a rank sends across stage boundaries, for the tests
+  and benchmark that check the planner's count of them.
 - `set_collective_timeout` (`_set_pg_timeout` over every group in `_world.pg_map`): a new
   timeout for the collectives of every process group this rank is in, the default one and the
   device mesh's, on gloo and NCCL alike; `collective_timeouts` reads back what each group's
@@ -37,6 +40,8 @@ The names are torch's own, so a reader can look them up. Nothing here knows abou
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -90,6 +95,29 @@ def bind_default_group(device: torch.device) -> bool:
         group.bound_device_id = device
         backend.eager_connect_single_device(device)
     return True
+
+
+@contextlib.contextmanager
+def pipeline_sends():
+    """Every point-to-point send torch's pipeline schedules make while in the with-block, as
+    (peer in the pipeline group, bytes), appended to the list it yields: what crosses the
+    stage boundaries (`torch.distributed.pipelining.schedules._batch_p2p`, their one door)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    sent: list[tuple[int, int]] = []
+    original = schedules._batch_p2p
+
+    def counting(p2p_ops, desc=None):
+        sent.extend((op.group_peer, op.tensor.numel() * op.tensor.element_size())
+                    for op in p2p_ops if op.op is dist.isend)
+        return original(p2p_ops, desc)
+
+    schedules._batch_p2p = counting
+    try:
+        yield sent
+    finally:
+        schedules._batch_p2p = original
 
 
 def set_collective_timeout(seconds: float) -> int:

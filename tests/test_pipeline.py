@@ -296,3 +296,62 @@ def test_held_out_evaluation_runs_through_the_stages(stdlib_dataset, world, extr
     for r in ranks:
         assert r["tokens"] == single["tokens"] == 13 * 64
         assert r["loss"] == pytest.approx(single["loss"], rel=1e-6)
+
+
+# ---- the planner's pipeline terms against what torch's schedules do ---------------------------
+
+
+def _traffic(rank: int, world: int, schedule: str, per_rank: int, micro_batches: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_gpt.parallel.fsdp import apply_fsdp, init_sharded_weights
+    from elastic_gpt.parallel.pipeline import build_schedule, run_step, split_model, summed_loss
+    from elastic_gpt.torch_internals import pipeline_sends
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp_shard"))
+    with torch.device("meta"):
+        gpt = GPT(CFG)
+    stages = split_model(gpt, rank, world, per_rank)
+    for stage in stages:
+        apply_fsdp(stage, mesh["dp_shard"], torch.float32)
+        stage.to_empty(device="cpu")
+        init_sharded_weights(stage, seed=0)
+    sched = build_schedule(stages, mesh["pp"].get_group(), torch.device("cpu"), micro_batches,
+                           summed_loss(1.0), schedule)
+    # The most micro-batches this rank's stages keep for their backward at once, over a step.
+    peak = {"in_flight": 0}
+    for stage in stages:
+        forward = stage.runtime.forward_one_chunk
+
+        def counted(*args, _forward=forward, **kwargs):
+            out = _forward(*args, **kwargs)
+            held = sum(len(s.runtime.fwd_cache) for s in stages)
+            peak["in_flight"] = max(peak["in_flight"], held)
+            return out
+        stage.runtime.forward_one_chunk = counted
+    data = _batch()[:micro_batches]
+    T = CFG.seq_len
+    run_step(sched, stages, data[:, :T], data[:, 1:])  # the first step infers the shapes
+    peak["in_flight"] = 0
+    with pipeline_sends() as sent:
+        run_step(sched, stages, data[:, :T], data[:, 1:])
+    return {"sent": sum(b for _, b in sent), "in_flight": peak["in_flight"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,per_rank", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_the_planner_counts_the_bytes_and_activations_torchs_schedules_have(schedule, per_rank):
+    from elastic_gpt.cost_model.pipeline import in_flight, p2p_bytes
+
+    pp, m = 2, 4
+    ranks = run_gloo(_traffic, pp, schedule, per_rank, m)
+    for rank, got in enumerate(ranks):
+        predicted = p2p_bytes(pp, m, micro_batch=1, seq_len=CFG.seq_len, n_embd=CFG.n_embd,
+                              act_bytes=4, stages_per_rank=per_rank, pp_rank=rank)
+        assert got["sent"] == predicted, (rank, got, predicted)
+        # In micro-batches through one stage: the planner counts them through all of a rank's
+        # layers (per_rank stages' worth), so a rank's stage-micro-batches are that x per_rank.
+        keeps = in_flight(pp, m, per_rank, pp_rank=rank) * per_rank
+        assert got["in_flight"] <= keeps, (rank, got["in_flight"], keeps)
+        if rank == 0:
+            assert got["in_flight"] == pytest.approx(keeps, abs=1), (got["in_flight"], keeps)

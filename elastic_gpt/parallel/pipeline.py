@@ -115,6 +115,7 @@ class GPTStage(nn.Module):
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         self.layers = layers
+        self.__dict__["runtime"] = None  # torch's PipelineStage, once a schedule is built
         full = {name: i for i, (name, _) in enumerate(gpt.named_parameters())}
         if self.first or self.last:
             self.wte = gpt.wte
@@ -188,8 +189,9 @@ def build_schedule(stages: list[GPTStage], pp_group: dist.ProcessGroup, device: 
     if schedule == "1f1b" and len(stages) != 1:
         raise PipelineLayoutError("parallel.pp_schedule=1f1b runs one stage per rank; use "
                                   "interleaved_1f1b for more")
-    pipeline_stages = [PipelineStage(s, s.index, s.num_stages, device, group=pp_group)
-                       for s in stages]
+    for s in stages:  # what runs each stage (its send and receive buffers, its cache)
+        s.runtime = PipelineStage(s, s.index, s.num_stages, device, group=pp_group)
+    pipeline_stages = [s.runtime for s in stages]
     if schedule == "1f1b":
         return Schedule1F1B(pipeline_stages[0], n_microbatches, loss_fn=loss_fn,
                             scale_grads=False)
