@@ -202,11 +202,13 @@ class ParallelSection:
     (embeddings on the first, the output layer and loss on the last, blocks balanced by cost),
     each step's micro-batches streamed through them. Workers come in whole pipelines of pp x tp;
     the data-parallel degree is W / (pp x tp), and elasticity changes only it."""
-    pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "interleaved_zero_bubble"] = "1f1b"
     """1f1b: one stage per rank; interleaved_1f1b: parallel.pp_stages_per_rank stages per rank
-    (Megatron's virtual stages: a bubble that many times smaller, for as many more transfers)."""
+    (Megatron's virtual stages: a bubble that many times smaller, for as many more transfers);
+    interleaved_zero_bubble: as interleaved, with each backward split into its input and its
+    weight gradients so the latter fill the bubble (torch's schedule after Qi et al. 2024)."""
     pp_stages_per_rank: AtLeastOne = 1
-    """Stages per pipeline rank: 1 for 1f1b, at least 2 for interleaved_1f1b."""
+    """Stages per pipeline rank: 1 for 1f1b, at least 2 for the interleaved schedules."""
 
 
 @dataclass
@@ -550,9 +552,10 @@ def _check_pipeline(cfg: Config, batch_split) -> None:
         raise ValueError(f"parallel.pp_schedule=1f1b runs one stage per rank, and "
                          f"parallel.pp_stages_per_rank is {par.pp_stages_per_rank}; use "
                          "parallel.pp_schedule=interleaved_1f1b or pp_stages_per_rank=1")
-    if par.pp_schedule == "interleaved_1f1b" and par.pp_stages_per_rank < 2:
-        raise ValueError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank"
-                         " >= 2 (stages per rank); use 2, or parallel.pp_schedule=1f1b")
+    if par.pp_schedule != "1f1b" and par.pp_stages_per_rank < 2:
+        raise ValueError(f"parallel.pp_schedule={par.pp_schedule} needs parallel."
+                         "pp_stages_per_rank >= 2 (stages per rank); use 2, or "
+                         "parallel.pp_schedule=1f1b")
     if par.pp == 1:
         return
     if cfg.elastic.replica_groups != "off":

@@ -119,9 +119,10 @@ def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int, tp:
 @pytest.mark.parametrize("world,pp,schedule,per_rank,tp", [
     (2, 2, "1f1b", 1, 1),
     (2, 2, "interleaved_1f1b", 2, 1),
+    (2, 2, "interleaved_zero_bubble", 2, 1),
     (4, 2, "1f1b", 1, 1),
     (4, 2, "1f1b", 1, 2),
-], ids=["pp2", "pp2-interleaved", "pp2xdp2", "pp2xtp2"])
+], ids=["pp2", "pp2-interleaved", "pp2-zero-bubble", "pp2xdp2", "pp2xtp2"])
 def test_a_pipelined_step_is_the_one_process_step(world, pp, schedule, per_rank, tp):
     ref = _reference()
     ranks = run_gloo(_pipelined, world, pp, schedule, per_rank, tp)
@@ -180,8 +181,11 @@ def trainer_step(world: int, data: str, tmp_path, extra: tuple[str, ...] = ()) -
     (2, ("parallel.pp=2",), "dp 1 x tp 1 x pp 2"),
     (2, ("parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
          "parallel.pp_stages_per_rank=2"), "dp 1 x tp 1 x pp 2"),
+    (2, ("parallel.pp=2", "parallel.pp_schedule=interleaved_zero_bubble",
+         "parallel.pp_stages_per_rank=2"), "dp 1 x tp 1 x pp 2"),
     (4, ("parallel.pp=2", "parallel.tp=2"), "dp 1 x tp 2 x pp 2"),
-], ids=["pp2", "pp2-interleaved", "pp2xtp2"])
+    (4, ("parallel.pp=2", "train.activation_checkpointing=true"), "dp 2 x tp 1 x pp 2"),
+], ids=["pp2", "pp2-interleaved", "pp2-zero-bubble", "pp2xtp2", "pp2xdp2-checkpointing"])
 def test_the_trainers_pipelined_step_is_its_one_process_step(stdlib_dataset, tmp_path, world,
                                                               extra, layout):
     single = trainer_step(1, stdlib_dataset, tmp_path)[0]

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic_gpt.model.gpt import GPT, GPTConfig, TiedLMHead, token_losses
 
-SCHEDULES = ("1f1b", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 IGNORED = -100
 """The target of a padding row: cross-entropy's ignore_index, no loss and no gradient."""
 """`parallel.pp_schedule`: one stage per rank, or several (virtual stages, a smaller bubble)."""
@@ -195,6 +195,10 @@ def build_schedule(stages: list[GPTStage], pp_group: dist.ProcessGroup, device: 
     if schedule == "1f1b":
         return Schedule1F1B(pipeline_stages[0], n_microbatches, loss_fn=loss_fn,
                             scale_grads=False)
+    if schedule == "interleaved_zero_bubble":
+        from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+        return ScheduleInterleavedZeroBubble(pipeline_stages, n_microbatches, loss_fn=loss_fn,
+                                             scale_grads=False)
     return ScheduleInterleaved1F1B(pipeline_stages, n_microbatches, loss_fn=loss_fn,
                                    scale_grads=False)
 
