@@ -21,7 +21,8 @@ def _as_planned(plan, **forced):
     args = dict(world_size=n, tp=c.tp, workers_per_node=[per] * (n // per) if n > per else [n],
                 micro_batch=c.micro_batch, micro_batches_per_rank=c.micro_batches_per_rank,
                 activation_checkpointing=c.activation_checkpointing, dtype="bfloat16",
-                device_bytes=gpu.memory_bytes, gpu=gpu)
+                device_bytes=gpu.memory_bytes, gpu=gpu, pp=c.mesh.pp,
+                stages_per_rank=c.mesh.stages_per_rank)
     return resolve_memory_settings(plan.shape, **{**args, **forced})
 
 

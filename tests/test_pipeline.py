@@ -9,13 +9,13 @@ import itertools
 import pytest
 import torch
 
-from elastic_gpt.model.gpt import GPT, GPTConfig
-from elastic_gpt.parallel.pipeline import (
+from elastic_gpt.cost_model.pipeline import (
     PipelineLayoutError,
     rank_stages,
     stage_costs,
     stage_layers,
 )
+from elastic_gpt.model.gpt import GPT, GPTConfig
 from elastic_gpt.testing.gloo import run_gloo
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)

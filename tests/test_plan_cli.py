@@ -94,13 +94,13 @@ def test_custom_shape_is_written_as_fields(tmp_path, capsys):
 def test_forced_tp_and_hsdp_are_planned_and_written(tmp_path, capsys):
     out = tmp_path / "tp.yaml"
     rc = run_from_args(cli("--model", "gpt3-13b", "--gpus", "64", "--tp", "2", "--hsdp", "on",
-                           "--write-config", str(out)))
+                           "--pp", "1", "--write-config", str(out)))
     assert rc == 0
     report = capsys.readouterr().out
     assert "layout    tp=2 x dp=32 (HSDP: FSDP over 4 in each node x 8 replicas" in report
     assert "layouts weighed" not in report  # one mesh: nothing else was weighed
     plan = plan_training(inputs_from_args(cli("--model", "gpt3-13b", "--gpus", "64", "--tp",
-                                              "2", "--hsdp", "on")))
+                                              "2", "--hsdp", "on", "--pp", "1")))
     assert plan.chosen.tp == 2 and plan.chosen.hsdp and len(plan.layouts) == 1
     assert plan.min_workers % 8 == 0  # HSDP shrinks in whole nodes (one replica each)
     summary = plan_summary(plan)

@@ -207,7 +207,7 @@ def test_gpt3_175b_on_1024_a100s_is_within_15_percent_of_megatron(capsys):
     hw_flops = training_flops_per_token(plan.shape, plan.chosen.activation_checkpointing)
     achieved = plan.tokens_per_s * hw_flops / plan.n_gpus
     assert within(achieved, 140e12, rel=0.15)  # what their run measured per GPU
-    fsdp_only = plan_training(PlanInputs(**A100_175B, n_gpus=1024, tp=1))
+    fsdp_only = plan_training(PlanInputs(**A100_175B, n_gpus=1024, tp=1, pp=1))
     assert fsdp_only.time_to_train_s > 2 * plan.time_to_train_s
     report = format_report(plan)
     assert "layouts weighed" in report and "runner-up" in report
@@ -218,9 +218,10 @@ def test_gpt3_175b_on_1024_a100s_is_within_15_percent_of_megatron(capsys):
 
 def test_where_fsdp_traffic_sets_the_step_the_plan_names_pipeline_parallelism():
     """Past 1024 A100s, G=1536 leaves each rank less compute while FSDP still moves the TP rank's
-    whole model across nodes every step: the note says how many pipeline stages would hide it."""
-    plan = plan_training(PlanInputs(**A100_175B, n_gpus=4096))
-    note = next(n for n in plan.notes if "Pipeline parallelism" in n)
+    whole model across nodes every step: without pipelines (--pp 1) the note says how many
+    stages would hide it; left to choose, the plan takes pipeline stages there, and is faster."""
+    plan = plan_training(PlanInputs(**A100_175B, n_gpus=4096, pp=1))
+    note = next(n for n in plan.notes if "Pipeline parallelism (--pp)" in n)
     pp = int(note.split("over ")[1].split(" stages")[0])
     st = plan.chosen.step
     assert st.comm_s / pp <= st.compute_s < st.comm_s / (pp // 2)
@@ -228,6 +229,9 @@ def test_where_fsdp_traffic_sets_the_step_the_plan_names_pipeline_parallelism():
     assert "tp=1 FSDP 4096       cannot run: 4096 data-parallel ranks" in format_report(plan)
     assert not any("Pipeline" in n for n in plan_training(PlanInputs(**A100_175B,
                                                                       n_gpus=1024)).notes)
+    pipelined = plan_training(PlanInputs(**A100_175B, n_gpus=4096))
+    assert pipelined.chosen.mesh.pp > 1 and pipelined.step_s < plan.step_s
+    assert not any("Pipeline parallelism" in n for n in pipelined.notes)
 
 
 def test_tp_problem_names_what_would_work():
@@ -252,3 +256,19 @@ def test_a_model_no_gpu_count_fits_says_what_would():
                                         r"splitting the sequence \(context parallelism"):
         plan_training(PlanInputs(model="gpt3-13b", gpu="H200", n_gpus=8, seq_len=2**20,
                                  global_batch_size=8))
+
+
+def test_a_pipelined_plan_writes_a_config_the_trainer_takes(tmp_path):
+    """The plan's pipeline (degree, schedule, stages per rank) is written as parallel.pp*, and
+    the trainer's config checks accept it (whole pipelines, a step that fills them)."""
+    plan = plan_training(PlanInputs(**A100_175B, n_gpus=4096))
+    written = training_config(plan)
+    mesh = plan.chosen.mesh
+    assert written["parallel"]["pp"] == mesh.pp > 1
+    assert written["parallel"]["pp_schedule"] == mesh.schedule
+    assert written["parallel"]["pp_stages_per_rank"] == mesh.stages_per_rank
+    assert plan.min_workers % (mesh.pp * mesh.tp) == 0
+    cfg = load_config_from(written, tmp_path)
+    assert (cfg.parallel.pp, cfg.parallel.tp) == (mesh.pp, mesh.tp)
+    summary = plan_summary(plan)
+    assert summary["pp"] == mesh.pp and summary["bubble_s"] > 0 and summary["p2p_bytes"] > 0

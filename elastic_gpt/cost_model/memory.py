@@ -188,7 +188,8 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                    grad_sync: str = "microbatch", micro_batches_per_rank: int = 1,
                    reshard_after_forward: bool = True,
                    context_bytes: float = CONTEXT_GIB * GiB, fragmentation: float = FRAGMENTATION,
-                   flash: bool = True, tp: int = 1, dp_shard: int | None = None) -> Memory:
+                   flash: bool = True, tp: int = 1, dp_shard: int | None = None,
+                   in_flight: float = 1.0, loss: str = "chunked") -> Memory:
     """Peak memory of one rank: FSDP2 (one unit per block, then the root) over the data-parallel
     ranks, on top of tensor parallelism of degree tp (Megatron-style with sequence parallelism).
 
@@ -197,6 +198,11 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     the first forward to the last backward of a step: + (L - 2) blocks in the compute dtype.
     dp_shard is FSDP2's shard degree: n_gpus / tp (every data-parallel rank), or under HSDP the
     data-parallel ranks of one node.
+
+    A pipeline rank (cost_model/pipeline.py): `shape` holds its layers, `in_flight` micro-batches
+    of them keep their activations at once, and `loss` says where the loss is: "chunked" (the
+    whole model's, from the last hidden states: model/gpt.py), "whole" (the last stage's, on whole
+    logits), "none" (not on this rank). Under tensor parallelism the loss is on whole logits.
     """
     cfg, pb = shape.cfg, dtype_bytes(dtype)
     s, b, h, L = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_layer
@@ -216,13 +222,17 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     if activation_checkpointing:
         # Each block keeps only its input (sequence-sharded under TP); in backward one block at a
         # time is recomputed.
-        acts = L * pb * s * b * h / tp + per_layer
+        acts = in_flight * L * pb * s * b * h / tp + per_layer
     else:
-        acts = L * per_layer
-    # ln_f's input and the lm_head's input: under TP the first is sequence-sharded and the second
-    # the all-gathered whole, which the column-parallel lm_head keeps for its weight gradient.
-    acts += pb * s * b * h * (1 / tp + 1)
-    if tp > 1:  # vocab-parallel loss on whole fp32 logits: each rank its slice
+        acts = in_flight * L * per_layer
+    if loss != "none":
+        # ln_f's input and the lm_head's input: under TP the first is sequence-sharded and the
+        # second the all-gathered whole, which the column-parallel lm_head keeps for its weight
+        # gradient.
+        acts += pb * s * b * h * (1 / tp + 1)
+    if loss == "none":
+        logits = 0.0
+    elif tp > 1 or loss == "whole":  # the loss on whole fp32 logits: each TP rank its slice
         logits = LOGIT_BYTES * b * s * cfg.vocab_size / tp
     else:
         logits = (pb * b * s * cfg.vocab_size

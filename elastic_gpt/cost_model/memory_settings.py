@@ -79,25 +79,45 @@ def resolve_memory_settings(shape: ModelShape, *, world_size: int, tp: int,
                             reshard_after_forward: str = "auto",
                             memory_margin: float = MEMORY_MARGIN,
                             context_bytes: float = CONTEXT_GIB * GiB,
-                            fragmentation: float = FRAGMENTATION) -> MemorySettings:
+                            fragmentation: float = FRAGMENTATION, pp: int = 1,
+                            stages_per_rank: int = 1) -> MemorySettings:
     """Resolve the settings given as `auto` (the others are kept as given) for `world_size`
     workers, `workers_per_node` of them on each node, on devices of `device_bytes` each (the
     smallest of the group's). `gpu`: the device's row for the step-time model, or None.
 
     Nothing fitting is not an error here (the prediction is an estimate, and an explicit setting
-    is the user's call): the smallest footprint is returned with `fits` False, for a warning."""
+    is the user's call): the smallest footprint is returned with `fits` False, for a warning.
+
+    Under pipeline parallelism (`pp` > 1) the memory and step are a pipeline rank's
+    (cost_model/pipeline.py), and gradients are reduced once per step: the schedule's."""
+    from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
+
     multi_node = len(workers_per_node) > 1
     even = len(set(workers_per_node)) == 1
     hsdps = {"on": [True], "off": [False],
              "auto": [False, True] if multi_node and even else [False]}[hsdp]
     syncs = ["microbatch", "step"] if grad_sync == "auto" else [grad_sync]
+    if pp > 1:
+        syncs = ["step"]
     reshards = {"auto": [True, False], "always": [True], "never": [False]}[reshard_after_forward]
     per_node = workers_per_node[0] if even else max(workers_per_node)
     net = Network(per_node, gpu.intra_node_gbps, gpu.inter_node_gbps) if gpu else None
     usable = device_bytes * (1 - memory_margin)
     candidates = []
     for on, sync, reshard in itertools.product(hsdps, syncs, reshards):
-        mesh = make_mesh(world_size, tp, on, per_node)
+        mesh = make_mesh(world_size, tp, on, per_node, pp, stages_per_rank)
+        if pp > 1:
+            kw = dict(activation_checkpointing=activation_checkpointing, grad_sync=sync,
+                      reshard_after_forward=reshard)
+            mem = pipelined_memory(shape, mesh, micro_batch, micro_batches_per_rank, dtype=dtype,
+                                   micro_batches_per_rank=micro_batches_per_rank,
+                                   context_bytes=context_bytes, fragmentation=fragmentation, **kw)
+            st = None if net is None else pipelined_step_time(
+                shape, gpu, net, mesh, micro_batch, micro_batches_per_rank, dtype=dtype,
+                efficiency=MATMUL_EFFICIENCY, **kw)
+            candidates.append(LayoutCandidate(micro_batch, activation_checkpointing, sync,
+                                              micro_batches_per_rank, mem, st, reshard, mesh))
+            continue
         mem = memory_per_gpu(shape, world_size, micro_batch,
                              activation_checkpointing=activation_checkpointing, dtype=dtype,
                              grad_sync=sync, micro_batches_per_rank=micro_batches_per_rank,

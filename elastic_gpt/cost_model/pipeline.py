@@ -20,6 +20,94 @@ p = parallel.pp, v = stages per rank (1 for 1F1B), m = micro-batches per step of
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+from elastic_gpt.cost_model.memory import Memory, ModelShape, dtype_bytes, memory_per_gpu
+from elastic_gpt.cost_model.step_time import Mesh, Network, StepTime, step_time
+from elastic_gpt.hardware import GB, GPU
+from elastic_gpt.model.gpt import GPTConfig
+
+
+class PipelineLayoutError(ValueError):
+    """A pipeline the model or the batch cannot be cut into."""
+
+
+# ---- where the layers go (parallel/pipeline.py cuts the model so) --------------------------------
+
+
+def stage_costs(cfg: GPTConfig) -> tuple[float, float]:
+    """(one block, the output layer and loss) in forward FLOPs per token: what `stage_layers`
+    balances. A block's matmuls are 24 d^2 and its attention 4 T d; the output layer's 2 V d.
+    The embedding lookups cost no FLOPs."""
+    d, T, V = cfg.n_embd, cfg.seq_len, cfg.vocab_size
+    return 24 * d * d + 4 * T * d, 2 * V * d
+
+
+def stage_layers(cfg: GPTConfig, num_stages: int) -> list[range]:
+    """The blocks of each of `num_stages` contiguous stages, at least one each: the costliest
+    stage (the last one counting the output layer) as cheap as it can be, and among the cuts
+    that reach that, the most even one (the least sum of squared stage costs)."""
+    L = cfg.n_layer
+    if num_stages < 1:
+        raise PipelineLayoutError(f"a pipeline needs at least one stage, got {num_stages}")
+    if num_stages > L:
+        raise PipelineLayoutError(
+            f"{num_stages} pipeline stages need at least one block each, and model.n_layer is "
+            f"{L}; use parallel.pp x stages per rank <= {L}")
+    return list(_stage_layers(L, num_stages, *stage_costs(cfg)))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_layers(L: int, num_stages: int, block: float, head: float) -> tuple[range, ...]:
+    def cost(s: int, blocks: int) -> float:
+        return blocks * block + (head if s == num_stages - 1 else 0.0)
+
+    def cut(bound: float) -> list[int] | None:
+        """The cut of least sum of squares with every stage at most `bound`: the first block of
+        each stage after the first, or None if there is none."""
+        inf = float("inf")
+        # best[s][i]: the least sum of squares of stages s.. holding blocks i..L-1.
+        best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
+        nxt = [[0] * (L + 1) for _ in range(num_stages + 1)]
+        best[num_stages][L] = 0.0
+        for s in range(num_stages - 1, -1, -1):
+            after = num_stages - 1 - s  # stages after this one, one block each at least
+            for i in range(s, L - after):
+                most = min(L - after, i + max(1, int(bound // block)))
+                for j in range(i + 1, most + 1):
+                    c = cost(s, j - i)
+                    if c <= bound and c * c + best[s + 1][j] < best[s][i]:
+                        best[s][i], nxt[s][i] = c * c + best[s + 1][j], j
+        if best[0][0] == inf:
+            return None
+        starts, i = [], 0
+        for s in range(num_stages):
+            i = nxt[s][i]
+            starts.append(i)
+        return starts
+
+    # The least possible costliest stage is one of the stage costs there are: the smallest that
+    # admits a cut (a larger bound admits every cut a smaller one does).
+    bounds = sorted({cost(s, n) for s in (0, num_stages - 1) for n in range(1, L + 1)})
+    lo, hi = 0, len(bounds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(bounds[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    edges = [0, *cut(bounds[lo])]
+    return tuple(range(edges[k], edges[k + 1]) for k in range(num_stages))
+
+
+def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` holds: pp_rank, pp_rank + pp, ..."""
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+# ---- the pipeline's terms -------------------------------------------------------------------------
+
 
 def bubble_fraction(pp: int, micro_batches: int, stages_per_rank: int = 1) -> float:
     """The idle time of a step as a fraction of its useful compute (sec. 2.2 of SC21)."""
@@ -51,3 +139,65 @@ def p2p_bytes(pp: int, micro_batches: int, *, micro_batch: int, seq_len: int, n_
     ranks = range(pp) if pp_rank is None else [pp_rank]
     sends = max(2 * stages_per_rank - (r == pp - 1) - (r == 0) for r in ranks)
     return sends * micro_batches * one
+
+
+# ---- a pipeline rank as the planner sees it ----------------------------------------------------
+
+
+def rank_shapes(shape: ModelShape, pp: int, stages_per_rank: int = 1,
+                ) -> dict[str, ModelShape]:
+    """The model as the first and the last pipeline rank hold it ("first", "last"): their blocks
+    (as parallel/pipeline.py's `stage_layers` cuts them, stages r, r + pp, ...), the embedding
+    root on both (the tied wte is on each: the memory of the whole root is counted), and the
+    output layer's FLOPs on the last only."""
+    layers = stage_layers(shape.cfg, pp * stages_per_rank)
+
+    def held(rank: int, head: bool) -> ModelShape:
+        n = sum(len(layers[i]) for i in rank_stages(rank, pp, stages_per_rank))
+        return dataclasses.replace(
+            shape, cfg=dataclasses.replace(shape.cfg, n_layer=n),
+            params=shape.root_params + n * shape.block_params,
+            head_fwd_flops_per_token=shape.head_fwd_flops_per_token if head else 0.0)
+
+    return {"first": held(0, pp == 1), "last": held(pp - 1, True)}
+
+
+def pipelined_memory(shape: ModelShape, mesh: Mesh, micro_batch: int, micro_batches: int,
+                     **kw) -> Memory:
+    """The peak of the pipeline ranks' memory: the first rank keeps the most micro-batches in
+    flight, the last the loss on whole logits (`memory_per_gpu`'s other settings in `kw`)."""
+    shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
+    first = memory_per_gpu(shapes["first"], mesh.stage_world, micro_batch,
+                           tp=mesh.tp, dp_shard=mesh.dp_shard,
+                           in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank),
+                           loss="none", **kw)
+    last = memory_per_gpu(shapes["last"], mesh.stage_world, micro_batch,
+                          tp=mesh.tp, dp_shard=mesh.dp_shard,
+                          in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank,
+                                              pp_rank=mesh.pp - 1),
+                          loss="whole", **kw)
+    return max(first, last, key=lambda m: m.total)
+
+
+def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, micro_batch: int,
+                        micro_batches: int, *, dtype: str = "bfloat16", **kw) -> StepTime:
+    """One step of the slowest pipeline rank: its m micro-batches through its layers and the
+    FSDP collectives of its stage's data-parallel group (`step_time`), the bubble of the
+    schedule over that compute, and the hidden states it sends (across nodes when a pipeline
+    spans them, on the intra-node link when one node holds it)."""
+    shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
+    one = {r: step_time(s, gpu, net, mesh.stage_world, micro_batch, micro_batches, dtype=dtype,
+                        tp=mesh.tp, hsdp=mesh.hsdp, **kw) for r, s in shapes.items()}
+    st = max(one.values(), key=lambda t: t.step_s)
+    sent = p2p_bytes(mesh.pp, micro_batches, micro_batch=micro_batch,
+                     seq_len=shape.cfg.seq_len, n_embd=shape.cfg.n_embd,
+                     act_bytes=dtype_bytes(dtype), tp=mesh.tp,
+                     stages_per_rank=mesh.stages_per_rank)
+    one_node = mesh.world <= net.gpus_per_node
+    # Every GPU of a node sends its own part at once, through the node's NICs.
+    per_gpu_gbps = (net.intra_node_gbps if one_node
+                    else net.inter_node_gbps / min(net.gpus_per_node, mesh.stage_world))
+    sends = micro_batches * (2 * mesh.stages_per_rank)
+    return dataclasses.replace(
+        st, bubble_s=bubble_fraction(mesh.pp, micro_batches, mesh.stages_per_rank) * st.compute_s,
+        p2p_bytes=sent, p2p_s=sent / (per_gpu_gbps * GB) + sends * net.latency_s)

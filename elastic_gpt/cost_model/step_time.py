@@ -67,15 +67,20 @@ def ring_bytes(full_bytes: float, n_gpus: int) -> float:
 
 @dataclass(frozen=True)
 class Mesh:
-    """How the GPUs are laid out: world = dp_replicate x dp_shard x tp, tp innermost (a TP group
-    is consecutive ranks of one node). FSDP2 shards over dp_shard and, under HSDP, replicates
-    over dp_replicate (one replica per node); the data-parallel degree is dp_replicate x dp_shard."""
+    """How the GPUs are laid out: world = pp x dp_replicate x dp_shard x tp, tp innermost (a TP
+    group is consecutive ranks of one node), pp outermost (a pipeline stage is a run of
+    consecutive ranks). FSDP2 shards over dp_shard and, under HSDP, replicates over dp_replicate
+    (one replica per node of a stage); the data-parallel degree is dp_replicate x dp_shard."""
 
     tp: int = 1
     dp_shard: int = 1
     dp_replicate: int = 1
     spans_nodes: bool = False
-    """Whether the group spans more than one node (FSDP's groups then cross nodes unless HSDP)."""
+    """Whether a pipeline stage's ranks span more than one node (FSDP's groups then cross nodes
+    unless HSDP)."""
+    pp: int = 1
+    stages_per_rank: int = 1
+    """Pipeline stages each rank holds: 1 for 1F1B, more for the interleaved schedule."""
 
     @property
     def dp(self) -> int:
@@ -83,15 +88,26 @@ class Mesh:
 
     @property
     def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks of one pipeline stage."""
         return self.dp * self.tp
 
     @property
     def hsdp(self) -> bool:
         return self.dp_replicate > 1
 
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.stages_per_rank == 1 else "interleaved_1f1b"
+
     def short(self) -> str:
         dp = f"HSDP {self.dp_shard}x{self.dp_replicate}" if self.hsdp else f"FSDP {self.dp}"
-        return f"tp={self.tp} {dp}"
+        pp = f" pp={self.pp}" + (f"x{self.stages_per_rank}" if self.stages_per_rank > 1
+                                 else "") if self.pp > 1 else ""
+        return f"tp={self.tp} {dp}{pp}"
 
     def label(self) -> str:
         if self.hsdp:
@@ -100,15 +116,22 @@ class Mesh:
         else:
             where = "across nodes" if self.spans_nodes else "in one node"
             dp = f"FSDP over {self.dp} {where}"
+        if self.pp > 1:
+            dp += (f"; pp={self.pp} stages, {self.schedule}"
+                   + (f" with {self.stages_per_rank} stages per rank"
+                      if self.stages_per_rank > 1 else ""))
         return f"tp={self.tp} x dp={self.dp} ({dp})"
 
 
-def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int = 8) -> Mesh:
-    """The mesh the trainer builds for n_gpus workers; hsdp on one node is plain FSDP."""
-    spans = n_gpus > gpus_per_node
+def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int = 8,
+              pp: int = 1, stages_per_rank: int = 1) -> Mesh:
+    """The mesh the trainer builds for n_gpus workers; hsdp on one node is plain FSDP. Under
+    pipeline parallelism the data-parallel layout is one stage's (n_gpus / pp ranks)."""
+    stage = n_gpus // pp
+    spans = stage > gpus_per_node
     if hsdp and spans:
-        return Mesh(tp, gpus_per_node // tp, n_gpus // gpus_per_node, True)
-    return Mesh(tp, n_gpus // tp, 1, spans)
+        return Mesh(tp, gpus_per_node // tp, stage // gpus_per_node, True, pp, stages_per_rank)
+    return Mesh(tp, stage // tp, 1, spans, pp, stages_per_rank)
 
 
 @dataclass
@@ -129,10 +152,17 @@ class StepTime:
     """Tensor-parallel collectives: on the critical path, none of it overlapped."""
     tp_bytes: float = 0.0
     """Tensor-parallel all-gathers, reduce-scatters and all-reduces, per GPU per step."""
+    bubble_s: float = 0.0
+    """Pipeline parallelism: the time every rank idles while the pipeline fills and drains."""
+    p2p_s: float = 0.0
+    p2p_bytes: float = 0.0
+    """Pipeline parallelism: the hidden states and their gradients a rank sends per step, and
+    their time (on the critical path, none overlapped)."""
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.tp_comm_s + self.optimizer_s
+        return (self.compute_s + self.exposed_comm_s + self.tp_comm_s + self.optimizer_s
+                + self.bubble_s + self.p2p_s)
 
     @property
     def overlapped_fraction(self) -> float:

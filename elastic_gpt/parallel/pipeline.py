@@ -1,10 +1,11 @@
 """Pipeline parallelism: the GPT's layers split into stages over the `pp` ranks of a mesh, run by
 `torch.distributed.pipelining`'s schedules (1F1B; interleaved 1F1B with several stages per rank).
 
-The model is cut into `pp x stages_per_rank` contiguous stages (`stage_layers`, balanced by each
-part's forward FLOPs): the first holds the token and position embeddings, the last the final
-norm, the output layer and the loss, every stage a run of blocks. Rank r holds stages r, r + pp,
-... (torchtitan's and Megatron's loop order), so one micro-batch visits every rank once per loop.
+The model is cut into `pp x stages_per_rank` contiguous stages (cost_model/pipeline.py's
+`stage_layers`, balanced by each part's forward FLOPs): the first holds the token and position
+embeddings, the last the final norm, the output layer and the loss, every stage a run of blocks.
+Rank r holds stages r, r + pp, ... (torchtitan's and Megatron's loop order), so one micro-batch
+visits every rank once per loop.
 
 A stage (`GPTStage`) is made of the very modules of a GPT built on "meta", under the names they
 have in the whole model ("h.7.attn.c_attn.weight"), so the sharded checkpoint of any layout holds
@@ -33,75 +34,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from elastic_gpt.model.gpt import GPT, GPTConfig, TiedLMHead, token_losses
+from elastic_gpt.cost_model.pipeline import PipelineLayoutError, rank_stages, stage_layers
+from elastic_gpt.model.gpt import GPT, TiedLMHead, token_losses
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 IGNORED = -100
 """The target of a padding row: cross-entropy's ignore_index, no loss and no gradient."""
 """`parallel.pp_schedule`: one stage per rank, or several (virtual stages, a smaller bubble)."""
-
-
-class PipelineLayoutError(ValueError):
-    """A pipeline the model or the batch cannot be cut into."""
-
-
-def stage_costs(cfg: GPTConfig) -> tuple[float, float]:
-    """(one block, the output layer and loss) in forward FLOPs per token: what `stage_layers`
-    balances. A block's matmuls are 24 d^2 and its attention 4 T d; the output layer's 2 V d.
-    The embedding lookups cost no FLOPs."""
-    d, T, V = cfg.n_embd, cfg.seq_len, cfg.vocab_size
-    return 24 * d * d + 4 * T * d, 2 * V * d
-
-
-def stage_layers(cfg: GPTConfig, num_stages: int) -> list[range]:
-    """The blocks of each of `num_stages` contiguous stages, at least one each: the costliest
-    stage (the last one counting the output layer) as cheap as it can be, and among the cuts
-    that reach that, the most even one (the least sum of squared stage costs)."""
-    L = cfg.n_layer
-    if num_stages < 1:
-        raise PipelineLayoutError(f"a pipeline needs at least one stage, got {num_stages}")
-    if num_stages > L:
-        raise PipelineLayoutError(
-            f"{num_stages} pipeline stages need at least one block each, and model.n_layer is "
-            f"{L}; use parallel.pp x stages per rank <= {L}")
-    block, head = stage_costs(cfg)
-
-    def cost(s: int, blocks: int) -> float:
-        return blocks * block + (head if s == num_stages - 1 else 0.0)
-
-    def cut(bound: float) -> tuple[float, list[int]] | None:
-        """The cut of least sum of squares with every stage at most `bound`: (that sum, the
-        first block of each stage after the first), or None if there is none."""
-        inf = float("inf")
-        # best[s][i]: the least sum of squares of stages s.. holding blocks i..L-1.
-        best = [[inf] * (L + 1) for _ in range(num_stages + 1)]
-        nxt = [[0] * (L + 1) for _ in range(num_stages + 1)]
-        best[num_stages][L] = 0.0
-        for s in range(num_stages - 1, -1, -1):
-            for i in range(L):
-                for j in range(i + 1, L + 1):
-                    c = cost(s, j - i)
-                    if c <= bound and c * c + best[s + 1][j] < best[s][i]:
-                        best[s][i], nxt[s][i] = c * c + best[s + 1][j], j
-        if best[0][0] == inf:
-            return None
-        starts, i = [], 0
-        for s in range(num_stages):
-            i = nxt[s][i]
-            starts.append(i)
-        return best[0][0], starts
-
-    # The least possible costliest stage is one of the stage costs there are: the smallest
-    # that admits a cut.
-    bounds = sorted({cost(s, n) for s in (0, num_stages - 1) for n in range(1, L + 1)})
-    starts = next(found[1] for b in bounds if (found := cut(b)) is not None)
-    edges = [0, *starts]
-    return [range(edges[k], edges[k + 1]) for k in range(num_stages)]
-
-
-def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The stage indices pipeline rank `pp_rank` holds: pp_rank, pp_rank + pp, ..."""
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
 class GPTStage(nn.Module):

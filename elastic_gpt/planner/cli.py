@@ -94,6 +94,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                    "the step (one all-gather per block per step); auto: the faster that fits")
     t.add_argument("--tp", type=positive_int, help="tensor-parallel degree, 1, 2, 4 or 8 (default: the "
                    "fastest that fits)")
+    t.add_argument("--pp", type=positive_int, help="pipeline-parallel degree (1: none; default: "
+                   "the fastest that fits)")
     t.add_argument("--hsdp", choices=["auto", "on", "off"], default="auto",
                    help="on: FSDP shards within a node and replicates across nodes (default: "
                    "the faster that fits)")
@@ -152,7 +154,7 @@ def inputs_from_args(args) -> PlanInputs:
         achieved_flops_per_gpu=args.achieved_tflops * 1e12 if args.achieved_tflops else None,
         micro_batch_size=args.micro_batch_size, activation_checkpointing=ckpt,
         grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward,
-        tp=args.tp, hsdp=args.hsdp, dtype=args.dtype, memory_margin=args.memory_margin,
+        tp=args.tp, pp=args.pp, hsdp=args.hsdp, dtype=args.dtype, memory_margin=args.memory_margin,
         on_demand_usd=args.on_demand_price, spot_usd=args.spot_price, hardware=hardware,
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,

@@ -68,6 +68,8 @@ class PlanInputs:
     hsdp: str = "auto"
     """on: FSDP2 shards within a node and replicates across nodes; off: shards over every
     data-parallel rank; auto: the faster that fits."""
+    pp: int | None = None
+    """Pipeline-parallel degree (1 for none). None: the fastest that fits."""
     dtype: str = "bfloat16"
     memory_margin: float = MEMORY_MARGIN
     context_gib: float = CONTEXT_GIB

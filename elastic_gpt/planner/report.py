@@ -60,8 +60,11 @@ def _parallel_keys(c: LayoutCandidate) -> dict:
     """parallel.tp and parallel.hsdp as planned (`on`/`off`, not the trainer's `auto`), so the
     trainer runs the plan's mesh; only the keys the trainer's config knows."""
     known = trainer_parallel_keys()
-    section = {k: v for k, v in (("tp", c.tp), ("hsdp", "on" if c.hsdp else "off"))
-               if k in known}
+    pairs = [("tp", c.tp), ("hsdp", "on" if c.hsdp else "off")]
+    if c.mesh.pp > 1:
+        pairs += [("pp", c.mesh.pp), ("pp_schedule", c.mesh.schedule),
+                  ("pp_stages_per_rank", c.mesh.stages_per_rank)]
+    section = {k: v for k, v in pairs if k in known}
     return {"parallel": section} if section else {}
 
 
@@ -75,6 +78,8 @@ def format_report(plan: Plan) -> str:
         step_source = (f"compute {st.compute_s:.3f} s + exposed FSDP comm "
                        f"{st.exposed_comm_s:.3f} s"
                        + (f" + TP comm {st.tp_comm_s:.3f} s" if c.tp > 1 else "")
+                       + (f" + pipeline bubble {st.bubble_s:.3f} s + point-to-point "
+                          f"{st.p2p_s:.3f} s" if c.mesh.pp > 1 else "")
                        + f" + optimizer {st.optimizer_s:.4f} s")
     tp_part = f"P/{c.tp} on this TP rank, " if c.tp > 1 else ""
     shard_part = (f"/ {c.mesh.dp_shard} in a node (HSDP)" if c.hsdp
@@ -124,6 +129,11 @@ def format_report(plan: Plan) -> str:
     if c.tp > 1:
         lines.append(f"  tensor parallel: {st.tp_bytes / GB:.2f} GB on the intra-node link = "
                      f"{st.tp_comm_s:.3f} s, on the critical path (not overlapped)")
+    if c.mesh.pp > 1:
+        lines.append(f"  pipeline: {st.p2p_bytes / GB:.3f} GB of hidden states and their "
+                     f"gradients sent = {st.p2p_s:.3f} s; bubble {st.bubble_s:.3f} s ((pp - 1) / "
+                     f"(stages per rank x micro-batches) of the compute); memory is the fuller "
+                     f"of the first stage (pp micro-batches in flight) and the last (the loss)")
     lines += [
         "",
         "throughput",
@@ -290,7 +300,9 @@ def plan_summary(plan: Plan) -> dict:
         "micro_batch_size": c.micro_batch, "activation_checkpointing": c.activation_checkpointing,
         "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
         "tp": c.tp, "hsdp": c.hsdp, "dp_shard": c.mesh.dp_shard,
-        "dp_replicate": c.mesh.dp_replicate,
+        "dp_replicate": c.mesh.dp_replicate, "pp": c.mesh.pp,
+        "pp_stages_per_rank": c.mesh.stages_per_rank, "bubble_s": c.step.bubble_s,
+        "p2p_bytes": c.step.p2p_bytes, "p2p_s": c.step.p2p_s,
         "memory_bytes": dataclasses.asdict(c.memory)
         | {"total": c.memory.total},
         "max_micro_batch": {"no_ckpt": plan.max_micro_batch[False],
@@ -307,7 +319,8 @@ def plan_summary(plan: Plan) -> dict:
         "fault_tolerance": {market: _fault_tolerance_summary(ft)
                             for market, ft in plan.fault_tolerance_by_market.items()},
         "cost_on_demand_usd": plan.cost_usd(spot=False), "cost_spot_usd": plan.cost_usd(spot=True),
-        "layouts": [{"tp": m.tp, "hsdp": m.hsdp, "fits": best is not None,
+        "layouts": [{"tp": m.tp, "hsdp": m.hsdp, "pp": m.pp,
+                     "pp_stages_per_rank": m.stages_per_rank, "fits": best is not None,
                      "step_s": best.step.step_s if best else None,
                      "memory_bytes": best.memory.total if best else floor.total}
                     for m, best, floor in plan.layouts],

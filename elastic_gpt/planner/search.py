@@ -20,6 +20,7 @@ from elastic_gpt.cost_model.memory import (
     memory_per_gpu,
     training_flops_per_token,
 )
+from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
 from elastic_gpt.cost_model.step_time import (
     LayoutCandidate,
     Mesh,
@@ -42,6 +43,32 @@ from elastic_gpt.planner.replica_group_model import (
 
 TP_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner weighs: a TP group lives inside one node (8 GPUs)."""
+PP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
+"""Pipeline-parallel degrees the planner weighs (each with 1 or 2 stages per rank)."""
+
+
+def pp_problem(pp: int, cfg: GPTConfig, n_gpus: int, tp: int) -> str | None:
+    """Why `pp` pipeline stages cannot run this model on these GPUs at this tp, or None."""
+    if pp > cfg.n_layer:
+        return (f"--pp={pp} stages need at least one block each, and the model has "
+                f"{cfg.n_layer}")
+    if n_gpus % (pp * tp):
+        return f"--pp={pp} x --tp={tp} does not divide the {n_gpus} GPUs (--gpus) of the run"
+    return None
+
+
+def _pp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, tp: int) -> list[tuple[int, int]]:
+    """(pp, stages per rank) to weigh at this tp: 1F1B, and interleaved with 2 stages per rank
+    where the model has the blocks for them."""
+    degrees = [p.pp] if p.pp is not None else PP_DEGREES
+    out = []
+    for pp in degrees:
+        if pp_problem(pp, cfg, n_gpus, tp):
+            continue
+        out.append((pp, 1))
+        if pp > 1 and 2 * pp <= cfg.n_layer:
+            out.append((pp, 2))
+    return out
 
 
 def tp_problem(tp: int, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> str | None:
@@ -65,8 +92,10 @@ def _tp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) 
     return [t for t in TP_DEGREES if tp_problem(t, cfg, n_gpus, gpus_per_node) is None]
 
 
-def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> list[Mesh]:
-    """Every tp x HSDP layout to weigh for n_gpus (forced ones only, when forced)."""
+def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int,
+                 pipelines: bool = True) -> list[Mesh]:
+    """Every tp x pp x HSDP layout to weigh for n_gpus (forced ones only, when forced;
+    `pipelines` False: pp=1 only)."""
     if p.hsdp not in ("auto", "on", "off"):
         raise PlanError(f"--hsdp={p.hsdp!r} must be auto, on or off")
     gpn = net.gpus_per_node
@@ -76,8 +105,17 @@ def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> li
                         f"the {gpn} GPUs per node")
     hsdps = {"off": [False], "on": [True], "auto": [False] + ([True] if spans and whole_nodes
                                                              else [])}[p.hsdp]
-    return [make_mesh(n_gpus, tp, h, gpn) for tp in _tp_choices(p, cfg, n_gpus, gpn)
-            for h in hsdps]
+    tps = _tp_choices(p, cfg, n_gpus, gpn)
+    if p.pp is not None and pipelines:
+        problems = [pp_problem(p.pp, cfg, n_gpus, tp) for tp in tps]
+        if problems and all(problems):
+            raise PlanError(problems[0])
+    meshes = [make_mesh(n_gpus, tp, h, gpn, pp, v) for tp in tps
+              for pp, v in (_pp_choices(p, cfg, n_gpus, tp) if pipelines else [(1, 1)])
+              for h in hsdps
+              # HSDP replicates within a stage: whole nodes of it
+              if not (h and pp > 1 and (n_gpus // pp) % gpn)]
+    return list(dict.fromkeys(meshes))  # a stage inside one node has no HSDP of its own
 
 
 def _micro_batch_sizes(p: PlanInputs, G: int, dp: int) -> list[int]:
@@ -99,6 +137,9 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
         BatchSplit(G, p.micro_batch_size).check_world_size(min(m.dp for m in meshes))
     out = []
     for mesh in meshes:
+        if mesh.pp > 1:
+            out += _pipelined_candidates(p, shape, gpu, net, mesh, G, ckpts, reshards)
+            continue
         for mb in _micro_batch_sizes(p, G, mesh.dp):
             k = BatchSplit(G, mb).slots(mesh.dp)
             for ckpt, sync, reshard in itertools.product(ckpts, syncs, reshards):
@@ -115,6 +156,29 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
     return out
 
 
+def _pipelined_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh,
+                          G: int, ckpts: list[bool], reshards: list[bool]
+                          ) -> list[LayoutCandidate]:
+    """A pipeline mesh's candidates: each micro-batch size whose step fills the pipeline (at least
+    pp micro-batches per data-parallel rank). The stages sync gradients once per step (torch's
+    schedules reduce on the last micro-batch's backward)."""
+    out = []
+    for mb in _micro_batch_sizes(p, G, mesh.dp):
+        k = BatchSplit(G, mb).slots(mesh.dp)
+        if k < mesh.pp:
+            continue
+        for ckpt, reshard in itertools.product(ckpts, reshards):
+            kw = dict(activation_checkpointing=ckpt, grad_sync="step",
+                      reshard_after_forward=reshard)
+            mem = pipelined_memory(shape, mesh, mb, k, dtype=p.dtype, micro_batches_per_rank=k,
+                                   context_bytes=p.context_gib * GiB,
+                                   fragmentation=p.fragmentation, **kw)
+            st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
+                                     efficiency=p.efficiency, **kw)
+            out.append(LayoutCandidate(mb, ckpt, "step", k, mem, st, reshard, mesh))
+    return out
+
+
 def _reshard_choices(p: PlanInputs) -> list[bool]:
     if p.reshard_after_forward not in ("auto", "always", "never"):
         raise PlanError(f"--reshard-after-forward={p.reshard_after_forward!r} must be auto, "
@@ -123,8 +187,15 @@ def _reshard_choices(p: PlanInputs) -> list[bool]:
 
 
 def mesh_floor_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh) -> Memory:
-    """A mesh's smallest footprint: micro-batch 1, checkpointing, reduce per micro-batch, and
-    ZeRO-3 unless `never` is forced."""
+    """A mesh's smallest footprint: micro-batch 1, checkpointing, reduce per micro-batch (per
+    step under pipeline parallelism, with pp micro-batches), and ZeRO-3 unless `never` is
+    forced."""
+    if mesh.pp > 1:
+        return pipelined_memory(shape, mesh, 1, mesh.pp, activation_checkpointing=True,
+                                dtype=p.dtype, grad_sync="step", micro_batches_per_rank=mesh.pp,
+                                reshard_after_forward=p.reshard_after_forward != "never",
+                                context_bytes=p.context_gib * GiB,
+                                fragmentation=p.fragmentation)
     return memory_per_gpu(shape, mesh.world, 1, activation_checkpointing=True, dtype=p.dtype,
                           reshard_after_forward=p.reshard_after_forward != "never",
                           context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
@@ -153,10 +224,21 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
     runs them too). The group shrinks in whole TP groups, and under HSDP in whole nodes (one
     replica each). Fewer workers means more micro-batches per rank but the same activations per
     micro-batch."""
-    step = net.gpus_per_node if c.hsdp else c.tp
+    pp, v = c.mesh.pp, c.mesh.stages_per_rank
+    step = (net.gpus_per_node if c.hsdp else c.tp) * pp
     for w in range(step, p.n_gpus + 1, step):
-        mesh = make_mesh(w, c.tp, c.hsdp, net.gpus_per_node)
+        mesh = make_mesh(w, c.tp, c.hsdp, net.gpus_per_node, pp, v)
         k = BatchSplit(G, c.micro_batch).slots(mesh.dp)
+        if pp > 1:
+            mem = pipelined_memory(shape, mesh, c.micro_batch, k,
+                                   activation_checkpointing=c.activation_checkpointing,
+                                   dtype=p.dtype, grad_sync=c.grad_sync, micro_batches_per_rank=k,
+                                   reshard_after_forward=c.reshard_after_forward,
+                                   context_bytes=p.context_gib * GiB,
+                                   fragmentation=p.fragmentation)
+            if mem.total <= usable:
+                return w
+            continue
         mem = memory_per_gpu(shape, w, c.micro_batch,
                              activation_checkpointing=c.activation_checkpointing, dtype=p.dtype,
                              grad_sync=c.grad_sync, micro_batches_per_rank=k,
@@ -280,7 +362,8 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
         g = W // n
         lost = max(1, gpn // g)
         try:
-            meshes = mesh_choices(dataclasses.replace(p, n_gpus=g), shape.cfg, net, g)
+            meshes = mesh_choices(dataclasses.replace(p, n_gpus=g), shape.cfg, net, g,
+                                  pipelines=False)
         except PlanError as e:  # a forced tp or HSDP the group's size cannot take
             if forced:
                 raise PlanError(f"--replica-groups={n} gives groups of {g} GPUs: {e}") from None

@@ -21,6 +21,7 @@ from elastic_gpt.cost_model.memory import (
     model_shape,
     training_flops_per_token,
 )
+from elastic_gpt.cost_model.pipeline import pipelined_memory
 from elastic_gpt.cost_model.step_time import (
     LayoutCandidate,
     Mesh,
@@ -168,14 +169,17 @@ def plan_training(inputs: PlanInputs) -> Plan:
 
     max_mb = {ckpt: max((c.micro_batch for c in fitting if c.activation_checkpointing == ckpt
                          and c.mesh == chosen.mesh), default=0) for ckpt in (False, True)}
-    at_mb = {ckpt: memory_per_gpu(shape, p.n_gpus, chosen.micro_batch,
-                                  activation_checkpointing=ckpt, dtype=p.dtype,
-                                  grad_sync=chosen.grad_sync,
-                                  micro_batches_per_rank=chosen.micro_batches_per_rank,
-                                  reshard_after_forward=chosen.reshard_after_forward,
-                                  context_bytes=p.context_gib * GiB,
-                                  fragmentation=p.fragmentation, tp=chosen.tp,
-                                  dp_shard=chosen.mesh.dp_shard) for ckpt in (False, True)}
+    settings = dict(dtype=p.dtype, grad_sync=chosen.grad_sync,
+                    micro_batches_per_rank=chosen.micro_batches_per_rank,
+                    reshard_after_forward=chosen.reshard_after_forward,
+                    context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
+    at_mb = {ckpt: (pipelined_memory(shape, chosen.mesh, chosen.micro_batch,
+                                     chosen.micro_batches_per_rank, activation_checkpointing=ckpt,
+                                     **settings) if chosen.mesh.pp > 1 else
+                    memory_per_gpu(shape, p.n_gpus, chosen.micro_batch,
+                                   activation_checkpointing=ckpt, tp=chosen.tp,
+                                   dp_shard=chosen.mesh.dp_shard, **settings))
+             for ckpt in (False, True)}
 
     tokens_per_step = G * cfg.seq_len
     if p.achieved_flops_per_gpu:
@@ -269,13 +273,13 @@ def _beyond_tp_and_fsdp(c: LayoutCandidate) -> list[str]:
     the GPU count, so past this point more GPUs or more TP do not help. Pipeline parallelism
     gives each node only its stage's layers to gather and reduce: 1/pp of that traffic."""
     st = c.step
-    if not c.mesh.spans_nodes or c.hsdp or st.exposed_comm_s < 0.25 * st.step_s:
+    if not c.mesh.spans_nodes or c.hsdp or c.mesh.pp > 1 or st.exposed_comm_s < 0.25 * st.step_s:
         return []
     pp = next((n for n in (2, 4, 8, 16, 32, 64) if st.comm_s / n <= st.compute_s), 64)
     return [f"FSDP's exposed communication is {st.exposed_comm_s:.1f} s of the {st.step_s:.1f} s "
             f"step ({st.comm_s:.1f} s of collectives per step across nodes, against "
             f"{st.compute_s:.1f} s of compute): more GPUs shrink the compute, not that traffic. "
-            f"Pipeline parallelism (not implemented) over {pp} stages would leave each node 1/{pp} "
+            f"Pipeline parallelism (--pp) over {pp} stages would leave each node 1/{pp} "
             f"of the layers to gather and reduce, {st.comm_s / pp:.1f} s per step, under the "
             f"compute, at the cost of a pipeline bubble of (pp - 1) / micro-batches per pipeline"]
 

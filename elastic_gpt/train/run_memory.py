@@ -39,4 +39,5 @@ def resolve_run_memory(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
                                   and cfg.train.activation_checkpointing_mode == "full"),
         dtype=str(compute_dtype).removeprefix("torch."), device_bytes=group_device_bytes(device),
         gpu=gpu, hsdp=cfg.parallel.hsdp, grad_sync=cfg.train.grad_sync,
-        reshard_after_forward=cfg.train.reshard_after_forward, **host)
+        reshard_after_forward=cfg.train.reshard_after_forward, pp=cfg.parallel.pp,
+        stages_per_rank=cfg.parallel.pp_stages_per_rank, **host)
