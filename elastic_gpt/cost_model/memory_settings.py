@@ -97,9 +97,9 @@ def resolve_memory_settings(shape: ModelShape, *, world_size: int, tp: int,
     hsdps = {"on": [True], "off": [False],
              "auto": [False, True] if multi_node and even else [False]}[hsdp]
     syncs = ["microbatch", "step"] if grad_sync == "auto" else [grad_sync]
-    if pp > 1:
-        syncs = ["step"]
     reshards = {"auto": [True, False], "always": [True], "never": [False]}[reshard_after_forward]
+    if pp > 1:  # the schedules' (cost_model/pipeline.py `KEPT_GATHERED`)
+        syncs, reshards = ["step"], [False]
     per_node = workers_per_node[0] if even else max(workers_per_node)
     net = Network(per_node, gpu.intra_node_gbps, gpu.inter_node_gbps) if gpu else None
     usable = device_bytes * (1 - memory_margin)

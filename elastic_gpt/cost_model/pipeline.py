@@ -162,10 +162,19 @@ def rank_shapes(shape: ModelShape, pp: int, stages_per_rank: int = 1,
     return {"first": held(0, pp == 1), "last": held(pp - 1, True)}
 
 
+KEPT_GATHERED = dict(reshard_after_forward=False, grad_sync="step")
+"""What torch's schedules do to an FSDP2 stage: no gradient sync and no resharding after any
+micro-batch's backward but the last (`PipelineStage.backward_maybe_with_nosync`, then one
+`perform_reduce_grad`), so from the first backward on the stage's weights stay gathered and its
+gradients accumulate unsharded, in the reduce dtype: blocks kept gathered, one sync per step."""
+
+
 def pipelined_memory(shape: ModelShape, mesh: Mesh, micro_batch: int, micro_batches: int,
                      **kw) -> Memory:
     """The peak of the pipeline ranks' memory: the first rank keeps the most micro-batches in
-    flight, the last the loss on whole logits (`memory_per_gpu`'s other settings in `kw`)."""
+    flight, the last the loss on whole logits (`memory_per_gpu`'s other settings in `kw`; the
+    resharding and the gradient sync are the schedules', `KEPT_GATHERED`)."""
+    kw = {**kw, **KEPT_GATHERED}
     shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
     first = memory_per_gpu(shapes["first"], mesh.stage_world, micro_batch,
                            tp=mesh.tp, dp_shard=mesh.dp_shard,
@@ -185,6 +194,7 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
     FSDP collectives of its stage's data-parallel group (`step_time`), the bubble of the
     schedule over that compute, and the hidden states it sends (across nodes when a pipeline
     spans them, on the intra-node link when one node holds it)."""
+    kw = {**kw, **KEPT_GATHERED}
     shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
     one = {r: step_time(s, gpu, net, mesh.stage_world, micro_batch, micro_batches, dtype=dtype,
                         tp=mesh.tp, hsdp=mesh.hsdp, **kw) for r, s in shapes.items()}

@@ -138,7 +138,7 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
     out = []
     for mesh in meshes:
         if mesh.pp > 1:
-            out += _pipelined_candidates(p, shape, gpu, net, mesh, G, ckpts, reshards)
+            out += _pipelined_candidates(p, shape, gpu, net, mesh, G, ckpts)
             continue
         for mb in _micro_batch_sizes(p, G, mesh.dp):
             k = BatchSplit(G, mb).slots(mesh.dp)
@@ -157,25 +157,25 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
 
 
 def _pipelined_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh,
-                          G: int, ckpts: list[bool], reshards: list[bool]
-                          ) -> list[LayoutCandidate]:
+                          G: int, ckpts: list[bool]) -> list[LayoutCandidate]:
     """A pipeline mesh's candidates: each micro-batch size whose step fills the pipeline (at least
-    pp micro-batches per data-parallel rank). The stages sync gradients once per step (torch's
-    schedules reduce on the last micro-batch's backward)."""
+    pp micro-batches per data-parallel rank). Torch's schedules keep a stage's weights gathered
+    and sync its gradients once per step (cost_model/pipeline.py `KEPT_GATHERED`): the plan
+    says so (`never`, per step) rather than offering settings the schedule overrides."""
     out = []
     for mb in _micro_batch_sizes(p, G, mesh.dp):
         k = BatchSplit(G, mb).slots(mesh.dp)
         if k < mesh.pp:
             continue
-        for ckpt, reshard in itertools.product(ckpts, reshards):
+        for ckpt in ckpts:
             kw = dict(activation_checkpointing=ckpt, grad_sync="step",
-                      reshard_after_forward=reshard)
+                      reshard_after_forward=False)
             mem = pipelined_memory(shape, mesh, mb, k, dtype=p.dtype, micro_batches_per_rank=k,
                                    context_bytes=p.context_gib * GiB,
                                    fragmentation=p.fragmentation, **kw)
             st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
                                      efficiency=p.efficiency, **kw)
-            out.append(LayoutCandidate(mb, ckpt, "step", k, mem, st, reshard, mesh))
+            out.append(LayoutCandidate(mb, ckpt, "step", k, mem, st, False, mesh))
     return out
 
 
