@@ -134,3 +134,24 @@ def test_bad_tp_or_hsdp_is_one_clear_line_and_exit_2(argv, message, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert err.startswith("elastic-gpt plan: error: "), err
+
+
+def test_a_market_whose_goodput_is_zero_is_named_not_priced(capsys):
+    """16384 H100s with a 5-hour spot node MTBF fail every 9 s, before a restart is done: the
+    spot cost says the run never ends (not an astronomic figure), the JSON has no cost for it,
+    and planning for that market is one line and exit 2."""
+    import json
+
+    argv = ("--model", "gpt3-175b", "--gpu", "H100", "--gpus", "16384", "--tokens", "300e9",
+            "--spot-node-mtbf-hours", "5")
+    assert run_from_args(cli(*argv, "--market", "on-demand")) == 0
+    report = capsys.readouterr().out
+    spot = next(line for line in report.splitlines() if line.startswith("  spot      $2.50:"))
+    assert "never ends: the cluster fails every" in spot and "goodput 0" in spot, spot
+    assert "$2,4" not in spot and "days" not in spot
+    assert run_from_args(cli(*argv, "--market", "on-demand", "--json")) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["cost_spot_usd"] is None and summary["cost_on_demand_usd"] > 0
+    assert main(["plan", *argv, "--market", "spot"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "on spot capacity this run never ends" in err[0], err

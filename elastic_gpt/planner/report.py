@@ -173,15 +173,25 @@ def format_report(plan: Plan) -> str:
     lines += [
         "",
         f"cost (prices {PRICES_AS_OF}, $/GPU-hour; wall time = training time / goodput)",
-        f"  on-demand ${plan.on_demand_usd:.2f}: ${plan.cost_usd(spot=False):,.0f} over "
-        f"{_duration(plan.time_to_train_s / max(plan.on_demand.goodput, 1e-9))}",
-        f"  spot      ${plan.spot_usd:.2f}: ${plan.cost_usd(spot=True):,.0f} over "
-        f"{_duration(plan.time_to_train_s / max(plan.spot.goodput, 1e-9))}",
+        *(_cost_line(plan, label, spot) for label, spot in (("on-demand", False),
+                                                            ("spot", True))),
         "",
         f"elastic floor: the chosen layout fits down to {plan.min_workers} worker(s)",
     ]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _cost_line(plan: Plan, label: str, spot: bool) -> str:
+    rel, price = (plan.spot, plan.spot_usd) if spot else (plan.on_demand, plan.on_demand_usd)
+    head = f"  {label:9s} ${price:.2f}: "
+    if rel.goodput <= 0:
+        return (head + f"never ends: the cluster fails every {_duration(rel.mtbf_s)}, before a "
+                f"restart ({_duration(rel.recovery_s)}) and a checkpoint interval are done "
+                "(goodput 0); " + ("use --market on-demand, fewer nodes, or replica groups"
+                                   if spot else "use fewer nodes or replica groups"))
+    return (head + f"${plan.cost_usd(spot=spot):,.0f} over "
+            f"{_duration(plan.time_to_train_s / rel.goodput)}")
 
 
 def _fault_tolerance_lines(plan: Plan) -> list[str]:
@@ -318,7 +328,9 @@ def plan_summary(plan: Plan) -> dict:
         "replica_groups": rg.layout.n_groups if rg else "off",
         "fault_tolerance": {market: _fault_tolerance_summary(ft)
                             for market, ft in plan.fault_tolerance_by_market.items()},
-        "cost_on_demand_usd": plan.cost_usd(spot=False), "cost_spot_usd": plan.cost_usd(spot=True),
+        # JSON has no infinity: a run that never ends has no cost
+        **{f"cost_{m}_usd": (None if math.isinf(cost) else cost) for m, cost in (
+            ("on_demand", plan.cost_usd(spot=False)), ("spot", plan.cost_usd(spot=True)))},
         "layouts": [{"tp": m.tp, "hsdp": m.hsdp, "pp": m.pp,
                      "pp_stages_per_rank": m.stages_per_rank, "fits": best is not None,
                      "step_s": best.step.step_s if best else None,

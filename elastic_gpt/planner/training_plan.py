@@ -117,9 +117,12 @@ class Plan:
         return self.spot if self.market == "spot" else self.on_demand
 
     def cost_usd(self, spot: bool) -> float:
-        """Wall time (compute time / goodput) * GPUs * price."""
+        """Wall time (compute time / goodput) * GPUs * price; infinite when the run never ends
+        (goodput 0: the cluster fails before a restart and a checkpoint are done)."""
         rel, price = (self.spot, self.spot_usd) if spot else (self.on_demand, self.on_demand_usd)
-        wall_h = self.time_to_train_s / max(rel.goodput, 1e-9) / HOUR
+        if rel.goodput <= 0:
+            return math.inf
+        wall_h = self.time_to_train_s / rel.goodput / HOUR
         return wall_h * self.n_gpus * price
 
 
@@ -212,6 +215,16 @@ def plan_training(inputs: PlanInputs) -> Plan:
                              for lay in group_layouts),
                             key=lambda r, ft=ft: (-ft.replica_effective(r), r.layout.n_groups))
         fault_tolerance[market] = ft
+    chosen_market = fault_tolerance[p.market]
+    if chosen_market.restart.goodput <= 0 and not any(r.goodput > 0
+                                                       for r in chosen_market.replica):
+        rel = chosen_market.restart
+        raise PlanError(
+            f"on {p.market} capacity this run never ends: its {nodes} nodes fail every "
+            f"{rel.mtbf_s:.0f} s (node MTBF / nodes), before a restart ({rel.recovery_s:.0f} s) "
+            "and a checkpoint are done, and no replica-group layout keeps any goodput either; "
+            "use fewer nodes, " + ("--market on-demand, " if p.market == "spot" else "")
+            + "or a longer node MTBF")
 
     notes = []
     if name != "custom" and shape.params < 10e6:
