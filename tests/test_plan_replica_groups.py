@@ -193,7 +193,8 @@ def test_frequent_spot_losses_choose_replica_groups_and_write_a_config_the_launc
 def test_a_model_that_needs_the_whole_cluster_is_not_offered_replica_groups():
     """GPT-3 175B on 64 A100-80GBs fits only with tensor parallelism over all 64: half of them
     cannot hold 16 B x 175B / 32 of state, so N would be 1, however often nodes fail."""
-    plan = plan_training(PlanInputs(**A100_175B, n_gpus=64, spot_node_mtbf_h=1.0))
+    plan = plan_training(PlanInputs(**A100_175B, n_gpus=64, node_mtbf_h=8.0,
+                                    market="on-demand"))
     ft = plan.fault_tolerance
     assert ft.best is None and not ft.use_replica_groups and plan.chosen_replica_groups is None
     assert any("no group smaller than the whole cluster fits" in n for n in ft.not_offered)
