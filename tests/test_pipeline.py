@@ -176,6 +176,12 @@ def trainer_step(world: int, data: str, tmp_path, extra: tuple[str, ...] = ()) -
     return run_gloo(_trainer_step, world, overrides)
 
 
+@pytest.fixture(scope="module")
+def single_step(stdlib_dataset, tmp_path_factory):
+    """The step at W=1, the reference every pipelined layout is checked against."""
+    return trainer_step(1, stdlib_dataset, tmp_path_factory.mktemp("w1"))[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,extra,layout", [
     (2, ("parallel.pp=2",), "dp 1 x tp 1 x pp 2"),
@@ -186,9 +192,9 @@ def trainer_step(world: int, data: str, tmp_path, extra: tuple[str, ...] = ()) -
     (4, ("parallel.pp=2", "parallel.tp=2"), "dp 1 x tp 2 x pp 2"),
     (4, ("parallel.pp=2", "train.activation_checkpointing=true"), "dp 2 x tp 1 x pp 2"),
 ], ids=["pp2", "pp2-interleaved", "pp2-zero-bubble", "pp2xtp2", "pp2xdp2-checkpointing"])
-def test_the_trainers_pipelined_step_is_its_one_process_step(stdlib_dataset, tmp_path, world,
-                                                              extra, layout):
-    single = trainer_step(1, stdlib_dataset, tmp_path)[0]
+def test_the_trainers_pipelined_step_is_its_one_process_step(single_step, stdlib_dataset,
+                                                              tmp_path, world, extra, layout):
+    single = single_step
     ranks = trainer_step(world, stdlib_dataset, tmp_path, extra)
     assert layout in ranks[0]["setup"], ranks[0]["setup"]
     held = set().union(*(r["grads"] for r in ranks))
