@@ -163,7 +163,8 @@ def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: flo
             plan_training(PlanInputs(model=gpt_cfg, gpu=chip.name, n_gpus=world,
                                      global_batch_size=G, dtype=dtype, memory_margin=margin,
                                      hardware=table, reshard_after_forward=reshard_after_forward,
-                                     tp=t, **extra))
+                                     # tune measures no pipeline: the plan must not count on one
+                                     tp=t, pp=1, **extra))
             return None
         except PlanError as e:
             line = str(e)
