@@ -57,19 +57,13 @@ def _pipelined(rank: int, world: int, schedule: str, per_rank: int, m: int, step
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic_gpt.parallel.fsdp import apply_fsdp, init_sharded_weights
-    from elastic_gpt.parallel.pipeline import build_schedule, run_step, split_model, summed_loss
+    from elastic_gpt.parallel.pipeline import build_schedule, run_step, summed_loss
+    from elastic_gpt.testing.pipeline_stages import cpu_stages
     from elastic_gpt.torch_internals import pipeline_sends
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp_shard"))
-    with torch.device("meta"):
-        gpt = GPT(CFG)
-    stages = split_model(gpt, rank, world, per_rank)
-    for stage in stages:
-        apply_fsdp(stage, mesh["dp_shard"], torch.float32)
-        stage.to_empty(device="cpu")
-        init_sharded_weights(stage, seed=0)
+    stages = cpu_stages(CFG, mesh, per_rank)
     sched = build_schedule(stages, mesh["pp"].get_group(), torch.device("cpu"), m,
                            summed_loss(1.0 / (m * CFG.seq_len)), schedule)
     data, T = _data(m), CFG.seq_len

@@ -21,7 +21,7 @@ from elastic_gpt.elastic.lighthouse import (
     quorum_compute,
 )
 from elastic_gpt.parallel.lighthouse_client import LighthouseClient
-from elastic_gpt.testing.torchft_member import read_steps
+from elastic_gpt.testing.torchft_member import read_steps, wait_for_steps
 
 
 def _member(replica_id: str, step: int = 1, shrink_only: bool = False, address: str = ""):
@@ -106,16 +106,6 @@ def test_leave_needs_a_lighthouse_and_says_so_without_raising():
     client.close()
 
 
-def _wait(path: str, found, what: str, timeout_s: float = 60.0):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        hit = found(read_steps(path))
-        if hit:
-            return hit
-        time.sleep(0.02)
-    raise TimeoutError(f"never saw {what}")
-
-
 def _first_alone_after(t: float, participants: int):
     def found(lines):
         return next((r for r in lines if r.get("name") == "a" and r["t"] > t and r["committed"]
@@ -141,23 +131,23 @@ def test_a_group_that_leaves_or_dies_is_dropped_at_once_and_a_stuck_one_after_it
                                   leave_when=leave_now if name == "b" else None)
                for name in "abcd"}
     try:
-        _wait(out, lambda lines: len([r for r in lines if r.get("name") == "a"
+        wait_for_steps(out, lambda lines: len([r for r in lines if r.get("name") == "a"
                                       and r["participants"] == 4]) >= 5, "all four together")
         open(leave_now, "w").close()
-        _wait(out, lambda lines: any(r.get("left") for r in lines), "b leaving")
+        wait_for_steps(out, lambda lines: any(r.get("left") for r in lines), "b leaving")
         left = next(r["t"] for r in read_steps(out) if r.get("left"))
-        after_leave = _wait(out, _first_alone_after(left, 3), "a without b")
+        after_leave = wait_for_steps(out, _first_alone_after(left, 3), "a without b")
         a_steps = [r for r in read_steps(out) if r.get("name") == "a" and r["t"] < left]
-        _wait(out, lambda lines: [r for r in lines if r.get("name") == "a" and r["t"] >
+        wait_for_steps(out, lambda lines: [r for r in lines if r.get("name") == "a" and r["t"] >
                                   after_leave["t"] + 1.0], "a stepping on without b")
 
         os.kill(members["c"].pid, signal.SIGKILL)
         killed = time.time()
-        after_kill = _wait(out, _first_alone_after(killed, 2), "a without c")
+        after_kill = wait_for_steps(out, _first_alone_after(killed, 2), "a without c")
 
         os.kill(members["d"].pid, signal.SIGSTOP)
         stopped = time.time()
-        after_stop = _wait(out, _first_alone_after(stopped, 1), "a without d",
+        after_stop = wait_for_steps(out, _first_alone_after(stopped, 1), "a without d",
                            timeout_s=6 * heartbeat_s)
         departed = list(departures)  # before the clean-up below kills the rest
     finally:

@@ -72,29 +72,19 @@ def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int, tp:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from elastic_gpt.parallel.fsdp import apply_fsdp, init_sharded_weights
     from elastic_gpt.parallel.pipeline import (
         TiedEmbedding,
         build_schedule,
         clip_grad_norm,
         run_step,
-        split_model,
         summed_loss,
     )
-    from elastic_gpt.parallel.tensor import apply_tensor_parallel
+    from elastic_gpt.testing.pipeline_stages import cpu_stages
 
     dp = world // (pp * tp)
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
-    with torch.device("meta"):
-        gpt = GPT(CFG)
-    stages = split_model(gpt, pp_rank, pp, per_rank)
-    for stage in stages:
-        if tp > 1:
-            apply_tensor_parallel(stage, mesh["tp"])
-        apply_fsdp(stage, mesh["dp_shard"], torch.float32)
-        stage.to_empty(device="cpu")
-        init_sharded_weights(stage, seed=0)
+    dp_rank = mesh.get_local_rank("dp_shard")
+    stages = cpu_stages(CFG, mesh, per_rank)
     tied = TiedEmbedding(mesh, stages)
     T = CFG.seq_len
     local = _batch()[dp_rank * G // dp:(dp_rank + 1) * G // dp]
@@ -212,22 +202,9 @@ STEPS = 6
 
 
 def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:
-    from elastic_gpt.config import load_config
-    from elastic_gpt.tracking import metric_names as mn
-    from elastic_gpt.train.trainer import NullMetricSink, Trainer
+    from elastic_gpt.testing.step_recorder import train_recorded
 
-    class Recorder(NullMetricSink):
-        def __init__(self):
-            self.seen = {}
-
-        def log(self, metrics, step):
-            if mn.TRAIN_LOSS in metrics:
-                self.seen[step] = (metrics[mn.TRAIN_LOSS], metrics[mn.DATA_FINGERPRINT])
-
-    cfg = load_config("jobs/configs/mini.yaml", overrides)
-    recorder = Recorder()
-    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None, metrics=recorder)
-    trainer.train()
+    trainer, recorder = train_recorded(overrides, rank, world)
     return {"seen": recorder.seen, "setup": trainer.setup_line()}
 
 
@@ -314,18 +291,12 @@ def test_held_out_evaluation_runs_through_the_stages(stdlib_dataset, world, extr
 def _traffic(rank: int, world: int, schedule: str, per_rank: int, micro_batches: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic_gpt.parallel.fsdp import apply_fsdp, init_sharded_weights
-    from elastic_gpt.parallel.pipeline import build_schedule, run_step, split_model, summed_loss
+    from elastic_gpt.parallel.pipeline import build_schedule, run_step, summed_loss
+    from elastic_gpt.testing.pipeline_stages import cpu_stages
     from elastic_gpt.torch_internals import pipeline_sends
 
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp_shard"))
-    with torch.device("meta"):
-        gpt = GPT(CFG)
-    stages = split_model(gpt, rank, world, per_rank)
-    for stage in stages:
-        apply_fsdp(stage, mesh["dp_shard"], torch.float32)
-        stage.to_empty(device="cpu")
-        init_sharded_weights(stage, seed=0)
+    stages = cpu_stages(CFG, mesh, per_rank)
     sched = build_schedule(stages, mesh["pp"].get_group(), torch.device("cpu"), micro_batches,
                            summed_loss(1.0), schedule)
     # The most micro-batches this rank's stages keep for their backward at once, over a step.

@@ -11,29 +11,18 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from elastic_gpt.elastic.lighthouse import LighthouseServer
 from elastic_gpt.testing.ports import free_port
 from elastic_gpt.testing.replica_group_rank import start_rank
-from elastic_gpt.testing.torchft_member import read_steps
+from elastic_gpt.testing.torchft_member import read_steps, wait_for_steps
 
 TIMEOUT_S = 2.0  # the hang timeout: the Manager's timeout, a group's collectives; quorum twice it
 HEARTBEAT_S = 1.0
 STOP_AFTER = 5
 STEPS = 300
-
-
-def _wait(out: str, found, what: str, timeout_s: float = 60.0):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        hit = found(read_steps(out))
-        if hit:
-            return hit
-        time.sleep(0.05)
-    raise AssertionError(f"never saw {what}: {read_steps(out)[-6:]}")
 
 
 @pytest.mark.slow
@@ -50,9 +39,9 @@ def test_a_rank_hung_between_steps_fails_its_group_and_not_the_other(tmp_path):
              for g in range(2) for r in range(2)}
     hung = ranks[(1, 1)]
     try:
-        stopped = _wait(out, lambda lines: [
+        stopped = wait_for_steps(out, lambda lines: [
             r for r in lines if r.get("stopping")], "group 1 rank 1 stopping")[0]["t"]
-        alone = _wait(out, lambda lines: [r for r in lines if r.get("group") == 0 and r["t"] >
+        alone = wait_for_steps(out, lambda lines: [r for r in lines if r.get("group") == 0 and r["t"] >
                                           stopped and r.get("groups") == 1 and r["committed"]],
                       "group 0 stepping alone")[0]
         for rank in range(2):

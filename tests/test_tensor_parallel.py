@@ -16,7 +16,6 @@ import torch
 
 from elastic_gpt.config import load_config
 from elastic_gpt.testing.gloo import run_gloo
-from elastic_gpt.tracking import metric_names as mn
 
 
 def _step_worker(rank: int, world: int, overrides: list[str], nodes: list[str] | None) -> dict:
@@ -114,19 +113,9 @@ STEPS = 6
 
 
 def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:
-    from elastic_gpt.train.trainer import NullMetricSink, Trainer
+    from elastic_gpt.testing.step_recorder import train_recorded
 
-    class Recorder(NullMetricSink):
-        def __init__(self):
-            self.seen = {}
-
-        def log(self, metrics, step):
-            self.seen[step] = (metrics[mn.TRAIN_LOSS], metrics[mn.DATA_FINGERPRINT])
-
-    cfg = load_config("jobs/configs/mini.yaml", overrides)
-    recorder = Recorder()
-    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None, metrics=recorder)
-    trainer.train()
+    trainer, recorder = train_recorded(overrides, rank, world)
     x = torch.arange(2 * 64).reshape(2, 64) % trainer.gpt_cfg.vocab_size
     with torch.no_grad():
         logits = trainer.model(x)

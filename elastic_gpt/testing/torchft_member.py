@@ -34,6 +34,18 @@ def read_steps(out: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def wait_for_steps(out: str, found, what: str, timeout_s: float = 60.0):
+    """What `found(lines)` returns once it is truthy, reading `out` as it grows; TimeoutError
+    naming `what` and the last lines if it never is."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        hit = found(read_steps(out))
+        if hit:
+            return hit
+        time.sleep(0.02)
+    raise TimeoutError(f"never saw {what}: {read_steps(out)[-6:]}")
+
+
 def _member_main(lighthouse: str, name: str, out: str, steps: int, leave_when: str | None,
                  timeout_s: float) -> None:
     from datetime import timedelta
