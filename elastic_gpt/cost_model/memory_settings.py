@@ -28,6 +28,7 @@ from elastic_gpt.cost_model.memory import (
     ModelShape,
     memory_per_gpu,
 )
+from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
 from elastic_gpt.cost_model.step_time import (
     MATMUL_EFFICIENCY,
     LayoutCandidate,
@@ -90,8 +91,6 @@ def resolve_memory_settings(shape: ModelShape, *, world_size: int, tp: int,
 
     Under pipeline parallelism (`pp` > 1) the memory and step are a pipeline rank's
     (cost_model/pipeline.py), and gradients are reduced once per step: the schedule's."""
-    from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
-
     multi_node = len(workers_per_node) > 1
     even = len(set(workers_per_node)) == 1
     hsdps = {"on": [True], "off": [False],

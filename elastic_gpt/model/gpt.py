@@ -166,10 +166,8 @@ class GPT(nn.Module):
         from (a pipeline stage answers with the whole model's position)."""
         if not hasattr(self, "_parameter_index"):
             self.__dict__["_parameter_index"] = {
-                n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""): i
-                for i, (n, _) in enumerate(self.named_parameters())}
-        return self._parameter_index[name.replace("_checkpoint_wrapped_module.", "")
-                                     .replace("_orig_mod.", "")]
+                plain_name(n): i for i, (n, _) in enumerate(self.named_parameters())}
+        return self._parameter_index[plain_name(name)]
 
     def initial_values(self, seed: int):
         """(name, full tensor) per parameter, in parameter order (`initial_value`)."""
@@ -276,6 +274,12 @@ def _tile_seed(seed: int, index: int, ti: int, tj: int) -> int:
         x = x * 0x94D0_49BB_1331_11EB & 0xFFFF_FFFF_FFFF_FFFF
         x ^= x >> 31
     return x & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the levels activation checkpointing's and compile's wrappers
+    add: its name in the unwrapped model."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -159,6 +159,8 @@ class ParallelDims:
                 # A sum over every shard of a parameter (the gradient norm) spans dp_shard and
                 # tp; with this flattened dim DTensor does it in one all-reduce, not two.
                 flatten_mesh(self._mesh["dp_shard", "tp"], "dp_shard_tp")
+            if self.tp_enabled and self.pp_enabled:  # the ranks of one batch (`batch_group`)
+                flatten_mesh(self._mesh["pp", "tp"], "pp_tp")
             if connect_on is not None:
                 self.connected = connect_communicators(self._mesh, connect_on)
         return self._mesh
@@ -186,12 +188,11 @@ class ParallelDims:
     def batch_group(self) -> dist.ProcessGroup | None:
         """The ranks that train on the same micro-batches (one data-parallel rank's pipeline
         stages and tensor-parallel shares), which one of them reads for all; None if one rank."""
-        dims = [d for d in ("pp", "tp") if self.mesh.size(DIM_NAMES.index(d)) > 1]
-        if not dims:
-            return None
-        if len(dims) == 1:
-            return self.mesh[dims[0]].get_group()
-        return flatten_mesh(self.mesh["pp", "tp"], "pp_tp").get_group()
+        if self.pp_enabled and self.tp_enabled:
+            return self.mesh["pp_tp"].get_group()
+        if self.pp_enabled or self.tp_enabled:
+            return self.mesh["pp" if self.pp_enabled else "tp"].get_group()
+        return None
 
 
 def connect_communicators(mesh: DeviceMesh, device: torch.device) -> list[str]:

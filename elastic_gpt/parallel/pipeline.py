@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from elastic_gpt.cost_model.pipeline import PipelineLayoutError, rank_stages, stage_layers
-from elastic_gpt.model.gpt import GPT, TiedLMHead, token_losses
+from elastic_gpt.model.gpt import GPT, TiedLMHead, plain_name, token_losses
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 IGNORED = -100
@@ -68,8 +68,7 @@ class GPTStage(nn.Module):
 
     def parameter_index(self, name: str) -> int:
         """The parameter's position in the whole GPT: what its initial value is drawn from."""
-        return self._index_in_gpt[name.replace("_checkpoint_wrapped_module.", "")
-                                  .replace("_orig_mod.", "")]
+        return self._index_in_gpt[plain_name(name)]
 
     initial_value = GPT.initial_value  # the whole model's init, by name and position
 
@@ -152,8 +151,11 @@ def run_step(schedule, stages: list[GPTStage], x: torch.Tensor | None,
     losses: list[torch.Tensor] = []
     args = (x,) if first else ()
     schedule.step(*args, target=y if last else None, losses=losses if last else None)
-    if not last:
-        return None
+    return _summed(losses) if last else None
+
+
+def _summed(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the micro-batches' losses (replicated DTensors under loss_parallel: local)."""
     total = sum(loss.detach() for loss in losses)
     return total.to_local() if isinstance(total, DTensor) else total
 
@@ -169,6 +171,9 @@ class TiedEmbedding:
         self.weight = next((s.wte.weight for s in stages if s.holds_tied_embedding), None)
         self.group = None
         if pp == 1:
+            return
+        if pp == 2:  # the pipeline's own group is the pair: no communicator more
+            self.group = mesh["pp"].get_group()
             return
         ranks = mesh.mesh.reshape(pp, -1)
         for column in range(ranks.size(1)):  # every rank makes every pair's group, in order
@@ -274,7 +279,7 @@ class Pipeline:
         with self._context(compute_dtype, vocab_sharded, device):
             loss = run_step(self._schedule, self.stages, x, y)
         self._tied.sum_gradients()
-        return self._summed(loss, device)
+        return self._unscaled(loss, device)
 
     def prepare(self, n_microbatches: int, rows: int, scale: float,
                 device: torch.device) -> None:
@@ -307,12 +312,9 @@ class Pipeline:
             for module in stage.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        total = sum(loss.detach() for loss in losses) if self.last else None
-        if isinstance(total, DTensor):
-            total = total.to_local()
-        return self._summed(total, device)
+        return self._unscaled(_summed(losses) if self.last else None, device)
 
-    def _summed(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    def _unscaled(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         if loss is None:
             return torch.zeros((), dtype=torch.float64, device=device)
         return loss.double() / self._scale
