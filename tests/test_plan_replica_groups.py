@@ -229,7 +229,8 @@ def test_groups_smaller_than_a_node_are_all_lost_with_it():
     lay = plan.fault_tolerance.best.layout
     assert lay.group_gpus == 2 and lay.groups_lost == 4
     # 4 of 8 groups away: the survivors do twice the micro-batches, about half the throughput
-    assert lay.degraded_speed == pytest.approx(0.5, abs=0.02)
+    # (a little more: the 4 survivors share one node, so their all-reduce stays on NVLink)
+    assert lay.degraded_speed == pytest.approx(0.5, abs=0.03)
     # the node's 4 restarted groups all read the checkpoint through it; one group writes it
     assert lay.ckpt_read_s == pytest.approx(4 * lay.ckpt_write_s)
     assert plan.chosen_replica_groups.layout is lay  # forced: written whatever the comparison says

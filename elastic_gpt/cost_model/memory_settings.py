@@ -30,7 +30,6 @@ from elastic_gpt.cost_model.memory import (
 )
 from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
 from elastic_gpt.cost_model.step_time import (
-    MATMUL_EFFICIENCY,
     LayoutCandidate,
     Network,
     choice_key,
@@ -113,7 +112,7 @@ def resolve_memory_settings(shape: ModelShape, *, world_size: int, tp: int,
                                    context_bytes=context_bytes, fragmentation=fragmentation, **kw)
             st = None if net is None else pipelined_step_time(
                 shape, gpu, net, mesh, micro_batch, micro_batches_per_rank, dtype=dtype,
-                efficiency=MATMUL_EFFICIENCY, **kw)
+                **kw)
             candidates.append(LayoutCandidate(micro_batch, activation_checkpointing, sync,
                                               micro_batches_per_rank, mem, st, reshard, mesh))
             continue
@@ -125,7 +124,7 @@ def resolve_memory_settings(shape: ModelShape, *, world_size: int, tp: int,
         st = None if net is None else step_time(
             shape, gpu, net, world_size, micro_batch, micro_batches_per_rank,
             activation_checkpointing=activation_checkpointing, dtype=dtype, grad_sync=sync,
-            efficiency=MATMUL_EFFICIENCY, reshard_after_forward=reshard, tp=tp, hsdp=on)
+            reshard_after_forward=reshard, tp=tp, hsdp=on)
         candidates.append(LayoutCandidate(micro_batch, activation_checkpointing, sync,
                                           micro_batches_per_rank, mem, st, reshard, mesh))
     fitting = [c for c in candidates if c.memory.total <= usable]

@@ -11,11 +11,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_gpt.cost_model.kernels import Kernels, block_times, head_times
 from elastic_gpt.cost_model.memory import FP32, Memory, ModelShape, dtype_bytes
 from elastic_gpt.hardware import GB, GPU
 
 MATMUL_EFFICIENCY = 0.6
-"""Achieved fraction of peak FLOP/s for the model's matmuls (big bf16 GEMMs reach 0.6-0.8)."""
+"""Achieved fraction of peak FLOP/s for the model's matmuls (big bf16 GEMMs reach 0.6-0.8): the
+default model's one figure for every FLOP. None instead costs each kernel by its size
+(cost_model/kernels.py) and each collective by NCCL's latency model (`Network.nccl_latency`):
+the calibrated model, checked against published runs (planner/published_runs.py)."""
+
+NCCL_BASE_LATENCY_S = 8.4e-6
+NCCL_NVLINK_HOP_S = 3.4e-6
+NCCL_NET_HOP_S = 14e-6
+"""NCCL's latency model of a ring collective in its Simple protocol, the one large messages use
+(src/graph/tuning.cc, `baseLatencies` and `hwLatencies` for Ring/Simple): a base cost, then one
+hop per step of the ring, an NVLink hop inside a node and a network hop between nodes. An
+all-gather or reduce-scatter over N ranks on n nodes takes N - 1 steps, n - 1 of them between
+nodes; an all-reduce twice as many."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +40,8 @@ class Network:
     """NCCL bus bandwidth between nodes: the node's aggregate NIC bandwidth, GB/s."""
     latency_s: float = 20e-6
     """Fixed cost per collective (launch + ring latency), seconds."""
+    nccl_latency: bool = False
+    """Cost each collective by NCCL's ring latency model instead (grows with the ranks)."""
 
     def nodes(self, n_gpus: int) -> int:
         return -(-n_gpus // self.gpus_per_node)
@@ -38,27 +53,45 @@ class Network:
             return self.intra_node_gbps
         return min(self.intra_node_gbps, self.inter_node_gbps)
 
+    def ring_latency_s(self, ranks: int, per_node: int | None = None, *,
+                       all_reduce: bool = False) -> float:
+        """A ring collective's fixed cost over `ranks` ranks, `per_node` of them in each node
+        (default: they fill nodes): `latency_s`, or with `nccl_latency` NCCL's model."""
+        if ranks <= 1:
+            return 0.0
+        if not self.nccl_latency:
+            return self.latency_s
+        nodes = -(-ranks // (per_node or self.gpus_per_node))
+        steps, net_steps = ranks - 1, nodes - 1
+        if all_reduce:
+            steps, net_steps = 2 * steps, 2 * net_steps
+        return (NCCL_BASE_LATENCY_S + (steps - net_steps) * NCCL_NVLINK_HOP_S
+                + net_steps * NCCL_NET_HOP_S)
+
     def collective_s(self, full_bytes: float, n_gpus: int) -> float:
         """All-gather or reduce-scatter of a `full_bytes` tensor: each rank sends and receives
         (N-1)/N of it (ring algorithm)."""
         if n_gpus <= 1:
             return 0.0
-        return ring_bytes(full_bytes, n_gpus) / (self.bus_gbps(n_gpus) * GB) + self.latency_s
+        return (ring_bytes(full_bytes, n_gpus) / (self.bus_gbps(n_gpus) * GB)
+                + self.ring_latency_s(n_gpus))
 
-    def ring_s(self, bytes_per_gpu: float, *, across_nodes: bool, nic_sharing: int = 1) -> float:
-        """A ring collective in which each member sends `bytes_per_gpu`.
+    def ring_s(self, bytes_per_gpu: float, *, ranks: int, per_node: int,
+               nic_sharing: int = 1, all_reduce: bool = False) -> float:
+        """A ring collective over `ranks` ranks, `per_node` of them in each node, in which each
+        member sends `bytes_per_gpu`.
 
         Inside a node every GPU has its own NVLink/PCIe bandwidth. A ring across nodes pushes
         each member's bytes through every node's NICs once, and the NICs are the node's: when
         `nic_sharing` such rings run at once with members on the same nodes (one per tensor-
         parallel rank for FSDP's data-parallel groups, one per GPU for HSDP's replicate groups),
         they share them. With nic_sharing=1 this is `collective_s`."""
-        if bytes_per_gpu <= 0:
+        if bytes_per_gpu <= 0 or ranks <= 1:
             return 0.0
         t = bytes_per_gpu / (self.intra_node_gbps * GB)
-        if across_nodes:
+        if ranks > per_node:
             t = max(t, nic_sharing * bytes_per_gpu / (self.inter_node_gbps * GB))
-        return t + self.latency_s
+        return t + self.ring_latency_s(ranks, per_node, all_reduce=all_reduce)
 
 
 def ring_bytes(full_bytes: float, n_gpus: int) -> float:
@@ -218,7 +251,8 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
 
 def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batch: int,
               micro_batches_per_rank: int, *, activation_checkpointing: bool,
-              dtype: str = "bfloat16", grad_sync: str = "microbatch", efficiency: float = 0.6,
+              dtype: str = "bfloat16", grad_sync: str = "microbatch",
+              efficiency: float | None = MATMUL_EFFICIENCY, attention: str = "flash",
               reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False) -> StepTime:
     """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches).
 
@@ -242,28 +276,39 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     """
     cfg, pb, L, k = shape.cfg, dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
     mesh = make_mesh(n_gpus, tp, hsdp, net.gpus_per_node)
-    flops_s = gpu.peak_flops * efficiency
-    tokens = micro_batch * cfg.seq_len
-    fwd_blk = shape.block_fwd_flops_per_token * tokens / tp / flops_s
-    bwd_blk = (2 + activation_checkpointing) * fwd_blk
-    head = 3 * shape.head_fwd_flops_per_token * tokens / tp / flops_s
+    kernels = Kernels(gpu, pb)
+    if efficiency is not None:  # every FLOP at one fraction of peak
+        flops_s = gpu.peak_flops * efficiency
+        tokens = micro_batch * cfg.seq_len
+        fwd_blk = shape.block_fwd_flops_per_token * tokens / tp / flops_s
+        bwd_blk = (2 + activation_checkpointing) * fwd_blk
+        head = 3 * shape.head_fwd_flops_per_token * tokens / tp / flops_s
+    else:
+        block = block_times(kernels, micro_batch, cfg.seq_len, cfg.n_embd, tp,
+                            n_head=cfg.n_head, dropout=cfg.dropout, attention=attention)
+        fwd_blk = block.forward_s
+        bwd_blk = block.backward_s + (block.forward_s if activation_checkpointing else 0.0)
+        head = 0.0
+        if shape.head_fwd_flops_per_token:  # a pipeline's first rank has no output layer
+            out = head_times(kernels, micro_batch, cfg.seq_len, cfg.n_embd, cfg.vocab_size, tp)
+            head = out.forward_s + out.backward_s
     compute_mb = L * (fwd_blk + bwd_blk) + head
 
     shard_across = mesh.spans_nodes and not mesh.hsdp
+    # FSDP's group: the ranks of one TP position, gpus_per_node / tp of them in each node.
+    shard_per_node = net.gpus_per_node // tp if shard_across else mesh.dp_shard
     blk, root = shape.block_local(tp), shape.root_local(tp)
 
     def gather_s(elems: float) -> float:
-        if mesh.dp_shard <= 1:
-            return 0.0
-        return net.ring_s(ring_bytes(pb * elems, mesh.dp_shard), across_nodes=shard_across,
-                          nic_sharing=tp)
+        return net.ring_s(ring_bytes(pb * elems, mesh.dp_shard), ranks=mesh.dp_shard,
+                          per_node=shard_per_node, nic_sharing=tp)
 
     def reduce_s(elems: float) -> float:  # reduce-scatter, then (HSDP) all-reduce of the shard
-        rs = 0.0 if mesh.dp_shard <= 1 else net.ring_s(
-            ring_bytes(FP32 * elems, mesh.dp_shard), across_nodes=shard_across, nic_sharing=tp)
-        ar = 0.0 if mesh.dp_replicate <= 1 else net.ring_s(
-            2 * ring_bytes(FP32 * elems / mesh.dp_shard, mesh.dp_replicate), across_nodes=True,
-            nic_sharing=mesh.dp_shard * tp)
+        rs = net.ring_s(ring_bytes(FP32 * elems, mesh.dp_shard), ranks=mesh.dp_shard,
+                        per_node=shard_per_node, nic_sharing=tp)
+        ar = net.ring_s(2 * ring_bytes(FP32 * elems / mesh.dp_shard, mesh.dp_replicate),
+                        ranks=mesh.dp_replicate, per_node=1, nic_sharing=mesh.dp_shard * tp,
+                        all_reduce=True)
         return rs + ar
 
     ag_blk, ag_root = gather_s(blk), gather_s(root)
@@ -291,13 +336,17 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     tpt = tp_traffic(shape, micro_batch, tp, activation_checkpointing=activation_checkpointing,
                      act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
     tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
-    n_tp = (k * (tpt.all_gathers + tpt.reduce_scatters + tpt.all_reduces)
-            + n_sync * tpt.sync_collectives)
-    tp_s = tp_bytes / (net.intra_node_gbps * GB) + n_tp * net.latency_s if tp > 1 else 0.0
+    tp_s = 0.0
+    if tp > 1:  # one node's ring; the sync's collectives counted as all-reduces, the larger
+        n_ring = k * (tpt.all_gathers + tpt.reduce_scatters)
+        n_all_reduce = k * tpt.all_reduces + n_sync * tpt.sync_collectives
+        tp_s = (tp_bytes / (net.intra_node_gbps * GB) + n_ring * net.ring_latency_s(tp, tp)
+                + n_all_reduce * net.ring_latency_s(tp, tp, all_reduce=True))
 
     # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
     local = shape.local_params(tp)
-    optimizer_s = 32 * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
+    optimizer_s = (32 * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
+                   if efficiency is not None else kernels.memory_s(32 * local / mesh.dp_shard))
     gather_elems = n_fwd_gathers * (root + L * blk) + k * regathers * blk
     shard_bytes = FP32 * local / mesh.dp_shard
     return StepTime(compute_s=k * compute_mb, comm_s=comm_s, exposed_comm_s=exposed_s,

@@ -2,7 +2,7 @@
 
 The defaults are the planner's assumptions, with their sources next to them where they have
 one: the node MTBFs (Llama 3's interruptions on-demand, AWS's spot interruption bands), the
-restart time (Ray Train's defaults, docs/design.md), the matmul efficiency; the heartbeat bounds
+restart time (Ray Train's defaults, docs/design.md); the heartbeat bounds
 are the trainer's config's (`elastic.replica_heartbeat_timeout_s`).
 
 Units: bytes, seconds, FLOP/s; GB/s and GiB as hardware.py defines them.
@@ -49,7 +49,11 @@ class PlanInputs:
     gpus_per_node: int | None = None
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
-    efficiency: float = MATMUL_EFFICIENCY
+    efficiency: float | None = MATMUL_EFFICIENCY
+    """One fraction of peak FLOP/s for every FLOP; None: the calibrated model (each kernel at
+    what its size reaches, cost_model/kernels.py; NCCL's collective latencies)."""
+    attention: str = "flash"
+    """The attention kernels (cost_model/kernels.py `ATTENTION_KERNELS`)."""
     achieved_flops_per_gpu: float | None = None
     """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces
     the compute + communication model for step time (Narayanan et al. report 140e12 on A100)."""

@@ -66,15 +66,18 @@ def cross_group_allreduce(shape: ModelShape, net: Network, group: Mesh, n_groups
     fp32 gradient shard, 4 * P_tp / dp_shard bytes per GPU in all, over the N groups at each
     gradient sync: a ring all-reduce, 2 (N-1)/N of it per GPU. Every GPU of a group is in its own
     ring (one per position in the group), so across nodes the rings of a node's GPUs share its
-    NICs. One latency per unit (L blocks and the root) per sync.
+    NICs. One ring latency (NCCL's) per unit (L blocks and the root) per sync.
     """
     if n_groups <= 1:
         return 0.0, 0.0
     shard = FP32 * shape.local_params(group.tp) / group.dp_shard
     per_sync = 2 * ring_bytes(shard, n_groups)
     sharing = min(group.world, net.gpus_per_node)
-    seconds = net.ring_s(per_sync, across_nodes=total_gpus > net.gpus_per_node,
-                         nic_sharing=sharing) + shape.cfg.n_layer * net.latency_s
+    # one rank per group in each ring; the groups fill nodes in order
+    per_node = max(1, net.gpus_per_node // group.world)
+    latency = net.ring_latency_s(n_groups, per_node, all_reduce=True)
+    seconds = (net.ring_s(per_sync, ranks=n_groups, per_node=per_node, nic_sharing=sharing,
+                          all_reduce=True) + shape.cfg.n_layer * latency)
     return n_syncs * per_sync, n_syncs * seconds
 
 

@@ -136,7 +136,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
     net = _network(p, gpu)
     if p.n_gpus < 1:
         raise PlanError(f"--gpus={p.n_gpus} must be at least 1")
-    if not 0 < p.efficiency <= 1:
+    if p.efficiency is not None and not 0 < p.efficiency <= 1:
         raise PlanError(f"--efficiency={p.efficiency} must be in (0, 1]")
     if p.replica_groups not in ("auto", "off") and not isinstance(p.replica_groups, int):
         raise PlanError(f"--replica-groups={p.replica_groups!r} must be auto, off or a count")
@@ -333,7 +333,8 @@ def default_lr(n_params: float) -> float:
 def _network(p: PlanInputs, gpu: GPU) -> Network:
     return Network(gpus_per_node=p.gpus_per_node or gpu.gpus_per_node,
                    intra_node_gbps=p.intra_node_gbps or gpu.intra_node_gbps,
-                   inter_node_gbps=p.inter_node_gbps or gpu.inter_node_gbps)
+                   inter_node_gbps=p.inter_node_gbps or gpu.inter_node_gbps,
+                   nccl_latency=p.efficiency is None)
 
 
 def trainer_parallel_keys() -> set[str]:

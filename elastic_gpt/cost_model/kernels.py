@@ -1,0 +1,128 @@
+"""What a transformer block's kernels take on one GPU: each matmul at the fraction of peak its
+size reaches, each memory-bound kernel (layer norms, GELU, residual adds, the loss) at the
+fraction of HBM bandwidth its size reaches.
+
+The method and the curves are Calculon's (Isaev et al. 2023, "Calculon: a Methodology and Tool
+for High-Level Co-Design of Systems and Large Language Models", SC23; its published A100-80GB
+and H100 system files, systems/a100_80g.json and systems/h100_80g_nvl8.json): a kernel takes
+its FLOPs at the matrix efficiency for its size plus its bytes at the memory efficiency for its
+size, no overlap of the two (the "no_overlap" processing mode both files use). The curves are
+steps: the first row whose size the kernel reaches gives its efficiency. Calculon's authors
+validated this against Megatron-LM's measured iteration times on Selene (Korthikanti et al.
+2022, Table 5); the planner's own check against those and SC21's tables is
+planner/published_runs.py. The same curves are used for every GPU row: Calculon's A100 and H100
+files give the same ones, and no source gives others for L4, A10G or L40S.
+
+Per TP rank, with b the micro-batch, s the sequence, h the width, t the tensor-parallel degree
+(parallel/tensor.py's plan: Megatron's column/row split with sequence parallelism, so the layer
+norms, GELU's input aside, and the residual adds each see s / t of the sequence):
+
+- matmuls (M x K times K x N, 2MKN FLOPs, (MK + KN + MN) elements moved): c_attn (bs, h, 3h/t),
+  attn.c_proj (bs, h/t, h), mlp.c_fc (bs, h, 4h/t), mlp.c_proj (bs, 4h/t, h); backward runs two
+  of each size (the input's and the weight's gradients). Biases are fused into the matmul.
+- attention (SDPA's flash kernel): 4 b s^2 h / t FLOPs as model/gpt.py counts them (QK^T and
+  AV over the full sequence), moving q, k, v and the output; backward twice that.
+- memory-bound, forward (backward moves twice the bytes): ln_1 and ln_2 read and write b s h / t
+  elements; GELU reads and writes b s 4h / t; each residual add reads two and writes one.
+- the output layer: the lm_head matmul (bs, h, V/t) and the loss over the (b, s, V/t) logits,
+  which reads them, upcasts them to fp32 and writes their log-softmax (model/gpt.py's loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic_gpt.hardware import GB, GPU
+
+FP32 = 4
+MATRIX_EFFICIENCY = ((128e9, 0.95), (16e9, 0.9), (1e9, 0.6), (0.0, 0.1))
+"""(kernel FLOPs at least, fraction of peak): Calculon's A100-80GB and H100 matrix curves."""
+MEMORY_EFFICIENCY = ((100e6, 0.9), (10e6, 0.75), (1e6, 0.6), (0.0, 0.3))
+"""(kernel bytes at least, fraction of HBM bandwidth): Calculon's A100-80GB and H100 HBM
+curves."""
+
+
+def step_efficiency(curve: tuple[tuple[float, float], ...], size: float) -> float:
+    return next(eff for least, eff in curve if size >= least)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The GPU and dtype a step runs in. `matmul_efficiency` replaces the matrix curve with one
+    fraction of peak (`plan --efficiency`, for a GPU whose own was measured)."""
+
+    gpu: GPU
+    act_bytes: int
+    matmul_efficiency: float | None = None
+
+    def matmul_s(self, m: float, k: float, n: float) -> float:
+        flops = 2 * m * k * n
+        eff = self.matmul_efficiency or step_efficiency(MATRIX_EFFICIENCY, flops)
+        return (flops / (self.gpu.peak_flops * eff)
+                + self.memory_s((m * k + k * n + m * n) * self.act_bytes))
+
+    def memory_s(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (self.gpu.hbm_gbps * GB * step_efficiency(MEMORY_EFFICIENCY, nbytes))
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """One micro-batch through one block (or the output layer) on one TP rank."""
+
+    forward_s: float
+    backward_s: float
+
+
+ATTENTION_KERNELS = ("flash", "unfused")
+"""flash: SDPA's fused kernel (this trainer on GPUs that have it); unfused: QK^T and AV as
+batched matmuls around a softmax and a dropout over the (b, a/t, s, s) scores (Megatron-LM
+2021's path, as Calculon's Megatron block models it)."""
+
+
+def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int, *,
+                n_head: int = 1, dropout: float = 0.0, attention: str = "flash") -> BlockTimes:
+    b, s, h, t, pb = micro_batch, seq_len, n_embd, tp, k.act_bytes
+    bs = b * s
+    matmuls = (k.matmul_s(bs, h, 3 * h / t) + k.matmul_s(bs, h / t, h)
+               + k.matmul_s(bs, h, 4 * h / t) + k.matmul_s(bs, 4 * h / t, h))
+    row = bs * h / t * pb  # one (b, s / t, h) or (b, s, h / t) tensor
+    if attention == "flash":
+        attn_flops = 4 * b * s * s * h / t
+        eff = k.matmul_efficiency or step_efficiency(MATRIX_EFFICIENCY, attn_flops)
+        attn_fwd = attn_flops / (k.gpu.peak_flops * eff) + k.memory_s(4 * row)
+        attn_bwd = 2 * attn_fwd
+    elif attention == "unfused":
+        scores = b * n_head / t * s * s  # elements
+        half = 2 * b * s * s * h / t  # FLOPs of QK^T, and of AV
+        eff = k.matmul_efficiency or step_efficiency(MATRIX_EFFICIENCY, half)
+        bmm = half / (k.gpu.peak_flops * eff) + k.memory_s(2 * row + scores * pb)
+        drop = dropout > 0
+        attn_fwd = (2 * bmm + k.memory_s(2 * scores * pb)
+                    + (k.memory_s(scores * (2 * pb + 1)) if drop else 0.0))
+        attn_bwd = (4 * bmm + k.memory_s(3 * scores * pb)
+                    + (k.memory_s(scores * (2 * pb + 1)) if drop else 0.0))
+    else:
+        raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION_KERNELS)}")
+    # forward: a norm reads and writes a row, GELU four, a residual add reads two and writes
+    # one; backward: a norm and a residual add read their input and the gradient and write one,
+    # GELU the same at four rows. Dropout (after attn.c_proj and mlp.c_proj) reads a row and
+    # writes it and a one-byte mask, forward and backward.
+    dropouts = 2 * k.memory_s(2 * row + bs * h / t) if dropout > 0 else 0.0
+    forward = (2 * k.memory_s(2 * row) + k.memory_s(2 * 4 * row) + 2 * k.memory_s(3 * row)
+               + dropouts)
+    backward = (2 * k.memory_s(3 * row) + k.memory_s(3 * 4 * row) + 2 * k.memory_s(3 * row)
+                + dropouts)
+    return BlockTimes(forward_s=matmuls + attn_fwd + forward,
+                      backward_s=2 * matmuls + attn_bwd + backward)
+
+
+def head_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, vocab_size: int,
+               tp: int) -> BlockTimes:
+    bs, t = micro_batch * seq_len, tp
+    matmul = k.matmul_s(bs, n_embd, vocab_size / t)
+    logits = bs * vocab_size / t
+    loss_fwd = k.memory_s(logits * (k.act_bytes + FP32))  # read logits, write log-probs
+    loss_bwd = k.memory_s(logits * (FP32 + k.act_bytes))  # read log-probs, write the gradient
+    return BlockTimes(forward_s=matmul + loss_fwd, backward_s=2 * matmul + loss_bwd)

@@ -1,0 +1,151 @@
+"""Published training runs the planner is checked against: the plan for each run's own model,
+GPUs, batch and layout, and its throughput beside the published one.
+
+- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM" (SC21): Table 1 (GPT models from 1.7B to 1T parameters, tp x pp as given, weak
+  scaling on up to 3072 A100-80GB) and Table 2 (GPT-3 175B and 530B: ZeRO-3 without model
+  parallelism against PTD-P, on 384 to 2240 GPUs). Vocabulary 51,200, sequence 2048,
+  activation recomputation on; throughput is their eq. (3) FLOPs, recomputation included, per
+  second per GPU. Their network (sec. 5): 8 A100s per node on NVLink/NVSwitch, 8 HDR InfiniBand
+  NICs of 200 Gb/s per node.
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  Table 5: seconds per iteration of 22B, 175B, 530B and 1T on the same machine, full
+  recomputation, micro-batch 1 (22B: 4), one pipeline (data-parallel degree 1).
+
+The plan's figure is the same FLOPs over the planned step time, for what these runs ran:
+Megatron-LM's dropout of 0.1 and its attention of 2021, before flash attention
+(`--attention unfused`, cost_model/kernels.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic_gpt.cost_model.memory import model_shape, training_flops_per_token
+from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
+from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.planner.inputs import PlanError, PlanInputs
+
+SELENE_NIC_GBPS = 8 * 200 / 8 * 0.8
+"""A Selene node's NCCL bandwidth between nodes, GB/s: 8 NICs of 200 Gb/s (SC21 sec. 5), at the
+0.8 of line rate hardware.py's rows assume."""
+SELENE_NVLINK_GBPS = 300 * 0.65
+"""NVLink3 inside a Selene node, GB/s: 300 per direction at the 0.65 Calculon's A100-80GB
+system file measures for collectives (systems/a100_80g.json)."""
+VOCAB, SEQ = 51200, 2048
+DROPOUT = 0.1
+"""Megatron-LM's default hidden and attention dropout."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str
+    label: str
+    n_layer: int
+    n_head: int
+    n_embd: int
+    gpus: int
+    batch: int
+    tp: int
+    pp: int
+    published_tflops: float
+    """Per GPU, recomputation included (SC21 eq. 3)."""
+    micro_batch: int | None = None
+    """None: the plan chooses (SC21 Table 1 does not give it)."""
+    zero3: bool = False
+    """ZeRO-3 without model parallelism: FSDP over every GPU, resharded after forward."""
+
+    def config(self) -> GPTConfig:
+        return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                         seq_len=SEQ, vocab_size=VOCAB, dropout=DROPOUT)
+
+
+def _iteration_tflops(n_layer: int, n_embd: int, gpus: int, batch: int, seconds: float) -> float:
+    """SC21 eq. (3) over a measured iteration time: 96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+    B, s, L, h, V = batch, SEQ, n_layer, n_embd, VOCAB
+    flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return flops / seconds / gpus / 1e12
+
+
+SC21 = "SC21 Table 1"
+SC21_T2 = "SC21 Table 2"
+KORTHIKANTI = "Korthikanti 2022 Table 5"
+RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun(SC21, "1.7B", 24, 24, 2304, 32, 512, 1, 1, 137),
+    PublishedRun(SC21, "3.6B", 30, 32, 3072, 64, 512, 2, 1, 138),
+    PublishedRun(SC21, "7.5B", 36, 32, 4096, 128, 512, 4, 1, 142),
+    PublishedRun(SC21, "18.4B", 40, 48, 6144, 256, 1024, 8, 1, 135),
+    PublishedRun(SC21, "39.1B", 48, 64, 8192, 512, 1536, 8, 2, 138),
+    PublishedRun(SC21, "76.1B", 60, 80, 10240, 1024, 1792, 8, 4, 140),
+    PublishedRun(SC21, "145.6B", 80, 96, 12288, 1536, 2304, 8, 8, 148),
+    PublishedRun(SC21, "310.1B", 96, 128, 16384, 1920, 2160, 8, 16, 155),
+    PublishedRun(SC21, "529.6B", 105, 128, 20480, 2520, 2520, 8, 35, 163),
+    PublishedRun(SC21, "1008.0B", 128, 160, 25600, 3072, 3072, 8, 64, 163),
+    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 384, 1536, 1, 1, 144, 4, True),
+    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 768, 1536, 1, 1, 88, 2, True),
+    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 1536, 1536, 1, 1, 44, 1, True),
+    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 640, 2560, 1, 1, 138, 4, True),
+    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 1120, 2240, 1, 1, 98, 2, True),
+    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 2240, 2240, 1, 1, 48, 1, True),
+    PublishedRun(SC21_T2, "175B PTD-P", 96, 96, 12288, 384, 1536, 8, 12, 153, 1),
+    PublishedRun(SC21_T2, "175B PTD-P", 96, 96, 12288, 768, 1536, 8, 12, 149, 1),
+    PublishedRun(SC21_T2, "175B PTD-P", 96, 96, 12288, 1536, 1536, 8, 12, 141, 1),
+    PublishedRun(SC21_T2, "530B PTD-P", 105, 128, 20480, 560, 2240, 8, 35, 171, 1),
+    PublishedRun(SC21_T2, "530B PTD-P", 105, 128, 20480, 1120, 2240, 8, 35, 167, 1),
+    PublishedRun(SC21_T2, "530B PTD-P", 105, 128, 20480, 2240, 2240, 8, 35, 159, 1),
+    PublishedRun(KORTHIKANTI, "22B", 48, 64, 6144, 8, 4, 8, 1,
+                 _iteration_tflops(48, 6144, 8, 4, 1.42), 4),
+    PublishedRun(KORTHIKANTI, "175B", 96, 96, 12288, 64, 64, 8, 8,
+                 _iteration_tflops(96, 12288, 64, 64, 18.13), 1),
+    PublishedRun(KORTHIKANTI, "530B", 105, 128, 20480, 280, 280, 8, 35,
+                 _iteration_tflops(105, 20480, 280, 280, 49.05), 1),
+    PublishedRun(KORTHIKANTI, "1T", 128, 160, 25600, 512, 512, 8, 64,
+                 _iteration_tflops(128, 25600, 512, 512, 94.42), 1),
+)
+
+
+@dataclass(frozen=True)
+class Checked:
+    run: PublishedRun
+    planned_tflops: float | None
+    """None: the plan refuses the run (`refusal` says why)."""
+    layout: str = ""
+    refusal: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.planned_tflops is None else self.planned_tflops / \
+            self.run.published_tflops
+
+
+def plan_inputs(run: PublishedRun, calibrated: bool = True) -> PlanInputs:
+    """The plan of `run` on SC21's network; `calibrated`: by the kernel model (`--efficiency
+    kernels`), else by the default one."""
+    return PlanInputs(
+        model=run.config(), gpu="A100-80GB", n_gpus=run.gpus, global_batch_size=run.batch,
+        intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS,
+        micro_batch_size=run.micro_batch,
+        activation_checkpointing=True, tp=run.tp, pp=run.pp, hsdp="off",
+        reshard_after_forward="always" if run.zero3 else "auto",
+        grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
+        tokens=300e9, attention="unfused",
+        efficiency=None if calibrated else MATMUL_EFFICIENCY)
+
+
+def check(run: PublishedRun, calibrated: bool = True) -> Checked:
+    from elastic_gpt.planner.training_plan import plan_training  # training_plan imports us
+
+    try:
+        plan = plan_training(plan_inputs(run, calibrated))
+    except PlanError as e:
+        return Checked(run, None, refusal=str(e))
+    c = plan.chosen
+    flops = training_flops_per_token(model_shape(run.config()), True) * run.batch * SEQ
+    tflops = flops / c.step.step_s / run.gpus / 1e12
+    layout = f"{c.mesh.short()}, micro-batch {c.micro_batch}"
+    return Checked(run, tflops, layout)
+
+
+def check_all(calibrated: bool = True) -> list[Checked]:
+    return [check(r, calibrated) for r in RUNS]
+

@@ -1,0 +1,116 @@
+"""The planner against published runs (planner/published_runs.py): SC21's Tables 1 and 2 and
+Korthikanti et al. 2022's iteration times, each planned with its own model, GPUs, batch, tp and
+pp on SC21's network. The rows the default model plans within 15% are pinned, and so are the
+rows it misses, so that a change to the step-time model shows here and in docs/planner.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_gpt.cost_model.kernels import (
+    MATRIX_EFFICIENCY,
+    Kernels,
+    block_times,
+    step_efficiency,
+)
+from elastic_gpt.cost_model.step_time import (
+    NCCL_BASE_LATENCY_S,
+    NCCL_NET_HOP_S,
+    NCCL_NVLINK_HOP_S,
+    Network,
+)
+from elastic_gpt.hardware import get_gpu
+from elastic_gpt.planner import published_runs
+from elastic_gpt.planner.published_runs import RUNS, check
+
+
+def _key(run) -> tuple:
+    return run.source, run.label, run.gpus
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    """Each run planned by the default model (one efficiency for every FLOP, fixed latency)."""
+    return {_key(r): check(r, calibrated=False) for r in RUNS}
+
+
+@pytest.fixture(scope="module")
+def calibrated_model():
+    return {_key(r): check(r) for r in RUNS}
+
+
+def test_published_throughputs_are_sc21_eq3_over_the_measured_time():
+    """Korthikanti 2022 gives seconds per iteration: converted with SC21's eq. (3) (175B, 64
+    GPUs, batch 64, 18.13 s -> 162 TFLOP/s per GPU, the 52% of peak they report)."""
+    k175 = next(r for r in RUNS if r.source == published_runs.KORTHIKANTI and r.label == "175B")
+    assert k175.published_tflops == pytest.approx(162, abs=1)
+
+
+def test_the_default_model_plans_sc21_pipelined_runs_within_15_percent(default_model):
+    within = {k for k, c in default_model.items()
+              if c.ratio is not None and abs(c.ratio - 1) <= 0.15}
+    missed = {k: c.ratio for k, c in default_model.items() if k not in within}
+    # Table 1 from 7.5B to 1T, every PTD-P row of Table 2, every Korthikanti run
+    assert {(s, lbl) for s, lbl, _ in within} == (
+        {(published_runs.SC21, r.label) for r in RUNS if r.source == published_runs.SC21
+         and r.label not in ("1.7B", "3.6B")}
+        | {(published_runs.SC21_T2, "175B PTD-P"), (published_runs.SC21_T2, "530B PTD-P")}
+        | {(published_runs.KORTHIKANTI, r.label) for r in RUNS
+           if r.source == published_runs.KORTHIKANTI})
+    # The misses, and which way: small models without model parallelism planned too fast;
+    # ZeRO-3 at scale far too fast (its published fall is DeepSpeed's, not the network's);
+    # ZeRO-3 530B refused (whole blocks gathered at once).
+    for (_, label, gpus), ratio in missed.items():
+        if label == "530B ZeRO-3":
+            assert ratio is None
+        else:
+            assert ratio > 1.15, (label, gpus, ratio)
+
+
+def test_the_kernel_model_follows_model_size_but_plans_every_megatron_run_too_fast(
+        default_model, calibrated_model):
+    """Calibrated (`--efficiency kernels`): the ratio to the published figure is flat across
+    sizes (1.7B to 1T within a band of 0.1), where the default drifts by 0.4; and every
+    Megatron run is planned 12-30% too fast: Calculon's matrix ceiling is not this trainer's."""
+    megatron = [k for k in calibrated_model if "ZeRO-3" not in k[1]]
+    cal = [calibrated_model[k].ratio for k in megatron]
+    table1 = [k for k in megatron if k[0] == published_runs.SC21]
+    spread = lambda model: (max(model[k].ratio for k in table1)  # noqa: E731
+                            - min(model[k].ratio for k in table1))
+    assert spread(calibrated_model) < 0.1 < 0.4 < spread(default_model)
+    assert all(1.1 < r < 1.3 for r in cal)
+
+
+def test_kernel_efficiency_grows_with_the_kernels_size():
+    gpu = get_gpu("A100-80GB")
+    k = Kernels(gpu, act_bytes=2)
+    assert step_efficiency(MATRIX_EFFICIENCY, 200e9) == 0.95
+    assert step_efficiency(MATRIX_EFFICIENCY, 20e9) == 0.9
+    assert step_efficiency(MATRIX_EFFICIENCY, 0.5e9) == 0.1
+    # a 12288-wide MLP matmul of one 2048-token sequence at tp=8: FLOPs at 0.95 of peak, plus
+    # its three matrices read and written at 0.9 of HBM
+    m, kk, n = 2048, 12288, 4 * 12288 / 8
+    expected = 2 * m * kk * n / (312e12 * 0.95) + 2 * (m * kk + kk * n + m * n) / (2039e9 * 0.9)
+    assert k.matmul_s(m, kk, n) == pytest.approx(expected)
+    # more tensor parallelism, less per rank; Megatron's unfused attention and dropout cost more
+    one = block_times(k, 1, 2048, 12288, 1, n_head=96)
+    eight = block_times(k, 1, 2048, 12288, 8, n_head=96)
+    assert eight.forward_s < one.forward_s / 7
+    unfused = block_times(k, 1, 2048, 12288, 8, n_head=96, dropout=0.1, attention="unfused")
+    assert unfused.forward_s > eight.forward_s and unfused.backward_s > eight.backward_s
+
+
+def test_nccl_ring_latency_grows_with_ranks_and_nodes():
+    """NCCL's Ring/Simple model: base + an NVLink hop per step inside a node, a network hop per
+    step between nodes; an all-reduce twice the steps."""
+    net = Network(8, 230, 40, nccl_latency=True)
+    assert net.ring_latency_s(1) == 0.0
+    assert net.ring_latency_s(8) == pytest.approx(NCCL_BASE_LATENCY_S + 7 * NCCL_NVLINK_HOP_S)
+    # 16 ranks on 2 nodes: 15 steps, 1 of them between the nodes
+    assert net.ring_latency_s(16) == pytest.approx(
+        NCCL_BASE_LATENCY_S + 14 * NCCL_NVLINK_HOP_S + NCCL_NET_HOP_S)
+    # one rank per node (HSDP's replicate groups): every step crosses the network
+    assert net.ring_latency_s(4, 1, all_reduce=True) == pytest.approx(
+        NCCL_BASE_LATENCY_S + 6 * NCCL_NET_HOP_S)
+    assert net.ring_latency_s(1536) > 100 * net.ring_latency_s(8)
+    assert Network(8, 230, 40).ring_latency_s(1536) == 20e-6  # the default: fixed
