@@ -20,10 +20,13 @@ norms, GELU's input aside, and the residual adds each see s / t of the sequence)
 - matmuls (M x K times K x N, 2MKN FLOPs, (MK + KN + MN) elements moved): c_attn (bs, h, 3h/t),
   attn.c_proj (bs, h/t, h), mlp.c_fc (bs, h, 4h/t), mlp.c_proj (bs, 4h/t, h); backward runs two
   of each size (the input's and the weight's gradients). Biases are fused into the matmul.
-- attention (SDPA's flash kernel): 4 b s^2 h / t FLOPs as model/gpt.py counts them (QK^T and
-  AV over the full sequence), moving q, k, v and the output; backward twice that.
-- memory-bound, forward (backward moves twice the bytes): ln_1 and ln_2 read and write b s h / t
-  elements; GELU reads and writes b s 4h / t; each residual add reads two and writes one.
+- attention: flash (SDPA's kernel) takes 4 b s^2 h / t FLOPs as model/gpt.py counts them (QK^T
+  and AV over the full sequence) and moves q, k, v and the output; unfused runs QK^T and AV as
+  batched matmuls and a softmax and (with dropout) a dropout over the (b, a/t, s, s) scores.
+  Backward takes twice the matmul FLOPs.
+- memory-bound: a layer norm reads and writes a row, GELU four rows, a residual add reads two
+  and writes one, a dropout reads one and writes one and a one-byte mask; in backward each reads
+  its input and the gradient and writes one.
 - the output layer: the lm_head matmul (bs, h, V/t) and the loss over the (b, s, V/t) logits,
   which reads them, upcasts them to fp32 and writes their log-softmax (model/gpt.py's loss).
 """

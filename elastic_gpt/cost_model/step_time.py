@@ -170,7 +170,8 @@ def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int =
 @dataclass
 class StepTime:
     compute_s: float
-    """Kernel time at peak * efficiency, recomputation included."""
+    """Kernel time, recomputation included: every FLOP at peak x efficiency, or (efficiency
+    None) each kernel as cost_model/kernels.py costs it."""
     comm_s: float
     """All FSDP collective time if none of it overlapped compute."""
     exposed_comm_s: float
