@@ -46,6 +46,9 @@ class GPU:
     """$ per GPU-hour, spot/preemptible, as of PRICES_AS_OF."""
     instance: str = ""
     """The reference instance the bandwidth and price figures come from."""
+    matmul_ceiling: float | None = None
+    """The largest fraction of `peak_flops` a bf16 matmul of any shape was measured to reach
+    (MAMF_CEILINGS); None where none is published."""
 
     @property
     def memory_bytes(self) -> float:
@@ -61,8 +64,12 @@ class GPU:
 # Gen4 x16 -> ~20. Inter-node: EFA 400 Gb/s (p4d/p4de, g6e.48xlarge) = 50 GB/s, 3200 Gb/s
 # (p5/p5en) = 400 GB/s, 100 Gb/s (g5/g6.48xlarge) = 12.5 GB/s, times ~0.8 achieved.
 # L40S's spot price is not a looked-up figure: the other g-family rows' spot/on-demand ratio.
+# Maximum achievable matmul FLOPS, measured: the best bf16 torch.matmul over a scan of large shapes
+# (Bekman, "Machine Learning Engineering", compute/accelerator/README.md, the MAMF comparison
+# table, mamf-finder.py): A100 SXM 271.2 of 312, H100 SXM 794.5 of 989 ("H200 is the same").
+MAMF_CEILINGS = {"A100": 271.2 / 312, "H100": 794.5 / 989, "H200": 794.5 / 989}
 GPUS: dict[str, GPU] = {
-    g.name: g
+    g.name: dataclasses.replace(g, matmul_ceiling=MAMF_CEILINGS.get(g.name.split("-")[0]))
     for g in [
         GPU("A100-40GB", 312e12, 40.0, 1555, 230, 40, 8, 2.75, 1.20, "AWS p4d.24xlarge"),
         GPU("A100-80GB", 312e12, 80.0, 2039, 230, 40, 8, 3.43, 1.60, "AWS p4de.24xlarge"),

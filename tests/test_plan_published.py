@@ -67,18 +67,22 @@ def test_the_default_model_plans_sc21_pipelined_runs_within_15_percent(default_m
             assert ratio > 1.15, (label, gpus, ratio)
 
 
-def test_the_kernel_model_follows_model_size_but_plans_every_megatron_run_too_fast(
-        default_model, calibrated_model):
-    """Calibrated (`--efficiency kernels`): the ratio to the published figure is flat across
-    sizes (1.7B to 1T within a band of 0.1), where the default drifts by 0.4; and every
-    Megatron run is planned 12-30% too fast: Calculon's matrix ceiling is not this trainer's."""
-    megatron = [k for k in calibrated_model if "ZeRO-3" not in k[1]]
-    cal = [calibrated_model[k].ratio for k in megatron]
+def test_the_kernel_model_plans_every_megatron_run_within_15_percent(default_model,
+                                                                    calibrated_model):
+    """Calibrated (`--efficiency kernels`, Megatron-LM 2021's kernels): every row of SC21's
+    Table 1 (1.7B to 1T), every PTD-P row of Table 2 and Korthikanti's four runs within 15%,
+    and the ratio flat across sizes where the default's drifts with them."""
+    megatron = {k: c.ratio for k, c in calibrated_model.items() if "ZeRO-3" not in k[1]}
+    assert len(megatron) == 10 + 6 + 4
+    assert all(abs(r - 1) <= 0.15 for r in megatron.values()), megatron
     table1 = [k for k in megatron if k[0] == published_runs.SC21]
     spread = lambda model: (max(model[k].ratio for k in table1)  # noqa: E731
                             - min(model[k].ratio for k in table1))
     assert spread(calibrated_model) < 0.1 < 0.4 < spread(default_model)
-    assert all(1.1 < r < 1.3 for r in cal)
+    # ZeRO-3 stays out of reach: far too fast at 175B, refused at 530B (module docstring)
+    zero3 = {k: c.ratio for k, c in calibrated_model.items() if "ZeRO-3" in k[1]}
+    assert all((r is None) == k[1].startswith("530B") for k, r in zero3.items())
+    assert all(r > 1.5 for r in zero3.values() if r is not None)
 
 
 def test_kernel_efficiency_grows_with_the_kernels_size():
@@ -87,16 +91,20 @@ def test_kernel_efficiency_grows_with_the_kernels_size():
     assert step_efficiency(MATRIX_EFFICIENCY, 200e9) == 0.95
     assert step_efficiency(MATRIX_EFFICIENCY, 20e9) == 0.9
     assert step_efficiency(MATRIX_EFFICIENCY, 0.5e9) == 0.1
-    # a 12288-wide MLP matmul of one 2048-token sequence at tp=8: FLOPs at 0.95 of peak, plus
-    # its three matrices read and written at 0.9 of HBM
+    # a 12288-wide MLP matmul of one 2048-token sequence at tp=8: FLOPs at the curve's top,
+    # scaled to the A100's measured ceiling (271.2 of 312 TFLOP/s), plus its three matrices
+    # read and written at 0.9 of HBM
     m, kk, n = 2048, 12288, 4 * 12288 / 8
-    expected = 2 * m * kk * n / (312e12 * 0.95) + 2 * (m * kk + kk * n + m * n) / (2039e9 * 0.9)
+    assert k.matrix_efficiency(2 * m * kk * n) == pytest.approx(271.2 / 312)
+    expected = 2 * m * kk * n / 271.2e12 + 2 * (m * kk + kk * n + m * n) / (2039e9 * 0.9)
     assert k.matmul_s(m, kk, n) == pytest.approx(expected)
-    # more tensor parallelism, less per rank; Megatron's unfused attention and dropout cost more
+    # more tensor parallelism, less per rank; Megatron's 2021 kernels (unfused attention, norms
+    # over the whole sequence) and dropout cost more
     one = block_times(k, 1, 2048, 12288, 1, n_head=96)
     eight = block_times(k, 1, 2048, 12288, 8, n_head=96)
     assert eight.forward_s < one.forward_s / 7
-    unfused = block_times(k, 1, 2048, 12288, 8, n_head=96, dropout=0.1, attention="unfused")
+    unfused = block_times(k, 1, 2048, 12288, 8, n_head=96, dropout=0.1,
+                           kernel_set="megatron-2021")
     assert unfused.forward_s > eight.forward_s and unfused.backward_s > eight.backward_s
 
 

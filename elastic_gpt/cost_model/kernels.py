@@ -58,10 +58,17 @@ class Kernels:
     act_bytes: int
     matmul_efficiency: float | None = None
 
+    def matrix_efficiency(self, flops: float) -> float:
+        """Calculon's curve, its top scaled to the GPU's measured ceiling where there is one."""
+        if self.matmul_efficiency:
+            return self.matmul_efficiency
+        eff = step_efficiency(MATRIX_EFFICIENCY, flops)
+        ceiling = self.gpu.matmul_ceiling
+        return eff * ceiling / MATRIX_EFFICIENCY[0][1] if ceiling else eff
+
     def matmul_s(self, m: float, k: float, n: float) -> float:
         flops = 2 * m * k * n
-        eff = self.matmul_efficiency or step_efficiency(MATRIX_EFFICIENCY, flops)
-        return (flops / (self.gpu.peak_flops * eff)
+        return (flops / (self.gpu.peak_flops * self.matrix_efficiency(flops))
                 + self.memory_s((m * k + k * n + m * n) * self.act_bytes))
 
     def memory_s(self, nbytes: float) -> float:
@@ -78,45 +85,51 @@ class BlockTimes:
     backward_s: float
 
 
-ATTENTION_KERNELS = ("flash", "unfused")
-"""flash: SDPA's fused kernel (this trainer on GPUs that have it); unfused: QK^T and AV as
-batched matmuls around a softmax and a dropout over the (b, a/t, s, s) scores (Megatron-LM
-2021's path, as Calculon's Megatron block models it)."""
+KERNEL_SETS = ("trainer", "megatron-2021")
+"""Whose kernels: this trainer's (SDPA's flash attention; under tensor parallelism the layer
+norms, dropouts and residual adds on the sequence shard, sequence parallelism), or Megatron-LM's
+of 2021, which the published runs ran: QK^T and AV as batched matmuls around a softmax and a
+dropout over the (b, a/t, s, s) scores (as Calculon's Megatron block models them), and the
+layer norms, dropouts and residual adds over the whole sequence on every TP rank (sequence
+parallelism came in 2022)."""
 
 
 def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int, *,
-                n_head: int = 1, dropout: float = 0.0, attention: str = "flash") -> BlockTimes:
+                n_head: int = 1, dropout: float = 0.0, kernel_set: str = "trainer"
+                ) -> BlockTimes:
+    if kernel_set not in KERNEL_SETS:
+        raise ValueError(f"kernel_set={kernel_set!r} must be one of {', '.join(KERNEL_SETS)}")
     b, s, h, t, pb = micro_batch, seq_len, n_embd, tp, k.act_bytes
     bs = b * s
     matmuls = (k.matmul_s(bs, h, 3 * h / t) + k.matmul_s(bs, h / t, h)
                + k.matmul_s(bs, h, 4 * h / t) + k.matmul_s(bs, 4 * h / t, h))
     row = bs * h / t * pb  # one (b, s / t, h) or (b, s, h / t) tensor
-    if attention == "flash":
+    # the layer norms, dropouts and residual adds: on the sequence shard, or the whole sequence
+    seq_row = row if kernel_set == "trainer" else bs * h * pb
+    if kernel_set == "trainer":
         attn_flops = 4 * b * s * s * h / t
-        eff = k.matmul_efficiency or step_efficiency(MATRIX_EFFICIENCY, attn_flops)
-        attn_fwd = attn_flops / (k.gpu.peak_flops * eff) + k.memory_s(4 * row)
+        attn_fwd = (attn_flops / (k.gpu.peak_flops * k.matrix_efficiency(attn_flops))
+                    + k.memory_s(4 * row))
         attn_bwd = 2 * attn_fwd
-    elif attention == "unfused":
+    else:
         scores = b * n_head / t * s * s  # elements
         half = 2 * b * s * s * h / t  # FLOPs of QK^T, and of AV
-        eff = k.matmul_efficiency or step_efficiency(MATRIX_EFFICIENCY, half)
-        bmm = half / (k.gpu.peak_flops * eff) + k.memory_s(2 * row + scores * pb)
+        bmm = (half / (k.gpu.peak_flops * k.matrix_efficiency(half))
+               + k.memory_s(2 * row + scores * pb))
         drop = dropout > 0
         attn_fwd = (2 * bmm + k.memory_s(2 * scores * pb)
                     + (k.memory_s(scores * (2 * pb + 1)) if drop else 0.0))
         attn_bwd = (4 * bmm + k.memory_s(3 * scores * pb)
                     + (k.memory_s(scores * (2 * pb + 1)) if drop else 0.0))
-    else:
-        raise ValueError(f"attention={attention!r} must be one of {', '.join(ATTENTION_KERNELS)}")
     # forward: a norm reads and writes a row, GELU four, a residual add reads two and writes
     # one; backward: a norm and a residual add read their input and the gradient and write one,
     # GELU the same at four rows. Dropout (after attn.c_proj and mlp.c_proj) reads a row and
     # writes it and a one-byte mask, forward and backward.
-    dropouts = 2 * k.memory_s(2 * row + bs * h / t) if dropout > 0 else 0.0
-    forward = (2 * k.memory_s(2 * row) + k.memory_s(2 * 4 * row) + 2 * k.memory_s(3 * row)
-               + dropouts)
-    backward = (2 * k.memory_s(3 * row) + k.memory_s(3 * 4 * row) + 2 * k.memory_s(3 * row)
-                + dropouts)
+    dropouts = 2 * k.memory_s(2 * seq_row + seq_row / pb) if dropout > 0 else 0.0
+    forward = (2 * k.memory_s(2 * seq_row) + k.memory_s(2 * 4 * row)
+               + 2 * k.memory_s(3 * seq_row) + dropouts)
+    backward = (2 * k.memory_s(3 * seq_row) + k.memory_s(3 * 4 * row)
+                + 2 * k.memory_s(3 * seq_row) + dropouts)
     return BlockTimes(forward_s=matmuls + attn_fwd + forward,
                       backward_s=2 * matmuls + attn_bwd + backward)
 

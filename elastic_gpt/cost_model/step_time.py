@@ -253,7 +253,7 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
 def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batch: int,
               micro_batches_per_rank: int, *, activation_checkpointing: bool,
               dtype: str = "bfloat16", grad_sync: str = "microbatch",
-              efficiency: float | None = MATMUL_EFFICIENCY, attention: str = "flash",
+              efficiency: float | None = MATMUL_EFFICIENCY, kernel_set: str = "trainer",
               reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False) -> StepTime:
     """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches).
 
@@ -286,7 +286,7 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
         head = 3 * shape.head_fwd_flops_per_token * tokens / tp / flops_s
     else:
         block = block_times(kernels, micro_batch, cfg.seq_len, cfg.n_embd, tp,
-                            n_head=cfg.n_head, dropout=cfg.dropout, attention=attention)
+                            n_head=cfg.n_head, dropout=cfg.dropout, kernel_set=kernel_set)
         fwd_blk = block.forward_s
         bwd_blk = block.backward_s + (block.forward_s if activation_checkpointing else 0.0)
         head = 0.0

@@ -25,7 +25,6 @@ from elastic_gpt.arguments import (
     positive_int,
     write_output_file,
 )
-from elastic_gpt.cost_model.kernels import ATTENTION_KERNELS
 from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
 from elastic_gpt.hardware import GPUS, load_overrides
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, preset_config
@@ -112,9 +111,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                    help="achieved fraction of peak FLOP/s for every matmul (default "
                    f"{MATMUL_EFFICIENCY}), or `kernels`: each kernel at what its size reaches "
                    "and NCCL's collective latencies (the calibrated model, docs/planner.md)")
-    h.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
-                   help="flash: SDPA's fused kernel (default); unfused: QK^T, softmax and AV as "
-                   "separate kernels (GPUs without flash kernels; Megatron-LM 2021)")
     h.add_argument("--achieved-tflops", type=positive_float,
                    help="measured end-to-end TFLOP/s per GPU; replaces the step-time model")
     h.add_argument("--memory-margin", type=margin, default=0.10)
@@ -163,7 +159,7 @@ def inputs_from_args(args) -> PlanInputs:
         n_gpus=args.gpus, global_batch_size=args.global_batch_size, tokens=args.tokens,
         gpus_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_bw,
         inter_node_gbps=args.inter_node_bw, efficiency=args.efficiency,
-        attention=args.attention,
+
         achieved_flops_per_gpu=args.achieved_tflops * 1e12 if args.achieved_tflops else None,
         micro_batch_size=args.micro_batch_size, activation_checkpointing=ckpt,
         grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward,

@@ -52,8 +52,9 @@ class PlanInputs:
     efficiency: float | None = MATMUL_EFFICIENCY
     """One fraction of peak FLOP/s for every FLOP; None: the calibrated model (each kernel at
     what its size reaches, cost_model/kernels.py; NCCL's collective latencies)."""
-    attention: str = "flash"
-    """The attention kernels (cost_model/kernels.py `ATTENTION_KERNELS`)."""
+    kernel_set: str = "trainer"
+    """Whose kernels the calibrated model costs (cost_model/kernels.py `KERNEL_SETS`):
+    this trainer's, or Megatron-LM 2021's for the published runs it is checked against."""
     achieved_flops_per_gpu: float | None = None
     """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces
     the compute + communication model for step time (Narayanan et al. report 140e12 on A100)."""

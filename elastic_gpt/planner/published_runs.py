@@ -128,7 +128,7 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True) -> PlanInputs:
         activation_checkpointing=True, tp=run.tp, pp=run.pp, hsdp="off",
         reshard_after_forward="always" if run.zero3 else "auto",
         grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
-        tokens=300e9, attention="unfused",
+        tokens=300e9, kernel_set="megatron-2021",
         efficiency=None if calibrated else MATMUL_EFFICIENCY)
 
 

@@ -150,7 +150,8 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
                                      fragmentation=p.fragmentation, tp=mesh.tp,
                                      dp_shard=mesh.dp_shard)
                 st = step_time(shape, gpu, net, p.n_gpus, mb, k, activation_checkpointing=ckpt,
-                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency, attention=p.attention,
+                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                               kernel_set=p.kernel_set,
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp)
                 out.append(LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh))
     return out
@@ -174,7 +175,7 @@ def _pipelined_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Netwo
                                    context_bytes=p.context_gib * GiB,
                                    fragmentation=p.fragmentation, **kw)
             st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
-                                     efficiency=p.efficiency, attention=p.attention, **kw)
+                                     efficiency=p.efficiency, kernel_set=p.kernel_set, **kw)
             out.append(LayoutCandidate(mb, ckpt, "step", k, mem, st, False, mesh))
     return out
 
@@ -384,7 +385,7 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
             away_s = step_time(shape, gpu, net, g, c.micro_batch, k_away,
                                activation_checkpointing=c.activation_checkpointing,
                                dtype=p.dtype, grad_sync=c.grad_sync, efficiency=p.efficiency,
-                               attention=p.attention,
+                               kernel_set=p.kernel_set,
                                reshard_after_forward=c.reshard_after_forward, tp=c.tp,
                                hsdp=c.hsdp).step_s
         _, ar_away_s = cross_group_allreduce(shape, net, mesh, n - lost,
@@ -447,7 +448,8 @@ def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Net
                         shape, mesh.world, mb, micro_batches_per_rank=k_away, **kw).total > usable:
                     continue
                 st = step_time(shape, gpu, net, mesh.world, mb, k, activation_checkpointing=ckpt,
-                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency, attention=p.attention,
+                               dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                               kernel_set=p.kernel_set,
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp)
                 c = LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh)
                 ar_bytes, ar_s = cross_group_allreduce(shape, net, mesh, n, _syncs(sync, k),
