@@ -48,7 +48,7 @@ class GPU:
     """The reference instance the bandwidth and price figures come from."""
     matmul_ceiling: float | None = None
     """The largest fraction of `peak_flops` a bf16 matmul of any shape was measured to reach
-    (MAMF_CEILINGS); None where none is published."""
+    (MAMF_CEILINGS); None: UNMEASURED_MATMUL_CEILING."""
 
     @property
     def memory_bytes(self) -> float:
@@ -67,9 +67,13 @@ class GPU:
 # Maximum achievable matmul FLOPS, measured: the best bf16 torch.matmul over a scan of large shapes
 # (Bekman, "Machine Learning Engineering", compute/accelerator/README.md, the MAMF comparison
 # table, mamf-finder.py): A100 SXM 271.2 of 312, H100 SXM 794.5 of 989 ("H200 is the same").
+# A GPU without a measurement of its own gets the median of the NVIDIA rows of that table (A100
+# SXM 86.9%, GH200 83.8%, A100 PCIe 81.1%, H100 SXM 80.3%, B300 78.6%, B200 77.6%, GB200 72.9%).
 MAMF_CEILINGS = {"A100": 271.2 / 312, "H100": 794.5 / 989, "H200": 794.5 / 989}
+UNMEASURED_MATMUL_CEILING = 0.803
 GPUS: dict[str, GPU] = {
-    g.name: dataclasses.replace(g, matmul_ceiling=MAMF_CEILINGS.get(g.name.split("-")[0]))
+    g.name: dataclasses.replace(g, matmul_ceiling=MAMF_CEILINGS.get(g.name.split("-")[0],
+                                                                   UNMEASURED_MATMUL_CEILING))
     for g in [
         GPU("A100-40GB", 312e12, 40.0, 1555, 230, 40, 8, 2.75, 1.20, "AWS p4d.24xlarge"),
         GPU("A100-80GB", 312e12, 80.0, 2039, 230, 40, 8, 3.43, 1.60, "AWS p4de.24xlarge"),
@@ -173,7 +177,7 @@ def load_overrides(path: str, table: dict[str, GPU] | None = None) -> dict[str, 
         if existing is not None:
             table[existing.name] = dataclasses.replace(existing, **fields)
             continue
-        missing = names - set(fields) - {"instance"}
+        missing = names - set(fields) - {"instance", "matmul_ceiling"}
         if missing:
             raise ValueError(f"hardware file {path}: new GPU {gpu_name} lacks {sorted(missing)}")
         table[str(gpu_name)] = GPU(name=str(gpu_name), **fields)

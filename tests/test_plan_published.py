@@ -121,4 +121,5 @@ def test_nccl_ring_latency_grows_with_ranks_and_nodes():
     assert net.ring_latency_s(4, 1, all_reduce=True) == pytest.approx(
         NCCL_BASE_LATENCY_S + 6 * NCCL_NET_HOP_S)
     assert net.ring_latency_s(1536) > 100 * net.ring_latency_s(8)
-    assert Network(8, 230, 40).ring_latency_s(1536) == 20e-6  # the default: fixed
+    # the uncalibrated model: a fixed cost whatever the ranks
+    assert Network(8, 230, 40, nccl_latency=False).ring_latency_s(1536) == 20e-6

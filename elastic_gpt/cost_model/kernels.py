@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_gpt.hardware import GB, GPU
+from elastic_gpt.hardware import GB, GPU, UNMEASURED_MATMUL_CEILING
 
 FP32 = 4
 MATRIX_EFFICIENCY = ((128e9, 0.95), (16e9, 0.9), (1e9, 0.6), (0.0, 0.1))
@@ -59,12 +59,11 @@ class Kernels:
     matmul_efficiency: float | None = None
 
     def matrix_efficiency(self, flops: float) -> float:
-        """Calculon's curve, its top scaled to the GPU's measured ceiling where there is one."""
+        """Calculon's curve, its top scaled to the GPU's measured ceiling (hardware.py)."""
         if self.matmul_efficiency:
             return self.matmul_efficiency
-        eff = step_efficiency(MATRIX_EFFICIENCY, flops)
-        ceiling = self.gpu.matmul_ceiling
-        return eff * ceiling / MATRIX_EFFICIENCY[0][1] if ceiling else eff
+        ceiling = self.gpu.matmul_ceiling or UNMEASURED_MATMUL_CEILING
+        return step_efficiency(MATRIX_EFFICIENCY, flops) * ceiling / MATRIX_EFFICIENCY[0][1]
 
     def matmul_s(self, m: float, k: float, n: float) -> float:
         flops = 2 * m * k * n

@@ -16,10 +16,10 @@ from elastic_gpt.cost_model.memory import FP32, Memory, ModelShape, dtype_bytes
 from elastic_gpt.hardware import GB, GPU
 
 MATMUL_EFFICIENCY = 0.6
-"""Achieved fraction of peak FLOP/s for the model's matmuls (big bf16 GEMMs reach 0.6-0.8): the
-default model's one figure for every FLOP. None instead costs each kernel by its size
-(cost_model/kernels.py) and each collective by NCCL's latency model (`Network.nccl_latency`):
-the calibrated model, checked against published runs (planner/published_runs.py)."""
+"""The one fraction of peak FLOP/s the uncalibrated model runs every FLOP at (`plan
+--efficiency 0.6`). The default, efficiency None, is the calibrated model instead: each kernel
+by its size (cost_model/kernels.py) and each collective by NCCL's latency model, checked against
+published runs (planner/published_runs.py)."""
 
 NCCL_BASE_LATENCY_S = 8.4e-6
 NCCL_NVLINK_HOP_S = 3.4e-6
@@ -38,10 +38,11 @@ class Network:
     """NCCL bus bandwidth inside a node, GB/s."""
     inter_node_gbps: float
     """NCCL bus bandwidth between nodes: the node's aggregate NIC bandwidth, GB/s."""
+    nccl_latency: bool = True
+    """Cost each collective by NCCL's ring latency model (it grows with the ranks); False: a
+    fixed `latency_s` each (the uncalibrated model)."""
     latency_s: float = 20e-6
-    """Fixed cost per collective (launch + ring latency), seconds."""
-    nccl_latency: bool = False
-    """Cost each collective by NCCL's ring latency model instead (grows with the ranks)."""
+    """The uncalibrated model's fixed cost per collective (launch + ring latency), seconds."""
 
     def nodes(self, n_gpus: int) -> int:
         return -(-n_gpus // self.gpus_per_node)
@@ -253,7 +254,7 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
 def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batch: int,
               micro_batches_per_rank: int, *, activation_checkpointing: bool,
               dtype: str = "bfloat16", grad_sync: str = "microbatch",
-              efficiency: float | None = MATMUL_EFFICIENCY, kernel_set: str = "trainer",
+              efficiency: float | None = None, kernel_set: str = "trainer",
               reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False) -> StepTime:
     """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches).
 

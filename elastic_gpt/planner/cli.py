@@ -25,7 +25,6 @@ from elastic_gpt.arguments import (
     positive_int,
     write_output_file,
 )
-from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
 from elastic_gpt.hardware import GPUS, load_overrides
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, preset_config
 from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PlanInputs
@@ -107,10 +106,11 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--gpus-per-node", type=positive_int)
     h.add_argument("--intra-node-bw", type=positive_float, help="GB/s, NCCL bus bandwidth in a node")
     h.add_argument("--inter-node-bw", type=positive_float, help="GB/s per node between nodes")
-    h.add_argument("--efficiency", type=efficiency_arg, default=MATMUL_EFFICIENCY,
-                   help="achieved fraction of peak FLOP/s for every matmul (default "
-                   f"{MATMUL_EFFICIENCY}), or `kernels`: each kernel at what its size reaches "
-                   "and NCCL's collective latencies (the calibrated model, docs/planner.md)")
+    h.add_argument("--efficiency", type=efficiency_arg,
+                   help="a fraction of peak FLOP/s to run every FLOP at (with a fixed latency "
+                   "per collective) instead of the calibrated model (default `kernels`: each "
+                   "kernel at what its size reaches, NCCL's collective latencies; "
+                   "docs/planner.md)")
     h.add_argument("--achieved-tflops", type=positive_float,
                    help="measured end-to-end TFLOP/s per GPU; replaces the step-time model")
     h.add_argument("--memory-margin", type=margin, default=0.10)

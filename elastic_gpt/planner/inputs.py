@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic_gpt.cost_model.memory import CONTEXT_GIB, FRAGMENTATION, MEMORY_MARGIN
-from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
 from elastic_gpt.hardware import GPU, GPUS
 from elastic_gpt.model.gpt import GPTConfig, preset_config
 
@@ -49,9 +48,10 @@ class PlanInputs:
     gpus_per_node: int | None = None
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
-    efficiency: float | None = MATMUL_EFFICIENCY
-    """One fraction of peak FLOP/s for every FLOP; None: the calibrated model (each kernel at
-    what its size reaches, cost_model/kernels.py; NCCL's collective latencies)."""
+    efficiency: float | None = None
+    """None: the calibrated model (each kernel at what its size reaches, cost_model/kernels.py;
+    NCCL's collective latencies); a fraction: every FLOP at that fraction of peak, a fixed
+    latency per collective."""
     kernel_set: str = "trainer"
     """Whose kernels the calibrated model costs (cost_model/kernels.py `KERNEL_SETS`):
     this trainer's, or Megatron-LM 2021's for the published runs it is checked against."""

@@ -284,7 +284,7 @@ def what_would_fit(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, net: N
         if g.memory_gib <= gpu.memory_gib:
             continue
         gnet = Network(p.gpus_per_node or g.gpus_per_node, g.intra_node_gbps,
-                       g.inter_node_gbps)
+                       g.inter_node_gbps, nccl_latency=net.nccl_latency)
         n = _fewest_gpus(p, shape, gnet, p.n_gpus, g.memory_bytes * (1 - p.memory_margin))
         if n is not None:  # the smallest bigger chip that fits at some count
             options.append(f"{n} x {g.name}")
