@@ -172,7 +172,8 @@ def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int =
 class StepTime:
     compute_s: float
     """Kernel time, recomputation included: every FLOP at peak x efficiency, or (efficiency
-    None) each kernel as cost_model/kernels.py costs it."""
+    None) each kernel as cost_model/kernels.py costs it, and FSDP2's gradient accumulation
+    across micro-batches."""
     comm_s: float
     """All FSDP collective time if none of it overlapped compute."""
     exposed_comm_s: float
@@ -333,8 +334,14 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     comm_s = n_fwd_gathers * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
     exposed_s = n_fwd_gathers * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
 
-    # FSDP2 accumulates unsharded grads in the reduce dtype (fp32) when it syncs once per step.
+    # FSDP2 accumulates unsharded grads in the reduce dtype (fp32) when it syncs once per step:
+    # after every micro-batch's backward but the first, `unsharded_accumulated_grad +=` the new
+    # bf16 gradient (FSDPParam.accumulate_unsharded_grad_if_needed): it reads both and writes
+    # the fp32 sum, over every parameter this rank holds unsharded.
     accumulated = grad_sync == "step" and k > 1
+    accumulate_s = 0.0
+    if accumulated and efficiency is None:
+        accumulate_s = (k - 1) * kernels.memory_s((pb + 2 * FP32) * shape.local_params(tp))
     tpt = tp_traffic(shape, micro_batch, tp, activation_checkpointing=activation_checkpointing,
                      act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
     tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
@@ -351,7 +358,7 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
                    if efficiency is not None else kernels.memory_s(32 * local / mesh.dp_shard))
     gather_elems = n_fwd_gathers * (root + L * blk) + k * regathers * blk
     shard_bytes = FP32 * local / mesh.dp_shard
-    return StepTime(compute_s=k * compute_mb, comm_s=comm_s, exposed_comm_s=exposed_s,
+    return StepTime(compute_s=k * compute_mb + accumulate_s, comm_s=comm_s, exposed_comm_s=exposed_s,
                     optimizer_s=optimizer_s,
                     all_gather_bytes=ring_bytes(pb * gather_elems, mesh.dp_shard),
                     reduce_scatter_bytes=n_sync * ring_bytes(FP32 * local, mesh.dp_shard),
