@@ -1,7 +1,8 @@
-"""The planner against published runs (planner/published_runs.py): SC21's Tables 1 and 2 and
-Korthikanti et al. 2022's iteration times, each planned with its own model, GPUs, batch, tp and
-pp on SC21's network. The rows the default model plans within 15% are pinned, and so are the
-rows it misses, so that a change to the step-time model shows here and in docs/planner.md."""
+"""The planner against published runs (planner/published_runs.py): SC21's Tables 1 and 2,
+Korthikanti et al. 2022's iteration times and Llama 3 405B's, each planned with its own model,
+GPUs, batch, tp and pp on its own network. Every pipelined run lands within 15%; the ZeRO-3 rows
+are pinned as misses, so that a change to the step-time model shows here and in
+docs/planner.md."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _key(run) -> tuple:
 
 @pytest.fixture(scope="module")
 def default_model():
-    """Each run planned by the default model (one efficiency for every FLOP, fixed latency)."""
+    """Each run planned by the one-figure model (one efficiency for every FLOP, a fixed latency
+    per collective: `--efficiency 0.6`)."""
     return {_key(r): check(r, calibrated=False) for r in RUNS}
 
 
@@ -46,34 +48,23 @@ def test_published_throughputs_are_sc21_eq3_over_the_measured_time():
     assert k175.published_tflops == pytest.approx(162, abs=1)
 
 
-def test_the_default_model_plans_sc21_pipelined_runs_within_15_percent(default_model):
-    within = {k for k, c in default_model.items()
-              if c.ratio is not None and abs(c.ratio - 1) <= 0.15}
-    missed = {k: c.ratio for k, c in default_model.items() if k not in within}
-    # Table 1 from 7.5B to 1T, every PTD-P row of Table 2, every Korthikanti run
-    assert {(s, lbl) for s, lbl, _ in within} == (
-        {(published_runs.SC21, r.label) for r in RUNS if r.source == published_runs.SC21
-         and r.label not in ("1.7B", "3.6B")}
-        | {(published_runs.SC21_T2, "175B PTD-P"), (published_runs.SC21_T2, "530B PTD-P")}
-        | {(published_runs.KORTHIKANTI, r.label) for r in RUNS
-           if r.source == published_runs.KORTHIKANTI})
-    # The misses, and which way: small models without model parallelism planned too fast;
-    # ZeRO-3 at scale far too fast (its published fall is DeepSpeed's, not the network's);
-    # ZeRO-3 530B refused (whole blocks gathered at once).
-    for (_, label, gpus), ratio in missed.items():
-        if label == "530B ZeRO-3":
-            assert ratio is None
-        else:
-            assert ratio > 1.15, (label, gpus, ratio)
+def test_one_efficiency_for_every_flop_misses_the_small_models(default_model):
+    """`--efficiency 0.6`: 1.7B and 3.6B (no pipeline, small matmuls) more than 15% too fast,
+    the largest pipelines slower than the smallest by a third of the published figure: the drift
+    the calibrated model removes."""
+    table1 = {k[1]: c.ratio for k, c in default_model.items() if k[0] == published_runs.SC21}
+    assert table1["1.7B"] > 1.15 and table1["3.6B"] > 1.15
+    assert table1["1.7B"] - table1["1008.0B"] > 0.3
 
 
-def test_the_kernel_model_plans_every_megatron_run_within_15_percent(default_model,
-                                                                    calibrated_model):
-    """Calibrated (`--efficiency kernels`, Megatron-LM 2021's kernels): every row of SC21's
-    Table 1 (1.7B to 1T), every PTD-P row of Table 2 and Korthikanti's four runs within 15%,
-    and the ratio flat across sizes where the default's drifts with them."""
+def test_the_calibrated_model_plans_every_pipelined_run_within_15_percent(default_model,
+                                                                         calibrated_model):
+    """The calibrated model (the default): every row of SC21's Table 1 (1.7B to 1T), every PTD-P
+    row of Table 2 and Korthikanti's four runs (Megatron-LM's 2021 kernels), and Llama 3 405B on
+    8192 and 16384 H100s (this trainer's kernels), within 15%; its ratio flat across sizes where
+    the one-figure model's drifts with them."""
     megatron = {k: c.ratio for k, c in calibrated_model.items() if "ZeRO-3" not in k[1]}
-    assert len(megatron) == 10 + 6 + 4
+    assert len(megatron) == 10 + 6 + 4 + 2
     assert all(abs(r - 1) <= 0.15 for r in megatron.values()), megatron
     table1 = [k for k in megatron if k[0] == published_runs.SC21]
     spread = lambda model: (max(model[k].ratio for k in table1)  # noqa: E731

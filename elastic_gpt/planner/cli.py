@@ -96,6 +96,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                    "fastest that fits)")
     t.add_argument("--pp", type=positive_int, help="pipeline-parallel degree (1: none; default: "
                    "the fastest that fits)")
+    t.add_argument("--pp-stages-per-rank", type=positive_int,
+                   help="pipeline stages per rank: 1 for 1F1B, more for interleaved 1F1B "
+                   "(default: the fastest)")
     t.add_argument("--hsdp", choices=["auto", "on", "off"], default="auto",
                    help="on: FSDP shards within a node and replicates across nodes (default: "
                    "the faster that fits)")
@@ -163,7 +166,9 @@ def inputs_from_args(args) -> PlanInputs:
         achieved_flops_per_gpu=args.achieved_tflops * 1e12 if args.achieved_tflops else None,
         micro_batch_size=args.micro_batch_size, activation_checkpointing=ckpt,
         grad_sync=args.grad_sync, reshard_after_forward=args.reshard_after_forward,
-        tp=args.tp, pp=args.pp, hsdp=args.hsdp, dtype=args.dtype, memory_margin=args.memory_margin,
+        tp=args.tp, pp=args.pp,
+        pp_stages_per_rank=args.pp_stages_per_rank, hsdp=args.hsdp, dtype=args.dtype,
+        memory_margin=args.memory_margin,
         on_demand_usd=args.on_demand_price, spot_usd=args.spot_price, hardware=hardware,
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,

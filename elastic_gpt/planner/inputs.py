@@ -75,6 +75,8 @@ class PlanInputs:
     data-parallel rank; auto: the faster that fits."""
     pp: int | None = None
     """Pipeline-parallel degree (1 for none). None: the fastest that fits."""
+    pp_stages_per_rank: int | None = None
+    """Stages per pipeline rank (1: 1F1B). None: the fastest of search.STAGES_PER_RANK."""
     dtype: str = "bfloat16"
     memory_margin: float = MEMORY_MARGIN
     context_gib: float = CONTEXT_GIB

@@ -11,10 +11,16 @@ GPUs, batch and layout, and its throughput beside the published one.
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Table 5: seconds per iteration of 22B, 175B, 530B and 1T on the same machine, full
   recomputation, micro-batch 1 (22B: 4), one pipeline (data-parallel degree 1).
+- Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B (126 layers, width
+  16384, 128 heads, sequence 8192, 16M tokens per step) on 8192 and 16384 H100s, tp 8 x pp 16,
+  at 43% and 41% BF16 MFU, on RoCE at 400 Gb/s per GPU (the H100 row's network). Planned as the
+  GPT of its width, depth and heads (406B parameters; Llama's grouped-query attention and
+  SwiGLU MLP differ in FLOPs by a few percent), with this trainer's kernels; compared as MFU
+  (model FLOPs, no recomputation).
 
-The plan's figure is the same FLOPs over the planned step time, for what these runs ran:
-Megatron-LM's dropout of 0.1 and its attention of 2021, before flash attention
-(`--attention unfused`, cost_model/kernels.py).
+The plan's figure is the same FLOPs over the planned step time, for what these runs ran: for
+Megatron-LM, its dropout of 0.1 and its kernels of 2021 (`kernel_set="megatron-2021"`,
+cost_model/kernels.py).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from elastic_gpt.cost_model.memory import model_shape, training_flops_per_token
 from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
 from elastic_gpt.model.gpt import GPTConfig
 from elastic_gpt.planner.inputs import PlanError, PlanInputs
+from elastic_gpt.planner.training_plan import plan_training
 
 SELENE_NIC_GBPS = 8 * 200 / 8 * 0.8
 """A Selene node's NCCL bandwidth between nodes, GB/s: 8 NICs of 200 Gb/s (SC21 sec. 5), at the
@@ -49,15 +56,29 @@ class PublishedRun:
     tp: int
     pp: int
     published_tflops: float
-    """Per GPU, recomputation included (SC21 eq. 3)."""
+    """Per GPU: SC21's eq. (3) FLOPs (recomputation included), or with `model_flops` the MFU's
+    (without)."""
     micro_batch: int | None = None
     """None: the plan chooses (SC21 Table 1 does not give it)."""
     zero3: bool = False
     """ZeRO-3 without model parallelism: FSDP over every GPU, resharded after forward."""
+    gpu: str = "A100-80GB"
+    seq_len: int = SEQ
+    vocab_size: int = VOCAB
+    dropout: float = DROPOUT
+    kernel_set: str = "megatron-2021"
+    selene: bool = True
+    """SC21's network (Selene); False: the GPU row's."""
+    model_flops: bool = False
+    """The published figure is MFU x peak: compare the plan's MFU."""
+    stages_per_rank: tuple[int, ...] | None = (1, 2)
+    """The pipeline schedules the plan weighs (stages per rank). SC21 does not say which its
+    runs used: 1F1B or its interleaved schedule with 2 stages per rank, SC21's own comparison
+    (sec. 5.3.2). None: the planner's choice."""
 
     def config(self) -> GPTConfig:
         return GPTConfig(n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                         seq_len=SEQ, vocab_size=VOCAB, dropout=DROPOUT)
+                         seq_len=self.seq_len, vocab_size=self.vocab_size, dropout=self.dropout)
 
 
 def _iteration_tflops(n_layer: int, n_embd: int, gpus: int, batch: int, seconds: float) -> float:
@@ -70,6 +91,7 @@ def _iteration_tflops(n_layer: int, n_embd: int, gpus: int, batch: int, seconds:
 SC21 = "SC21 Table 1"
 SC21_T2 = "SC21 Table 2"
 KORTHIKANTI = "Korthikanti 2022 Table 5"
+LLAMA3 = "Llama 3 Table 4"
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21, "1.7B", 24, 24, 2304, 32, 512, 1, 1, 137),
     PublishedRun(SC21, "3.6B", 30, 32, 3072, 64, 512, 2, 1, 138),
@@ -93,14 +115,20 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21_T2, "530B PTD-P", 105, 128, 20480, 560, 2240, 8, 35, 171, 1),
     PublishedRun(SC21_T2, "530B PTD-P", 105, 128, 20480, 1120, 2240, 8, 35, 167, 1),
     PublishedRun(SC21_T2, "530B PTD-P", 105, 128, 20480, 2240, 2240, 8, 35, 159, 1),
+    # stages per rank as Calculon's validation of these runs sets them (validation/seqsel/fig7)
     PublishedRun(KORTHIKANTI, "22B", 48, 64, 6144, 8, 4, 8, 1,
-                 _iteration_tflops(48, 6144, 8, 4, 1.42), 4),
+                 _iteration_tflops(48, 6144, 8, 4, 1.42), 4, stages_per_rank=(1,)),
     PublishedRun(KORTHIKANTI, "175B", 96, 96, 12288, 64, 64, 8, 8,
-                 _iteration_tflops(96, 12288, 64, 64, 18.13), 1),
+                 _iteration_tflops(96, 12288, 64, 64, 18.13), 1, stages_per_rank=(3,)),
     PublishedRun(KORTHIKANTI, "530B", 105, 128, 20480, 280, 280, 8, 35,
-                 _iteration_tflops(105, 20480, 280, 280, 49.05), 1),
+                 _iteration_tflops(105, 20480, 280, 280, 49.05), 1, stages_per_rank=(3,)),
     PublishedRun(KORTHIKANTI, "1T", 128, 160, 25600, 512, 512, 8, 64,
-                 _iteration_tflops(128, 25600, 512, 512, 94.42), 1),
+                 _iteration_tflops(128, 25600, 512, 512, 94.42), 1, stages_per_rank=(1,)),
+    *(PublishedRun(LLAMA3, "405B", 126, 128, 16384, gpus, 2048, 8, 16, mfu * 989,
+                   gpu="H100", seq_len=8192, vocab_size=128256, dropout=0.0,
+                   kernel_set="trainer", selene=False, model_flops=True,
+                   stages_per_rank=None)
+      for gpus, mfu in ((8192, 0.43), (16384, 0.41))),
 )
 
 
@@ -118,30 +146,40 @@ class Checked:
             self.run.published_tflops
 
 
-def plan_inputs(run: PublishedRun, calibrated: bool = True) -> PlanInputs:
-    """The plan of `run` on SC21's network; `calibrated`: by the kernel model (`--efficiency
-    kernels`), else by the default one."""
+def plan_inputs(run: PublishedRun, calibrated: bool = True,
+                stages_per_rank: int | None = None) -> PlanInputs:
+    """The plan of `run` on its network; `calibrated`: by the calibrated model (the default),
+    else by one efficiency for every FLOP (`--efficiency 0.6`)."""
+    network = (dict(intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
+               if run.selene else {})
     return PlanInputs(
-        model=run.config(), gpu="A100-80GB", n_gpus=run.gpus, global_batch_size=run.batch,
-        intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS,
+        model=run.config(), gpu=run.gpu, n_gpus=run.gpus, global_batch_size=run.batch,
         micro_batch_size=run.micro_batch,
-        activation_checkpointing=True, tp=run.tp, pp=run.pp, hsdp="off",
+        activation_checkpointing=None if run.model_flops else True, tp=run.tp, pp=run.pp,
+        pp_stages_per_rank=stages_per_rank, hsdp="off",
         reshard_after_forward="always" if run.zero3 else "auto",
         grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
-        tokens=300e9, kernel_set="megatron-2021",
-        efficiency=None if calibrated else MATMUL_EFFICIENCY)
+        tokens=300e9, kernel_set=run.kernel_set,
+        efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 
 
 def check(run: PublishedRun, calibrated: bool = True) -> Checked:
-    from elastic_gpt.planner.training_plan import plan_training  # training_plan imports us
-
-    try:
-        plan = plan_training(plan_inputs(run, calibrated))
-    except PlanError as e:
-        return Checked(run, None, refusal=str(e))
+    """The plan's throughput for `run`: the fastest of the schedules it weighs."""
+    plans, refusal = [], ""
+    for v in run.stages_per_rank or (None,):
+        try:
+            plans.append(plan_training(plan_inputs(run, calibrated, v if run.pp > 1 else None)))
+        except PlanError as e:
+            refusal = str(e)
+    if not plans:
+        return Checked(run, None, refusal=refusal)
+    plan = min(plans, key=lambda p: p.step_s)
     c = plan.chosen
-    flops = training_flops_per_token(model_shape(run.config()), True) * run.batch * SEQ
-    tflops = flops / c.step.step_s / run.gpus / 1e12
+    if run.model_flops:
+        tflops = plan.mfu * plan.gpu.peak_flops / 1e12
+    else:
+        per_token = training_flops_per_token(model_shape(run.config()), True)
+        tflops = per_token * run.batch * run.seq_len / c.step.step_s / run.gpus / 1e12
     layout = f"{c.mesh.short()}, micro-batch {c.micro_batch}"
     return Checked(run, tflops, layout)
 

@@ -44,7 +44,10 @@ from elastic_gpt.planner.replica_group_model import (
 TP_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner weighs: a TP group lives inside one node (8 GPUs)."""
 PP_DEGREES = (1, 2, 4, 8, 16, 32, 64)
-"""Pipeline-parallel degrees the planner weighs (each with 1 or 2 stages per rank)."""
+"""Pipeline-parallel degrees the planner weighs (each with STAGES_PER_RANK)."""
+STAGES_PER_RANK = (1, 2, 4, 8)
+"""1F1B, and interleaved 1F1B with this many stages per rank: more shrinks the bubble (p - 1) /
+(v m) and adds point-to-point sends (cost_model/pipeline.py)."""
 
 
 def pp_problem(pp: int, cfg: GPTConfig, n_gpus: int, tp: int) -> str | None:
@@ -58,16 +61,18 @@ def pp_problem(pp: int, cfg: GPTConfig, n_gpus: int, tp: int) -> str | None:
 
 
 def _pp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, tp: int) -> list[tuple[int, int]]:
-    """(pp, stages per rank) to weigh at this tp: 1F1B, and interleaved with 2 stages per rank
-    where the model has the blocks for them."""
+    """(pp, stages per rank) to weigh at this tp: 1F1B, and interleaved with each of
+    STAGES_PER_RANK the model has the blocks for (a block per stage at least)."""
     degrees = [p.pp] if p.pp is not None else PP_DEGREES
+    per_rank = STAGES_PER_RANK if p.pp_stages_per_rank is None else (p.pp_stages_per_rank,)
     out = []
     for pp in degrees:
         if pp_problem(pp, cfg, n_gpus, tp):
             continue
-        out.append((pp, 1))
-        if pp > 1 and 2 * pp <= cfg.n_layer:
-            out.append((pp, 2))
+        if pp == 1:
+            out.append((1, 1))
+            continue
+        out += [(pp, v) for v in per_rank if v * pp <= cfg.n_layer]
     return out
 
 
@@ -110,6 +115,10 @@ def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int,
         problems = [pp_problem(p.pp, cfg, n_gpus, tp) for tp in tps]
         if problems and all(problems):
             raise PlanError(problems[0])
+    v = p.pp_stages_per_rank
+    if v is not None and p.pp not in (None, 1) and v * p.pp > cfg.n_layer:
+        raise PlanError(f"--pp-stages-per-rank={v} x --pp={p.pp} stages need at least one block "
+                        f"each, and the model has {cfg.n_layer}")
     meshes = [make_mesh(n_gpus, tp, h, gpn, pp, v) for tp in tps
               for pp, v in (_pp_choices(p, cfg, n_gpus, tp) if pipelines else [(1, 1)])
               for h in hsdps
