@@ -214,9 +214,11 @@ def test_a_model_that_needs_the_whole_cluster_is_not_offered_replica_groups():
 
 def test_a_long_heartbeat_timeout_makes_the_restart_path_win():
     """Every lost group stalls the survivors one heartbeat timeout (when it is longer than the
-    collective timeout): an hour of it costs more than a restart."""
-    quick = plan_training(PlanInputs(**SPOT_512))
-    slow = plan_training(PlanInputs(**SPOT_512, replica_heartbeat_timeout_s=3600.0))
+    collective timeout): an hour of it costs more than a restart. The restart path here finds
+    its failures in 30 s (crashes Ray reports, no hung rank): at the hang timeout's 600 s a
+    loss every 11 minutes leaves it no goodput either, and the plan is refused."""
+    quick = plan_training(PlanInputs(**SPOT_512, detect_s=30.0))
+    slow = plan_training(PlanInputs(**SPOT_512, detect_s=30.0, replica_heartbeat_timeout_s=3600.0))
     assert quick.chosen_replica_groups is not None and slow.chosen_replica_groups is None
     assert slow.fault_tolerance.best.goodput < quick.fault_tolerance.best.goodput
     assert slow.fault_tolerance.best.stall_s - quick.fault_tolerance.best.stall_s == \

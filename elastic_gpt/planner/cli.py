@@ -126,7 +126,16 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--ckpt-write-s", type=non_negative_float, help="blocking checkpoint time (default: "
                    "checkpoint size / (nodes x --ckpt-bandwidth))")
     r.add_argument("--ckpt-bandwidth", type=positive_float, default=2.0, help="GB/s per node to storage")
-    r.add_argument("--restart-s", type=non_negative_float, default=90.0)
+    r.add_argument("--restart-s", type=non_negative_float, default=90.0,
+                   help="Ray Train's stop and start of the group after a failure (default 90)")
+    r.add_argument("--detect-s", type=non_negative_float,
+                   help="how long a failure goes unnoticed (default: elastic.hang_timeout_s, "
+                   "the bound on a hung rank)")
+    r.add_argument("--compile-s", type=non_negative_float, default=0.0,
+                   help="compilation in every restarted process, with train.compile (default 0)")
+    r.add_argument("--storage-bandwidth", type=positive_float,
+                   help="GB/s the checkpoint storage sustains for all nodes together (default: "
+                   "no cap beyond nodes x --ckpt-bandwidth)")
     r.add_argument("--ckpt-every-steps", type=positive_int, help="evaluate this interval instead of "
                    "the Young/Daly one")
     r.add_argument("--market", choices=["spot", "on-demand"], default="spot",
@@ -172,6 +181,7 @@ def inputs_from_args(args) -> PlanInputs:
         on_demand_usd=args.on_demand_price, spot_usd=args.spot_price, hardware=hardware,
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,
+        detect_s=args.detect_s, compile_s=args.compile_s, storage_gbps=args.storage_bandwidth,
         ckpt_every_steps=args.ckpt_every_steps, market=args.market, min_workers=args.min_workers,
         replica_groups=args.replica_groups,
         replica_heartbeat_timeout_s=args.replica_heartbeat_timeout_s)

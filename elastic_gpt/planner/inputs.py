@@ -94,6 +94,14 @@ class PlanInputs:
     """Write/read bandwidth to checkpoint storage per node, GB/s."""
     restart_s: float = 90.0
     """Restart after a failure before reloading (Ray Train's defaults: over a minute, docs/design.md)."""
+    detect_s: float | None = None
+    """How long a failure goes unnoticed. None: the trainer's `elastic.hang_timeout_s`
+    (planner/restart_cost.py)."""
+    compile_s: float = 0.0
+    """Compilation in every restarted process (`train.compile`)."""
+    storage_gbps: float | None = None
+    """The checkpoint storage's sustained bandwidth for all nodes together, GB/s. None: no cap
+    beyond nodes x ckpt_gbps."""
     ckpt_every_steps: int | None = None
     market: str = "spot"
     """Which price/MTBF the written config's checkpoint interval (and fault-tolerance mode) is

@@ -159,6 +159,7 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         pp_stages_per_rank=stages_per_rank, hsdp="off",
         reshard_after_forward="always" if run.zero3 else "auto",
         grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
+        market="on-demand",
         tokens=300e9, kernel_set=run.kernel_set,
         efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 

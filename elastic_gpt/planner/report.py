@@ -161,7 +161,8 @@ def format_report(plan: Plan) -> str:
     lines += [
         "",
         f"reliability (checkpoint {plan.on_demand.ckpt_write_s:.0f} s blocking, recovery "
-        f"{plan.on_demand.recovery_s:.0f} s)",
+        f"{plan.on_demand.recovery_s:.0f} s"
+        + (f": {plan.restart_cost.breakdown()}" if plan.restart_cost else "") + ")",
     ]
     for label, rel in (("on-demand", plan.on_demand), ("spot", plan.spot)):
         lines.append(

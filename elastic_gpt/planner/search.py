@@ -40,6 +40,7 @@ from elastic_gpt.planner.replica_group_model import (
     cross_group_allreduce,
     replica_groups_problem,
 )
+from elastic_gpt.planner.restart_cost import checkpoint_io_s
 
 TP_DEGREES = (1, 2, 4, 8)
 """Tensor-parallel degrees the planner weighs: a TP group lives inside one node (8 GPUs)."""
@@ -402,8 +403,8 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
         group_nodes = net.nodes(g)
         # A given --ckpt-write-s is for every node writing its part: one group's nodes write all
         write_s = (p.ckpt_write_s * net.nodes(W) / group_nodes if p.ckpt_write_s is not None
-                   else ckpt_bytes / (group_nodes * p.ckpt_gbps * GB))
-        read_s = lost * ckpt_bytes / (group_nodes * p.ckpt_gbps * GB)
+                   else checkpoint_io_s(ckpt_bytes, group_nodes, p.ckpt_gbps, p.storage_gbps))
+        read_s = lost * checkpoint_io_s(ckpt_bytes, group_nodes, p.ckpt_gbps, p.storage_gbps)
         heal_bytes = CHECKPOINT_BYTES_PER_PARAM * shape.local_params(mesh.tp) / mesh.dp_shard
         # the peer's node sends, the new node receives: every GPU's shard through its NICs
         heal_s = max(heal_bytes / (net.intra_node_gbps * GB),

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from elastic_gpt.config import ElasticSection
 from elastic_gpt.cost_model.memory import (
     CHECKPOINT_BYTES_PER_PARAM,
     Memory,
@@ -29,7 +30,7 @@ from elastic_gpt.cost_model.step_time import (
     choice_key,
     time_to_train_s,
 )
-from elastic_gpt.hardware import GB, GPU, GiB, get_gpu
+from elastic_gpt.hardware import GPU, GiB, get_gpu
 from elastic_gpt.model.gpt import GPTConfig
 from elastic_gpt.planner.inputs import (
     DEFAULT_HEARTBEAT_S,
@@ -45,6 +46,7 @@ from elastic_gpt.planner.replica_group_model import (
     ReplicaReliability,
     replica_reliability,
 )
+from elastic_gpt.planner.restart_cost import RestartCost, checkpoint_io_s
 from elastic_gpt.planner.search import (
     layout_candidates,
     mesh_choices,
@@ -86,6 +88,8 @@ class Plan:
     dtype: str
     market: str
     achieved_flops_per_gpu: float | None = None
+    restart_cost: RestartCost | None = None
+    """What one restart of the whole run costs, term by term (`recovery_s` of both markets)."""
     notes: list[str] = field(default_factory=list)
     layouts: list[tuple[Mesh, LayoutCandidate | None, Memory]] = field(default_factory=list)
     """Each mesh weighed: its fastest fitting candidate (None: nothing fits) and its smallest
@@ -196,9 +200,12 @@ def plan_training(inputs: PlanInputs) -> Plan:
 
     nodes = net.nodes(p.n_gpus)
     ckpt_bytes = CHECKPOINT_BYTES_PER_PARAM * shape.params
-    io_s = ckpt_bytes / (nodes * p.ckpt_gbps * GB)
+    io_s = checkpoint_io_s(ckpt_bytes, nodes, p.ckpt_gbps, p.storage_gbps)
     write_s = p.ckpt_write_s if p.ckpt_write_s is not None else io_s
-    recovery_s = p.restart_s + io_s
+    restart_cost = RestartCost(
+        detect_s=ElasticSection.hang_timeout_s if p.detect_s is None else p.detect_s,
+        restart_s=p.restart_s, compile_s=p.compile_s, read_s=io_s)
+    recovery_s = restart_cost.total_s
     on_demand = reliability(p.node_mtbf_h, nodes, write_s, recovery_s, step_s,
                             p.ckpt_every_steps, max_steps)
     spot = reliability(p.spot_node_mtbf_h, nodes, write_s, recovery_s, step_s,
@@ -210,7 +217,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
         ft = FaultTolerance(market, restart, tokens_per_s, [], tokens_per_step,
                             list(not_offered), forced=isinstance(p.replica_groups, int))
         ft.replica = sorted((replica_reliability(lay, node_mtbf_h, nodes,
-                                                 p.replica_heartbeat_timeout_s, p.restart_s,
+                                                 p.replica_heartbeat_timeout_s,
+                                                 p.restart_s + p.compile_s,
                                                  p.ckpt_every_steps, max_steps)
                              for lay in group_layouts),
                             key=lambda r, ft=ft: (-ft.replica_effective(r), r.layout.n_groups))
@@ -273,6 +281,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
         warmup_steps=max(1, min(math.ceil(375e6 / tokens_per_step), max_steps // 10)),
         min_workers=p.min_workers or min_workers(p, shape, chosen, usable, G, net),
         dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
+        restart_cost=restart_cost,
         notes=notes, layouts=layouts, fault_tolerance_by_market=fault_tolerance,
         replica_heartbeat_timeout_s=p.replica_heartbeat_timeout_s)
     if plan.warmup_steps > max_steps:
