@@ -49,6 +49,10 @@ class GPU:
     matmul_ceiling: float | None = None
     """The largest fraction of `peak_flops` a bf16 matmul of any shape was measured to reach
     (MAMF_CEILINGS); None: UNMEASURED_MATMUL_CEILING."""
+    fp8_peak_flops: float = 0.0
+    """Dense float8 tensor-core FLOP/s; 0: no float8 tensor cores (`plan --dtype float8`)."""
+    fp8_matmul_ceiling: float | None = None
+    """As matmul_ceiling, for float8 matmuls (FP8_MAMF_CEILINGS)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -71,9 +75,18 @@ class GPU:
 # SXM 86.9%, GH200 83.8%, A100 PCIe 81.1%, H100 SXM 80.3%, B300 78.6%, B200 77.6%, GB200 72.9%).
 MAMF_CEILINGS = {"A100": 271.2 / 312, "H100": 794.5 / 989, "H200": 794.5 / 989}
 UNMEASURED_MATMUL_CEILING = 0.803
+# The same table's float8 (e4m3) rows: H100 SXM 1402.6 and H200 SXM 1453.4 of 1979; unmeasured
+# chips the median of its NVIDIA rows (GH200 77.6%, B200 76.3%, B300 74.5%, H200 73.4%, GB200
+# 72.3%, H100 70.9%). Dense float8 peaks: NVIDIA datasheets, half their "with sparsity" figures
+# (H100/H200 SXM 3,958, L40S 1,466, L4 485 TFLOP/s).
+FP8_PEAKS = {"H100": 1979e12, "H200": 1979e12, "L40S": 733e12, "L4": 242.5e12}
+FP8_MAMF_CEILINGS = {"H100": 1402.6 / 1979, "H200": 1453.4 / 1979}
+UNMEASURED_FP8_MATMUL_CEILING = 0.74
 GPUS: dict[str, GPU] = {
-    g.name: dataclasses.replace(g, matmul_ceiling=MAMF_CEILINGS.get(g.name.split("-")[0],
-                                                                   UNMEASURED_MATMUL_CEILING))
+    g.name: dataclasses.replace(
+        g, matmul_ceiling=MAMF_CEILINGS.get(g.name.split("-")[0], UNMEASURED_MATMUL_CEILING),
+        fp8_peak_flops=FP8_PEAKS.get(g.name, 0.0),
+        fp8_matmul_ceiling=FP8_MAMF_CEILINGS.get(g.name, UNMEASURED_FP8_MATMUL_CEILING))
     for g in [
         GPU("A100-40GB", 312e12, 40.0, 1555, 230, 40, 8, 2.75, 1.20, "AWS p4d.24xlarge"),
         GPU("A100-80GB", 312e12, 80.0, 2039, 230, 40, 8, 3.43, 1.60, "AWS p4de.24xlarge"),
@@ -177,7 +190,8 @@ def load_overrides(path: str, table: dict[str, GPU] | None = None) -> dict[str, 
         if existing is not None:
             table[existing.name] = dataclasses.replace(existing, **fields)
             continue
-        missing = names - set(fields) - {"instance", "matmul_ceiling"}
+        missing = names - set(fields) - {"instance", "matmul_ceiling", "fp8_peak_flops",
+                                         "fp8_matmul_ceiling"}
         if missing:
             raise ValueError(f"hardware file {path}: new GPU {gpu_name} lacks {sorted(missing)}")
         table[str(gpu_name)] = GPU(name=str(gpu_name), **fields)

@@ -233,6 +233,8 @@ CASES = [
                                           "4", "--pp-stages-per-rank", "4"),
          "--pp-stages-per-rank=4 x --pp=4 stages need at least one block each",
          "more pipeline stages than blocks"),
+    Case("plan-float8-without-fp8-cores", ("plan", "--gpu", "A100-80GB", "--dtype", "float8"),
+         "--dtype float8 needs float8 tensor cores", "`--dtype float8` on an A100"),
     Case("plan-write-config-under-proc", ("plan", "--write-config", "/proc/elastic-gpt/p.yaml"),
          "--write-config /proc/elastic-gpt/p.yaml cannot be written",
          "--write-config under /proc"),

@@ -26,8 +26,9 @@ from elastic_gpt.cost_model.step_time import (
 )
 from elastic_gpt.hardware import get_gpu
 from elastic_gpt.model.gpt import LOSS_CHUNK_LOGITS, GPTConfig, preset_config
-from elastic_gpt.planner.inputs import DAY, PlanInputs
+from elastic_gpt.planner.inputs import DAY, PlanError, PlanInputs
 from elastic_gpt.planner.reliability import goodput, optimal_interval_s, young_interval_s
+from elastic_gpt.planner.report import training_config
 from elastic_gpt.planner.training_plan import plan_training
 
 # ----------------------------------------------------------------------------- published results
@@ -238,6 +239,33 @@ def test_a_restart_at_16k_gpus_costs_what_llama_3_reports():
     compiled = plan_training(PlanInputs(**run, compile_s=120.0))
     assert compiled.on_demand.recovery_s == pytest.approx(rel.recovery_s + 120.0)
     assert compiled.on_demand.goodput < rel.goodput
+
+
+def test_float8_plans_faster_matmuls_and_half_the_gathered_bytes():
+    """`--dtype float8` (the trainer's `train.float8`): the blocks' matmuls at the float8 peak
+    and its measured ceiling, with the casts torchao's dynamic scaling adds; FSDP2 gathering the
+    blocks' weights in float8 (one byte, not two); activations still bf16. Refused without
+    float8 tensor cores and at tp > 1, as the trainer refuses them."""
+    base = dict(model="gpt3-13b", gpu="H100", n_gpus=64, tokens=300e9, micro_batch_size=4,
+                activation_checkpointing=False, reshard_after_forward="always",
+                grad_sync="microbatch", replica_groups="off")
+    bf16 = plan_training(PlanInputs(**base, tp=1))
+    fp8 = plan_training(PlanInputs(**base, dtype="float8"))
+    assert fp8.chosen.mesh == bf16.chosen.mesh and fp8.chosen.tp == 1
+    assert 1.1 < bf16.step_s / fp8.step_s < 2.0  # faster, not the peaks' 2x
+    # every micro-batch gathers the blocks in forward and all but the last again in backward, a
+    # byte a parameter fewer each; the root (the tied embedding) stays bf16
+    L, k = fp8.cfg.n_layer, fp8.chosen.micro_batches_per_rank
+    saved = bf16.chosen.step.all_gather_bytes - fp8.chosen.step.all_gather_bytes
+    assert saved == pytest.approx(63 / 64 * k * (2 * L - 1) * fp8.shape.block_params)
+    assert fp8.chosen.memory.activations == bf16.chosen.memory.activations
+    written = training_config(fp8)["train"]
+    assert written["float8"] is True and written["compile"] is True
+    assert written["dtype"] == "bfloat16"
+    with pytest.raises(PlanError, match="--dtype float8 needs float8 tensor cores .*A100-80GB"):
+        plan_training(PlanInputs(**{**base, "gpu": "A100-80GB"}, dtype="float8"))
+    with pytest.raises(PlanError, match="--dtype float8 runs at --tp 1"):
+        plan_training(PlanInputs(**base, dtype="float8", tp=2))
 
 
 # ----------------------------------------------------------------------------- tensor parallelism

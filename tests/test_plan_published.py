@@ -63,7 +63,8 @@ def test_the_calibrated_model_plans_every_pipelined_run_within_15_percent(defaul
     row of Table 2 and Korthikanti's four runs (Megatron-LM's 2021 kernels), and Llama 3 405B on
     8192 and 16384 H100s (this trainer's kernels), within 15%; its ratio flat across sizes where
     the one-figure model's drifts with them."""
-    megatron = {k: c.ratio for k, c in calibrated_model.items() if "ZeRO-3" not in k[1]}
+    megatron = {k: c.ratio for k, c in calibrated_model.items()
+                if "ZeRO-3" not in k[1] and k[0] != published_runs.TORCHTITAN}
     assert len(megatron) == 10 + 6 + 4 + 2
     assert all(abs(r - 1) <= 0.15 for r in megatron.values()), megatron
     table1 = [k for k in megatron if k[0] == published_runs.SC21]
@@ -74,6 +75,21 @@ def test_the_calibrated_model_plans_every_pipelined_run_within_15_percent(defaul
     zero3 = {k: c.ratio for k, c in calibrated_model.items() if "ZeRO-3" in k[1]}
     assert all((r is None) == k[1].startswith("530B") for k, r in zero3.items())
     assert all(r > 1.5 for r in zero3.values() if r is not None)
+
+
+def test_fsdp_on_h100_is_planned_a_quarter_too_fast(calibrated_model):
+    """torchtitan's Llama 3.1 8B runs (FSDP2, compile, bf16 and float8, 8 and 128 H100s), the
+    nearest published kin of this trainer: planned 1.2-1.3x their throughput, float8's gain
+    over bf16 within 5% of theirs. Their GPUs ran at 500 W, below the peak the plan assumes, by
+    an amount they do not give; the rest is not found. Pinned so that it shows when it moves."""
+    titan = {(k[1], k[2]): c for k, c in calibrated_model.items()
+             if k[0] == published_runs.TORCHTITAN}
+    assert len(titan) == 4 and all(1.15 < c.ratio < 1.4 for c in titan.values())
+    for gpus in (8, 128):
+        planned = titan["8B float8", gpus].planned_tflops / titan["8B bfloat16", gpus].planned_tflops
+        published = (titan["8B float8", gpus].run.published_tflops
+                     / titan["8B bfloat16", gpus].run.published_tflops)
+        assert planned == pytest.approx(published, rel=0.05)
 
 
 def test_kernel_efficiency_grows_with_the_kernels_size():

@@ -35,7 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_gpt.hardware import GB, GPU, UNMEASURED_MATMUL_CEILING
+from elastic_gpt.hardware import (
+    GB,
+    GPU,
+    UNMEASURED_FP8_MATMUL_CEILING,
+    UNMEASURED_MATMUL_CEILING,
+)
 
 FP32 = 4
 MATRIX_EFFICIENCY = ((128e9, 0.95), (16e9, 0.9), (1e9, 0.6), (0.0, 0.1))
@@ -57,6 +62,11 @@ class Kernels:
     gpu: GPU
     act_bytes: int
     matmul_efficiency: float | None = None
+    float8: bool = False
+    """The blocks' linears in float8 (`train.float8`, torchao's dynamic tensorwise scaling):
+    their matmuls at the float8 peak and ceiling, each bf16 operand read for its scale, read
+    again and written in float8 first (5 bytes an element). Attention and the output layer stay
+    in bf16."""
 
     def matrix_efficiency(self, flops: float) -> float:
         """Calculon's curve, its top scaled to the GPU's measured ceiling (hardware.py)."""
@@ -69,6 +79,22 @@ class Kernels:
         flops = 2 * m * k * n
         return (flops / (self.gpu.peak_flops * self.matrix_efficiency(flops))
                 + self.memory_s((m * k + k * n + m * n) * self.act_bytes))
+
+    def linear_s(self, m: float, k: float, n: float) -> tuple[float, float]:
+        """A block linear's forward and backward: (m, k) x (k, n), and in backward the input's
+        and the weight's gradients, each a matmul of the same FLOPs."""
+        if not self.float8:
+            one = self.matmul_s(m, k, n)
+            return one, 2 * one
+        flops = 2 * m * k * n
+        ceiling = self.gpu.fp8_matmul_ceiling or UNMEASURED_FP8_MATMUL_CEILING
+        eff = (self.matmul_efficiency
+               or step_efficiency(MATRIX_EFFICIENCY, flops) * ceiling / MATRIX_EFFICIENCY[0][1])
+        one = (flops / (self.gpu.fp8_peak_flops * eff)
+               + self.memory_s(m * k + k * n + m * n * self.act_bytes))
+        # forward casts the input; backward the output's gradient and the input again
+        return (one + self.memory_s(5 * m * k),
+                2 * one + self.memory_s(5 * m * n) + self.memory_s(5 * m * k))
 
     def memory_s(self, nbytes: float) -> float:
         if nbytes <= 0:
@@ -100,8 +126,9 @@ def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int
         raise ValueError(f"kernel_set={kernel_set!r} must be one of {', '.join(KERNEL_SETS)}")
     b, s, h, t, pb = micro_batch, seq_len, n_embd, tp, k.act_bytes
     bs = b * s
-    matmuls = (k.matmul_s(bs, h, 3 * h / t) + k.matmul_s(bs, h / t, h)
-               + k.matmul_s(bs, h, 4 * h / t) + k.matmul_s(bs, 4 * h / t, h))
+    linears = [k.linear_s(bs, h, 3 * h / t), k.linear_s(bs, h / t, h),
+               k.linear_s(bs, h, 4 * h / t), k.linear_s(bs, 4 * h / t, h)]
+    linears_fwd, linears_bwd = sum(f for f, _ in linears), sum(b for _, b in linears)
     row = bs * h / t * pb  # one (b, s / t, h) or (b, s, h / t) tensor
     # the layer norms, dropouts and residual adds: on the sequence shard, or the whole sequence
     seq_row = row if kernel_set == "trainer" else bs * h * pb
@@ -129,8 +156,8 @@ def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int
                + 2 * k.memory_s(3 * seq_row) + dropouts)
     backward = (2 * k.memory_s(3 * seq_row) + k.memory_s(3 * 4 * row)
                 + 2 * k.memory_s(3 * seq_row) + dropouts)
-    return BlockTimes(forward_s=matmuls + attn_fwd + forward,
-                      backward_s=2 * matmuls + attn_bwd + backward)
+    return BlockTimes(forward_s=linears_fwd + attn_fwd + forward,
+                      backward_s=linears_bwd + attn_bwd + backward)
 
 
 def head_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, vocab_size: int,

@@ -243,7 +243,9 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
 
 
 def dtype_bytes(dtype: str) -> int:
-    sizes = {"bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4}
+    # float8 (`train.float8`) computes the blocks' matmuls in float8 but keeps activations,
+    # gradients and the rest in bfloat16
+    sizes = {"bfloat16": 2, "bf16": 2, "float32": 4, "fp32": 4, "float8": 2}
     if dtype not in sizes:
-        raise ValueError(f"dtype={dtype!r} must be bfloat16 or float32")
+        raise ValueError(f"dtype={dtype!r} must be bfloat16, float8 or float32")
     return sizes[dtype]

@@ -279,7 +279,7 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     """
     cfg, pb, L, k = shape.cfg, dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
     mesh = make_mesh(n_gpus, tp, hsdp, net.gpus_per_node)
-    kernels = Kernels(gpu, pb)
+    kernels = Kernels(gpu, pb, float8=dtype == "float8")
     if efficiency is not None:  # every FLOP at one fraction of peak
         flops_s = gpu.peak_flops * efficiency
         tokens = micro_batch * cfg.seq_len
@@ -302,8 +302,11 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     shard_per_node = net.gpus_per_node // tp if shard_across else mesh.dp_shard
     blk, root = shape.block_local(tp), shape.root_local(tp)
 
-    def gather_s(elems: float) -> float:
-        return net.ring_s(ring_bytes(pb * elems, mesh.dp_shard), ranks=mesh.dp_shard,
+    # FSDP2 gathers float8 weights for the blocks' float8 linears (enable_fsdp_float8_all_gather)
+    blk_pb = 1 if dtype == "float8" else pb
+
+    def gather_s(elems: float, nbytes: int = pb) -> float:
+        return net.ring_s(ring_bytes(nbytes * elems, mesh.dp_shard), ranks=mesh.dp_shard,
                           per_node=shard_per_node, nic_sharing=tp)
 
     def reduce_s(elems: float) -> float:  # reduce-scatter, then (HSDP) all-reduce of the shard
@@ -314,7 +317,7 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
                         all_reduce=True)
         return rs + ar
 
-    ag_blk, ag_root = gather_s(blk), gather_s(root)
+    ag_blk, ag_root = gather_s(blk, blk_pb), gather_s(root)
     rs_blk, rs_root = reduce_s(blk), reduce_s(root)
     regathers = L - 1 if reshard_after_forward else 0  # the last block stays gathered
 
@@ -356,11 +359,12 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     local = shape.local_params(tp)
     optimizer_s = (32 * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
                    if efficiency is not None else kernels.memory_s(32 * local / mesh.dp_shard))
-    gather_elems = n_fwd_gathers * (root + L * blk) + k * regathers * blk
+    gather_bytes = (n_fwd_gathers * (pb * root + blk_pb * L * blk)
+                    + k * regathers * blk_pb * blk)
     shard_bytes = FP32 * local / mesh.dp_shard
     return StepTime(compute_s=k * compute_mb + accumulate_s, comm_s=comm_s, exposed_comm_s=exposed_s,
                     optimizer_s=optimizer_s,
-                    all_gather_bytes=ring_bytes(pb * gather_elems, mesh.dp_shard),
+                    all_gather_bytes=ring_bytes(gather_bytes, mesh.dp_shard),
                     reduce_scatter_bytes=n_sync * ring_bytes(FP32 * local, mesh.dp_shard),
                     all_reduce_bytes=(n_sync * 2 * ring_bytes(shard_bytes, mesh.dp_replicate)
                                       if mesh.hsdp else 0.0),

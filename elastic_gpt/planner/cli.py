@@ -102,7 +102,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--hsdp", choices=["auto", "on", "off"], default="auto",
                    help="on: FSDP shards within a node and replicates across nodes (default: "
                    "the faster that fits)")
-    t.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    t.add_argument("--dtype", choices=["bfloat16", "float8", "float32"], default="bfloat16",
+                   help="float8: the blocks' matmuls in float8 (train.float8, H100-class GPUs)")
     h = parser.add_argument_group("hardware")
     h.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)} (default H100)")
     h.add_argument("--gpus", type=positive_int, default=8, help="total GPUs = workers (default 8)")

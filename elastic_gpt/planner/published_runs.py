@@ -17,6 +17,12 @@ GPUs, batch and layout, and its throughput beside the published one.
   GPT of its width, depth and heads (406B parameters; Llama's grouped-query attention and
   SwiGLU MLP differ in FLOPs by a few percent), with this trainer's kernels; compared as MFU
   (model FLOPs, no recomputation).
+- torchtitan's benchmarks (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3): Llama
+  3.1 8B with FSDP2 and torch.compile, in bf16 and with float8 linears, on 8 and 128 H100s
+  (96 GB HBM2e at 2.4 TB/s, 500 W), 2 sequences of 8192 per GPU, in tokens per second per GPU:
+  the nearest published kin of this trainer (FSDP2, SDPA, compile, torchao float8). Planned as
+  the GPT of its width and depth; compared as model FLOP/s (torchtitan's count, 6 x the
+  non-embedding parameters + 12 L h q T per token, against the plan's MFU).
 
 The plan's figure is the same FLOPs over the planned step time, for what these runs ran: for
 Megatron-LM, its dropout of 0.1 and its kernels of 2021 (`kernel_set="megatron-2021"`,
@@ -25,14 +31,21 @@ cost_model/kernels.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from elastic_gpt.cost_model.memory import model_shape, training_flops_per_token
 from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
+from elastic_gpt.hardware import GPUS, GiB
 from elastic_gpt.model.gpt import GPTConfig
 from elastic_gpt.planner.inputs import PlanError, PlanInputs
 from elastic_gpt.planner.training_plan import plan_training
 
+TORCHTITAN_H100 = dataclasses.replace(GPUS["H100"], name="H100-HBM2e-500W", hbm_gbps=2400,
+                                      memory_gib=96e9 / GiB)
+"""torchtitan's H100s: HBM2e 96 GB at 2.4 TB/s; their 500 W limit lowers the peak to somewhere
+between the SXM's and the NVL's, by how much they do not know: the SXM's is kept."""
+LLAMA31_8B_FLOPS_PER_TOKEN = 6 * (8.03e9 - 128256 * 4096) + 12 * 32 * 32 * 128 * 8192
 SELENE_NIC_GBPS = 8 * 200 / 8 * 0.8
 """A Selene node's NCCL bandwidth between nodes, GB/s: 8 NICs of 200 Gb/s (SC21 sec. 5), at the
 0.8 of line rate hardware.py's rows assume."""
@@ -71,6 +84,7 @@ class PublishedRun:
     """SC21's network (Selene); False: the GPU row's."""
     model_flops: bool = False
     """The published figure is MFU x peak: compare the plan's MFU."""
+    dtype: str = "bfloat16"
     stages_per_rank: tuple[int, ...] | None = (1, 2)
     """The pipeline schedules the plan weighs (stages per rank). SC21 does not say which its
     runs used: 1F1B or its interleaved schedule with 2 stages per rank, SC21's own comparison
@@ -92,6 +106,7 @@ SC21 = "SC21 Table 1"
 SC21_T2 = "SC21 Table 2"
 KORTHIKANTI = "Korthikanti 2022 Table 5"
 LLAMA3 = "Llama 3 Table 4"
+TORCHTITAN = "torchtitan H100 benchmarks"
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21, "1.7B", 24, 24, 2304, 32, 512, 1, 1, 137),
     PublishedRun(SC21, "3.6B", 30, 32, 3072, 64, 512, 2, 1, 138),
@@ -129,6 +144,12 @@ RUNS: tuple[PublishedRun, ...] = (
                    kernel_set="trainer", selene=False, model_flops=True,
                    stages_per_rank=None)
       for gpus, mfu in ((8192, 0.43), (16384, 0.41))),
+    *(PublishedRun(TORCHTITAN, f"8B {dtype}", 32, 32, 4096, gpus, 2 * gpus, 1, 1,
+                   tps * LLAMA31_8B_FLOPS_PER_TOKEN / 1e12, 2, gpu=TORCHTITAN_H100.name,
+                   seq_len=8192, vocab_size=128256, dropout=0.0, kernel_set="trainer",
+                   selene=False, model_flops=True, stages_per_rank=None, dtype=dtype)
+      for gpus, dtype, tps in ((8, "bfloat16", 6667), (8, "float8", 8532),
+                               (128, "bfloat16", 6514), (128, "float8", 8380))),
 )
 
 
@@ -160,7 +181,8 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         reshard_after_forward="always" if run.zero3 else "auto",
         grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
         market="on-demand",
-        tokens=300e9, kernel_set=run.kernel_set,
+        tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype,
+        hardware={**GPUS, TORCHTITAN_H100.name: TORCHTITAN_H100},
         efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 
 

@@ -35,7 +35,8 @@ def training_config(plan: Plan) -> dict:
                   "max_steps": plan.max_steps, "lr": plan.lr, "warmup_steps": plan.warmup_steps,
                   "activation_checkpointing": c.activation_checkpointing,
                   "grad_sync": c.grad_sync, "reshard_after_forward": c.reshard_policy,
-                  "dtype": "float32" if dtype_bytes(plan.dtype) == 4 else "bfloat16"},
+                  "dtype": "float32" if dtype_bytes(plan.dtype) == 4 else "bfloat16"}
+        | ({"float8": True, "compile": True} if plan.dtype == "float8" else {}),
         "scaling": {"min_workers": plan.n_gpus if rg else plan.min_workers,
                     "max_workers": plan.n_gpus, "use_gpu": True},
         "checkpoint": checkpoint_cadence(rg.interval_s if rg else plan.reliability.interval_s),

@@ -138,6 +138,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
     shape = model_shape(cfg)
     gpu = get_gpu(p.gpu, p.hardware)
     net = _network(p, gpu)
+    if p.dtype == "float8":
+        p = _float8_inputs(p, gpu)
     if p.n_gpus < 1:
         raise PlanError(f"--gpus={p.n_gpus} must be at least 1")
     if p.efficiency is not None and not 0 < p.efficiency <= 1:
@@ -337,6 +339,19 @@ def default_lr(n_params: float) -> float:
             t = (math.log(n_params) - math.log(n0)) / (math.log(n1) - math.log(n0))
             return float(f"{lr0 + t * (lr1 - lr0):.3g}")
     return pts[-1][1]
+
+
+def _float8_inputs(p: PlanInputs, gpu: GPU) -> PlanInputs:
+    """`--dtype float8` is the trainer's `train.float8`: it needs float8 tensor cores and runs
+    at tp=1 (its float8 linears have no tensor-parallel plan yet, parallel/fsdp.py)."""
+    if not gpu.fp8_peak_flops:
+        with_fp8 = ", ".join(g.name for g in p.hardware.values() if g.fp8_peak_flops)
+        raise PlanError(f"--dtype float8 needs float8 tensor cores ({with_fp8}); {gpu.name} has "
+                        "none: use --dtype bfloat16")
+    if p.tp not in (None, 1):
+        raise PlanError(f"--dtype float8 runs at --tp 1 (the trainer's float8 linears have no "
+                        f"tensor-parallel plan yet), not --tp {p.tp}")
+    return dataclasses.replace(p, tp=1)
 
 
 def _network(p: PlanInputs, gpu: GPU) -> Network:
