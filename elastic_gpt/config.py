@@ -558,9 +558,7 @@ def _check_pipeline(cfg: Config, batch_split) -> None:
                          "parallel.pp_schedule=1f1b")
     if par.pp == 1:
         return
-    if cfg.elastic.replica_groups != "off":
-        raise ValueError("elastic.replica_groups with parallel.pp > 1 is not supported yet; set "
-                         "elastic.replica_groups=off (the restart path resizes whole pipelines)")
+    # every live group's pipelines share the step (replica groups: all of them, at the most)
     dp = cfg.scaling.max_workers // (par.pp * par.tp)
     slots = batch_split.slots(dp)
     if slots < par.pp:

@@ -109,6 +109,12 @@ def test_a_pipeline_the_run_cannot_fill_or_schedule_is_one_clear_line():
           "scaling.max_workers=4", "parallel.pp=2"]
     cfg = load_config(TINY, ok)
     assert (cfg.parallel.pp, cfg.parallel.pp_schedule) == (2, "1f1b")
+    # replica groups of whole pipelines: 2 groups of one pipeline each; 4 groups of one worker
+    # would cut the pipelines (the launcher's preflight asks `group_size`)
+    from elastic_gpt.elastic.replica_groups import group_size
+    assert group_size(load_config(TINY, [*ok, "elastic.replica_groups=2"])) == 2
+    with pytest.raises(ValueError, match=r"groups of a multiple of parallel.pp x parallel.tp = 2"):
+        group_size(load_config(TINY, [*ok, "elastic.replica_groups=4"]))
     for extra, says in (
             (["scaling.max_workers=5"], r"must be multiples of parallel.tp x parallel.pp=2 "
                                         r"\(workers come in whole pipelines\)"),
@@ -116,8 +122,7 @@ def test_a_pipeline_the_run_cannot_fill_or_schedule_is_one_clear_line():
             (["train.global_batch_size=4"], r"a step gives each pipeline 1 micro-batch\(es\), "
                                             r"fewer than its parallel.pp=2 stages"),
             (["parallel.pp_schedule=interleaved_1f1b"], "needs parallel.pp_stages_per_rank >= 2"),
-            (["parallel.pp_stages_per_rank=2"], "pp_schedule=1f1b runs one stage per rank"),
-            (["elastic.replica_groups=2"], "replica_groups with parallel.pp > 1 is not supported")):
+            (["parallel.pp_stages_per_rank=2"], "pp_schedule=1f1b runs one stage per rank")):
         with pytest.raises(ValueError, match=says):
             load_config(TINY, [*ok, *extra])
 

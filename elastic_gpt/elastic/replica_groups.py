@@ -52,13 +52,17 @@ FAILURE_WINDOW_S = 3600.0
 
 
 def group_size(cfg: Config) -> int:
-    """Workers per replica group: scaling.max_workers / N, in whole tensor-parallel groups."""
-    n, s, tp = cfg.elastic.replica_groups, cfg.scaling, cfg.parallel.tp
-    if s.max_workers % n or workers_problem(tp, {"workers per group": s.max_workers // n}):
+    """Workers per replica group: scaling.max_workers / N, in whole pipelines of tensor-parallel
+    groups (parallel.pp x parallel.tp workers each)."""
+    n, s = cfg.elastic.replica_groups, cfg.scaling
+    unit = cfg.parallel.tp * cfg.parallel.pp
+    if s.max_workers % n or workers_problem(unit, {"workers per group": s.max_workers // n}):
+        what = (f"parallel.tp={cfg.parallel.tp}" if cfg.parallel.pp == 1 else
+                f"parallel.pp x parallel.tp = {unit}")
         raise ValueError(
             f"elastic.replica_groups={n} must divide scaling.max_workers={s.max_workers} into "
-            f"groups of a multiple of parallel.tp={tp} workers; e.g. scaling.max_workers="
-            f"{n * tp * max(1, s.max_workers // (n * tp))}")
+            f"groups of a multiple of {what} workers; e.g. scaling.max_workers="
+            f"{n * unit * max(1, s.max_workers // (n * unit))}")
     return s.max_workers // n
 
 

@@ -261,6 +261,7 @@ class Pipeline:
         self._schedule = None
         self._tied: TiedEmbedding | None = None
         self.micro_batches = self.micro_batch_rows = 0  # a step's, set by `prepare`
+        self._scale = 0.0
 
     def forward_backward(self, tokens: list[torch.Tensor], weights: list[float], seq_len: int,
                          compute_dtype: torch.dtype, vocab_sharded: bool,
@@ -283,15 +284,20 @@ class Pipeline:
 
     def prepare(self, n_microbatches: int, rows: int, scale: float,
                 device: torch.device) -> None:
-        """Collective over the pipeline, once (the stages materialised): the schedule of
+        """Collective over the pipeline (the stages materialised): the schedule of
         `n_microbatches` of `rows` sequences per step with the loss times `scale`, and the tied
-        embedding's pairs."""
-        if self._schedule is None:
-            self.micro_batches, self.micro_batch_rows = n_microbatches, rows
-            self._schedule = build_schedule(
-                self.stages, self.mesh["pp"].get_group(), device, n_microbatches,
-                summed_loss(scale), self.schedule_name)
-            self._scale = scale
+        embedding's pairs. Again when the step's split changes (a replica group's quorum: the
+        live groups share the micro-batches): a new schedule, whose stages size their buffers
+        for its micro-batches at its first step."""
+        if (n_microbatches, rows, scale) == (self.micro_batches, self.micro_batch_rows,
+                                             self._scale):
+            return
+        self.micro_batches, self.micro_batch_rows = n_microbatches, rows
+        self._schedule = build_schedule(
+            self.stages, self.mesh["pp"].get_group(), device, n_microbatches,
+            summed_loss(scale), self.schedule_name)
+        self._scale = scale
+        if self._tied is None:
             self._tied = TiedEmbedding(self.mesh, self.stages)
 
     @torch.no_grad()

@@ -134,10 +134,7 @@ class Trainer:
         self.startup: dict[str, float] = {"init_s": 0.0, "checkpoint_read_s": 0.0}
         self.resume_from = self._newest_checkpoint()
         self.model = self._build_model(initialise=self.resume_from is None)
-        if self.pipeline is not None:  # a step's micro-batches, scaled as forward_backward's
-            T, split = self.gpt_cfg.seq_len, self.batch_split
-            self.pipeline.prepare(split.slots(self.dp_degree), split.micro_batch_size,
-                                  self.dp_degree / (split.global_batch_size * T), self.device)
+        self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.step = 0
@@ -347,6 +344,15 @@ class Trainer:
             loss_sum += summed.detach().double() * weight
         return loss_sum
 
+    def _prepare_pipeline(self) -> None:
+        """The pipeline's schedule for this step's split: its micro-batches per rank, the loss
+        scaled as `forward_backward` scales it. With replica groups the split is over every live
+        group's data-parallel ranks, so a quorum change makes a new one (a no-op otherwise)."""
+        if self.pipeline is not None:
+            T, split = self.gpt_cfg.seq_len, self.batch_split
+            self.pipeline.prepare(split.slots(self.batch_degree), split.micro_batch_size,
+                                  self.batch_degree / (split.global_batch_size * T), self.device)
+
     def _dropout_seed(self, micro_batch: int) -> int:
         """Dropout RNG from (seed, step, micro-batch): identical masks at any data-parallel
         degree. Under tensor parallelism every dropout runs on this rank's share (its sequence
@@ -374,6 +380,7 @@ class Trainer:
                    warmup_steps=cfg.train.warmup_steps, max_steps=cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._prepare_pipeline()
         loss_sum = self.forward_backward(batch)
         self.fault_tolerance.reduce_gradients()  # over the live replica groups, if any
         grad_norm = self.clip_gradients()

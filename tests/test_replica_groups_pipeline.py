@@ -1,0 +1,131 @@
+"""Replica groups that hold whole pipelines (issue 25): 2 groups, each one pipeline of 2 stages
+(parallel.pp=2, 2 workers), on a real Ray cluster with a real Lighthouse. Group 1's rank-0 worker
+(its first stage) is SIGKILLed: group 0 goes on alone, its pipeline taking the whole step's
+micro-batches (a new schedule, for the new split), and group 1's run restarts and heals from
+group 0 stage by stage. Every committed step has the data and (within float noise) the loss of
+an uninterrupted single-process run (C1, C2, C7)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from test_replica_groups import _last_start, _records, _steps_together_after, _wait_records
+
+from elastic_gpt.config import load_config
+from elastic_gpt.data.fingerprint import join_fingerprint
+
+pytestmark = pytest.mark.slow
+
+STEPS = 200  # outlasts the killed group's restart and heal (the tiny model steps in ~0.1 s)
+KILL_AT = 8
+WORKERS = 2  # per group: one pipeline of 2 stages
+LOSS_NOISE = 5e-3  # test_replica_groups.py: a group alone sums in another order
+# 4 micro-batches of 1: 2 pipelines share them (2 each, filling 2 stages); alone, one takes 4.
+ARGS = ["model.preset=tiny", "train.global_batch_size=4", "train.micro_batch_size=1",
+        f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3",
+        "train.log_every=100", "train.dtype=float32", "train.peak_tflops=0.05",
+        "data.prefetch_steps=2", "eval.samples=0", "scaling.cpus_per_worker=1",
+        "checkpoint.every_steps=20", "checkpoint.keep=2", "parallel.pp=2",
+        "elastic.replica_heartbeat_timeout_s=1.0", "elastic.max_failures_per_hour=5",
+        "elastic.hang_timeout_s=10.0", "elastic.replica_groups=2",
+        "elastic.replica_collective_timeout_s=2.0",
+        f"scaling.min_workers={2 * WORKERS}", f"scaling.max_workers={2 * WORKERS}"]
+
+
+def _overrides(data: str, root: str, name: str, extra: list[str]) -> list[str]:
+    return [*ARGS, f"data.path={data}", f"run.name={name}", f"run.storage_path={root}/ray",
+            f"checkpoint.path={root}/{name}", f"tracking.uri=sqlite:///{root}/mlflow.db", *extra]
+
+
+def _reference(data: str, root: str):
+    """Every step's loss and data fingerprint of an uninterrupted run: one process, no pipeline,
+    no Ray."""
+    from elastic_gpt.testing.gloo import gloo_group
+    from elastic_gpt.train.trainer import Trainer
+
+    cfg = load_config(None, _overrides(data, root, "reference", [
+        "tracking.enabled=false", "parallel.pp=1", "elastic.replica_groups=off",
+        "scaling.min_workers=1", "scaling.max_workers=1"]))
+    with gloo_group():
+        trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
+        stream = trainer._open_stream()
+        losses, fingerprints = {}, {}
+        for step in range(STEPS):
+            result = trainer.train_step(next(stream))
+            losses[step], fingerprints[step] = result.loss, result.fingerprint
+            trainer.step += 1
+        stream.close()
+        tokens = cfg.train.global_batch_size * trainer.gpt_cfg.seq_len
+    return losses, fingerprints, tokens
+
+
+def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
+        stdlib_dataset, tmp_path, monkeypatch):
+    from elastic_gpt.elastic.replica_groups import RECORD_DIR_ENV, STATE_HASH_ENV
+    from elastic_gpt.testing.cluster import LocalCluster, train_in_background
+
+    ref_loss, ref_fp, tokens = _reference(stdlib_dataset, str(tmp_path / "reference"))
+    records = str(tmp_path / "records")
+    monkeypatch.setenv(RECORD_DIR_ENV, records)
+    monkeypatch.setenv(STATE_HASH_ENV, "1")
+    at: dict = {}
+
+    def kill_group_1_first_stage():
+        recs, _ = _wait_records(records, lambda recs: [
+            r for r in recs if r["group"] == 1 and r.get("event") == "step" and r["committed"]
+            and r["step"] >= KILL_AT and r["groups"] == 2], what="group 1 at the kill step")
+        at["pid"] = _last_start(recs, 1, 0)["pid"]
+        os.kill(at["pid"], signal.SIGKILL)
+        at["kill"] = time.time()
+
+        def rejoined(recs):
+            healed = [r for r in recs if r["group"] == 1 and r["event"] == "join"
+                      and r["t"] > at["kill"]]
+            return healed and _steps_together_after(at["kill"], 3)(recs)
+        _wait_records(records, rejoined, what="group 1 healed and stepping")
+        at["back"] = time.time()
+        return at
+
+    cluster = LocalCluster(workers=2, cpus_per_node=WORKERS)  # a node per group
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg-pp", []))
+        summary, _ = train_in_background(cfg, kill_group_1_first_stage, timeout_s=420)
+    finally:
+        cluster.shutdown()
+    recs = _records(records)
+    committed = [r for r in recs if r.get("event") == "step" and r["rank"] == 0
+                 and r["committed"]]
+    assert summary["step"] == STEPS
+
+    # Group 0 never restarted: it trained on alone, its pipeline over the whole step.
+    assert len([r for r in recs if r["group"] == 0 and r["event"] == "start"]) == WORKERS
+    alone = [r for r in committed if r["group"] == 0 and at["kill"] < r["t"] < at["back"]
+             and r["groups"] == 1]
+    assert alone, "group 0 stepped alone while group 1 was restarting"
+    g0 = [r["step"] for r in committed if r["group"] == 0]
+    assert g0 == list(range(g0[0], g0[-1] + 1))
+    # Group 1 came back by healing from group 0, each stage's rank to its peer's state.
+    healed = [r for r in recs if r["group"] == 1 and r["event"] == "join" and r["healed"]
+              and r["t"] > at["kill"]]
+    assert sorted(r["rank"] for r in healed) == list(range(WORKERS)), healed
+    for j in healed:
+        peer = [r["hash"] for r in recs if r["event"] == "state" and r["group"] == 0
+                and r["rank"] == j["rank"] and r["step"] == j["step"]]
+        mine = [r["hash"] for r in recs if r["event"] == "state" and r["group"] == 1
+                and r["rank"] == j["rank"] and r["step"] == j["step"]]
+        assert peer and mine and mine[-1] == peer[-1], j
+
+    # C1, C2, C7: every step committed by every live group on the uninterrupted run's data, with
+    # its loss within float noise.
+    for s in range(STEPS):
+        at_s = [r for r in committed if r["step"] == s]
+        assert at_s, f"step {s} never committed"
+        for r in at_s:
+            assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
+            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=LOSS_NOISE), s
+    print(f"\n[replica groups x pp=2] group 0 alone for {len(alone)} step(s) while group 1 "
+          f"restarted; healed at step {healed[0]['step']}")
