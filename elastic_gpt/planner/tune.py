@@ -1,14 +1,16 @@
-"""`elastic-gpt tune`: measure tensor parallelism x HSDP x micro-batch size x activation
-checkpointing x torch.compile on the cluster's own workers, then write the fastest config that fits
-in memory with a margin.
+"""`elastic-gpt tune`: measure tensor parallelism x pipeline parallelism x HSDP x micro-batch
+size x activation checkpointing x torch.compile on the cluster's own workers, then write the
+fastest config that fits in memory with a margin.
 
 One Ray Train job (the config's worker count, tracking off, no checkpoints written) whose workers
-loop over the candidates: each builds a fresh Trainer (the trainer's own mesh and TP + FSDP model,
-from parallel.tp / parallel.hsdp and the ranks' Ray node ids), runs 1-2 warm-up steps and then
---steps timed steps on the real data stream, and measures its peak memory per worker. A candidate
-that runs out of memory is recorded as "does not fit"; one whose tp the workers' node layout cannot
-hold is recorded as refused. compile is only tried on CUDA (on CPU compiling costs minutes, so it
-is skipped and the output says so).
+loop over the candidates: each builds a fresh Trainer (the trainer's own mesh, pipeline stages and
+TP + FSDP model, from parallel.tp / parallel.pp / parallel.hsdp and the ranks' Ray node ids), runs
+1-2 warm-up steps and then --steps timed steps on the real data stream, and measures its peak
+memory per worker. Pipelines (--pp) are measured only when asked for, at micro-batch sizes whose
+step gives every data-parallel rank at least pp micro-batches. A candidate that runs out of memory
+is recorded as "does not fit"; one whose tp the workers' node layout cannot hold is recorded as
+refused. compile is only tried on CUDA (on CPU compiling costs minutes, so it is skipped and the
+output says so).
 """
 
 # The docstring above is `elastic-gpt tune --help`'s description (elastic_gpt/cli.py reads it).
@@ -29,6 +31,8 @@ from elastic_gpt.hardware import GiB, get_gpu
 from elastic_gpt.planner.tune_candidates import (
     TrainSettings,
     candidate_list,
+    pp_choices,
+    pp_schedule,
     predicted_bytes,
     tp_choices,
     what_would_fit,
@@ -38,8 +42,9 @@ from elastic_gpt.planner.tune_worker import TABLE_FILE, MiB, tune_loop_per_worke
 
 def format_table(rows: list[dict], predicted: list[float], winner: dict | None) -> str:
     """One line per candidate; 'planner MiB' is memory.memory_per_gpu for what the row ran (its tp
-    and FSDP shard degree included)."""
-    head = (f"{'tp':>2} {'hsdp':>4} {'micro-batch':>11} {'ckpt':>4} {'compile':>7} "
+    and FSDP shard degree included), or for a pipeline (pp > 1; "2x2": 2 stages per rank)
+    pipeline.pipelined_memory's most loaded pipeline rank."""
+    head = (f"{'tp':>2} {'pp':>3} {'hsdp':>4} {'micro-batch':>11} {'ckpt':>4} {'compile':>7} "
             f"{'s/step':>8} {'tokens/s':>10} {'peak MiB':>9} {'planner MiB':>11}  result")
     lines = [head, "-" * len(head)]
     for row, pred in zip(rows, predicted):
@@ -58,22 +63,26 @@ def format_table(rows: list[dict], predicted: list[float], winner: dict | None) 
         peak = f"{row['peak_bytes'] / MiB:,.1f}" if row["peak_bytes"] else "-"
         ckpt = "on" if row["activation_checkpointing"] else "off"
         hsdp = "on" if row.get("hsdp") else "off"
-        lines.append(f"{row.get('tp', 1):>2} {hsdp:>4} {row['micro_batch']:>11} {ckpt:>4}"
+        pp = settings_of(row).pipeline
+        lines.append(f"{row.get('tp', 1):>2} {pp:>3} {hsdp:>4} {row['micro_batch']:>11} {ckpt:>4}"
                      f" {'on' if row['compile'] else 'off':>7} {step:>8} {tps:>10} {peak:>9} "
                      f"{pred / MiB:>11,.1f}  {result}")
     return "\n".join(lines)
 
 
 def pick_winner(rows: list[dict]) -> dict | None:
-    """The fastest that fits; ties go to the larger micro-batch, then the simpler layout."""
+    """The fastest that fits; ties go to the larger micro-batch, then the simpler layout (the
+    smaller tp, then no pipeline or the shorter one, then no HSDP)."""
     fitting = [r for r in rows if r["fits"]]
     return min(fitting, key=lambda r: (r["step_s"], -r["micro_batch"], r.get("tp", 1),
+                                       r.get("pp", 1), r.get("stages_per_rank", 1),
                                        bool(r.get("hsdp")))) if fitting else None
 
 
 def settings_of(row: dict) -> TrainSettings:
     return TrainSettings(row["micro_batch"], row["activation_checkpointing"], row["compile"],
-                         row.get("tp", 1), bool(row.get("hsdp")))
+                         row.get("tp", 1), bool(row.get("hsdp")), row.get("pp", 1),
+                         row.get("stages_per_rank", 1))
 
 
 def tuned_config_dict(config_path: str, overrides: list[str], winner: dict,
@@ -81,8 +90,13 @@ def tuned_config_dict(config_path: str, overrides: list[str], winner: dict,
     """The input YAML with the overrides applied and the winner's train.* and parallel.* keys;
     and a note for each other key it had to change. parallel.hsdp is the winner's where the
     workers spanned nodes; measured on one node (where HSDP is plain FSDP) it stays as given.
-    scaling.min/max_workers become multiples of the winner's tp (config validation: workers come
-    in whole tensor-parallel groups)."""
+    A pipelined winner writes parallel.pp, its pp_schedule and pp_stages_per_rank; one without a
+    pipeline resets them where the input had them. scaling.min/max_workers become multiples of the
+    winner's pp x tp (config validation: workers come in whole pipelines of tensor-parallel
+    groups), and under a pipeline the ceiling comes down to where a step still gives every
+    data-parallel rank pp micro-batches."""
+    from elastic_gpt.data.order import BatchSplit
+
     with open(config_path) as f:
         raw = yaml.safe_load(f) or {}
     for item in overrides:
@@ -93,25 +107,37 @@ def tuned_config_dict(config_path: str, overrides: list[str], winner: dict,
     train["micro_batch_size"] = winner["micro_batch"]
     train["activation_checkpointing"] = winner["activation_checkpointing"]
     train["compile"] = winner["compile"]
-    tp = winner.get("tp", 1)
+    tp, pp = winner.get("tp", 1), winner.get("pp", 1)
+    stages = winner.get("stages_per_rank", 1)
     parallel = raw.setdefault("parallel", {})
     parallel["tp"] = tp
     if spans_nodes:
         parallel["hsdp"] = "on" if winner.get("hsdp") else "off"
     else:
         parallel.setdefault("hsdp", "auto")
+    if pp > 1 or {"pp", "pp_schedule", "pp_stages_per_rank"} & set(parallel):
+        parallel.update(pp=pp, pp_schedule=pp_schedule(stages), pp_stages_per_rank=stages)
     notes = []
     scaling = raw.setdefault("scaling", {})
     defaults = Config().scaling
     low = int(scaling.get("min_workers", defaults.min_workers))
     high = int(scaling.get("max_workers", defaults.max_workers))
+    unit = tp * pp
+    what = f"parallel.tp={tp}" if pp == 1 else f"parallel.pp x parallel.tp = {unit}"
     # The floor up, the ceiling down (never below one group), the floor no higher than the ceiling.
-    new_high = max(tp, high // tp * tp)
-    new_low = min(max(tp, -(-low // tp) * tp), new_high)
+    new_high = max(unit, high // unit * unit)
+    split = BatchSplit(int(train.get("global_batch_size", Config().train.global_batch_size)),
+                       winner["micro_batch"])
+    while new_high > unit and split.slots(new_high // unit) < pp:
+        new_high -= unit
+    new_low = min(max(unit, -(-low // unit) * unit), new_high)
     for key, old, new in (("min_workers", low, new_low), ("max_workers", high, new_high)):
         if old != new:
             scaling[key] = new
-            notes.append(f"scaling.{key}={old} -> {new} (a multiple of parallel.tp={tp})")
+            why = f"a multiple of {what}"
+            if key == "max_workers" and new < high // unit * unit:
+                why += f", at which a step still gives every pipeline {pp} micro-batches"
+            notes.append(f"scaling.{key}={old} -> {new} ({why})")
     return raw, notes
 
 
@@ -151,13 +177,19 @@ def run_tune(args) -> int:
         raise ValueError(f"train.global_batch_size={G} gives fewer sequences than the "
                          f"{world // max(tps)} data-parallel ranks of {world} workers at tp "
                          f"{max(tps)}")
+    pps, stages = pp_choices(
+        args.pp if args.pp == "auto" else _int_list("--pp", args.pp), world=world, tps=tps,
+        n_layer=gpt_cfg.n_layer, global_batch=G,
+        stages_per_rank=_int_list("--pp-stages-per-rank", args.pp_stages_per_rank),
+        micro_batch_sizes=mbs)
+    layouts = dict(tps=tps, pps=pps, stages_per_rank=stages)
 
     started = connect_ray(cfg)
     try:
         gpu = use_gpu(cfg)
         device = "cuda" if gpu else "cpu"
         dtype = str(resolve_dtype(cfg.train.dtype, torch.device(device))).removeprefix("torch.")
-        cands = candidate_list(G, world, mbs, cuda=gpu, tps=tps)
+        cands = candidate_list(G, world, mbs, cuda=gpu, n_layer=gpt_cfg.n_layer, **layouts)
         shape = model_shape(gpt_cfg)
         # The planner first: a model that cannot fit even at micro-batch 1 with checkpointing is
         # refused before any worker starts, with what would fit instead.
@@ -165,12 +197,14 @@ def run_tune(args) -> int:
             usable_chip = chip if gpu else None
             line = what_would_fit(gpt_cfg, world, G, budget or chip.memory_bytes,
                                   args.memory_margin, dtype, usable_chip,
-                                  cfg.train.reshard_after_forward, tps=tps)
+                                  cfg.train.reshard_after_forward, **layouts)
             if line:
                 raise ValueError(line)
         say(f"[elastic-gpt tune] {count_params(gpt_cfg)['total'] / 1e6:.2f}M params, "
             f"G={G} x T={gpt_cfg.seq_len}, {world} {device.upper()} worker(s), {dtype}: "
             f"{len(cands)} candidates at tp {','.join(map(str, tps))}"
+            + (f", pp {','.join(map(str, pps))}" if pps != [1] else "")
+            + (f" ({','.join(map(str, stages))} stage(s) per rank)" if stages != [1] else "")
             + (" (and each with HSDP if the workers span nodes evenly)"
                if args.hsdp == "auto" else "")
             + f", {args.steps} timed step(s) each")
@@ -206,7 +240,7 @@ def run_tune(args) -> int:
     predicted = [predicted_bytes(shape, world, G, settings_of(r), dtype, gpu,
                                  grad_sync=r["grad_sync"],
                                  reshard_after_forward=r["reshard_after_forward"],
-                                 dp_shard=r.get("dp_shard"))
+                                 dp_shard=r.get("dp_shard"), dp_replicate=r.get("dp_replicate"))
                  for r in rows]
     winner = pick_winner(rows)
     method = next((r["method"] for r in rows if r["method"]), "")
@@ -227,7 +261,8 @@ def run_tune(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "predicted_bytes": predicted, "winner": winner,
                        "memory_method": method, "world_size": world, "device": device,
-                       "grad_sync": grad_sync, "tp_choices": tps,
+                       "grad_sync": grad_sync, "tp_choices": tps, "pp_choices": pps,
+                       "stages_per_rank_choices": stages,
                        "rank_nodes": out["rank_nodes"], "reshard_after_forward": policy},
                       f, indent=1)
     if winner is None:
@@ -236,7 +271,8 @@ def run_tune(args) -> int:
         least = (f" (the smallest measured: {min(r['held_bytes'] for r in measured) / GiB:.2f} "
                  "GiB)" if measured else "")
         line = what_would_fit(gpt_cfg, world, G, budget_b, args.memory_margin, dtype,
-                              chip if gpu else None, cfg.train.reshard_after_forward, tps=tps)
+                              chip if gpu else None, cfg.train.reshard_after_forward,
+                              **layouts)
         raise ValueError(f"no candidate fits in {usable / GiB:.2f} GiB per worker{least}; "
                          + (line or "use more workers (a smaller shard each) or workers with "
                                     "more memory"))
@@ -281,13 +317,25 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel degrees to measure (default: every divisor of the "
                              "workers that divides model.n_head and the sequence length; a tp "
                              "the workers of a node cannot hold is reported as refused)")
+    parser.add_argument("--pp", metavar="1,2",
+                        help="pipeline-parallel degrees to measure (default 1: no pipeline; "
+                             "auto: every divisor of the workers that leaves each stage a block "
+                             "and lets a step fill the pipeline). A pipeline is measured with "
+                             "every --tp that makes whole pipelines of pp x tp workers, at the "
+                             "micro-batch sizes that give every data-parallel rank at least pp "
+                             "micro-batches per step")
+    parser.add_argument("--pp-stages-per-rank", metavar="1,2",
+                        help="stages per pipeline rank for the --pp degrees above 1 (default 1: "
+                             "the 1F1B schedule; more: interleaved 1F1B), where the model has a "
+                             "block for every stage")
     parser.add_argument("--hsdp", choices=("auto", "on", "off"), default="auto",
                         help="auto (default): measure each candidate with and without HSDP "
-                             "where the workers span nodes with the same count on each; on/off: "
-                             "only that")
+                             "where the workers (of one pipeline stage, with --pp) span nodes "
+                             "with the same count on each; on/off: only that")
     parser.add_argument("--write-config", metavar="OUT.yaml",
                         help="write the input config with the winner's train.* and "
-                             "parallel.tp/hsdp keys")
+                             "parallel.tp/hsdp keys (and parallel.pp/pp_schedule/"
+                             "pp_stages_per_rank for a pipeline)")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
 
 

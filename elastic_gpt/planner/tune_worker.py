@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -19,7 +20,7 @@ from dataclasses import asdict
 
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
-from elastic_gpt.planner.tune_candidates import TrainSettings, layout_for_nodes
+from elastic_gpt.planner.tune_candidates import TrainSettings, layout_for_nodes, pp_schedule
 
 MiB = 1 << 20
 TABLE_FILE = "tune_table.json"
@@ -151,8 +152,9 @@ def _is_oom(e: BaseException) -> bool:
 
 def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: int,
             rank_nodes: list[str] | None = None) -> dict:
-    """Build a fresh Trainer for `cand` (its mesh from parallel.tp / parallel.hsdp and the ranks'
-    nodes, as the trainer's worker does), run warm-up + timed steps; this rank's figures."""
+    """Build a fresh Trainer for `cand` (its mesh from parallel.tp / parallel.hsdp / parallel.pp
+    and the ranks' nodes, as the trainer's worker does), run warm-up + timed steps; this rank's
+    figures."""
     import torch
 
     from elastic_gpt.data.order import BatchSplit
@@ -165,9 +167,12 @@ def measure(cfg: Config, cand: TrainSettings, *, rank: int, world: int, steps: i
     warmup = 2 if cand.compile else 1
     device = worker_device()
     # Batches are read before the baseline: the measured peak is the trainer's, not the reader's.
-    # The ranks of one tensor-parallel group read the same micro-batches (C2 data order is over the
-    # data-parallel rank); the layout and its rank arithmetic are the Trainer's (ParallelDims).
-    dims = ParallelDims.for_nodes(world, tp=cand.tp, hsdp=c.parallel.hsdp, rank_nodes=rank_nodes)
+    # The ranks of one tensor-parallel group and of one pipeline (its stages) read the same
+    # micro-batches (C2 data order is over the data-parallel rank): the ranks the Trainer's
+    # `ParallelDims.batch_group` broadcasts one read to, here each reading them itself; the
+    # layout and its rank arithmetic are the Trainer's (ParallelDims).
+    dims = ParallelDims.for_nodes(world, tp=cand.tp, hsdp=c.parallel.hsdp, rank_nodes=rank_nodes,
+                                  pp=cand.pp)
     from elastic_gpt.data.mixture import open_training_data
     stream = open_step_stream(open_training_data(c.data),
                               batch_split=BatchSplit(c.train.global_batch_size, cand.micro_batch),
@@ -216,6 +221,9 @@ def candidate_config(cfg: Config, cand: TrainSettings) -> Config:
     c.train.compile = cand.compile
     c.parallel.tp = cand.tp
     c.parallel.hsdp = "on" if cand.hsdp else "off"
+    c.parallel.pp = cand.pp
+    c.parallel.pp_schedule = pp_schedule(cand.stages_per_rank)
+    c.parallel.pp_stages_per_rank = cand.stages_per_rank
     return c
 
 
@@ -234,7 +242,7 @@ def trainer_resolves(cfg: Config, cand: TrainSettings, *, world: int, device,
     settings = resolve_run_memory(
         c, model_config_for(c, open_training_data(c.data).manifest), world_size=world,
         rank_nodes=rank_nodes, micro_batch=cand.micro_batch,
-        micro_batches_per_rank=split.slots(world // cand.tp), device=device,
+        micro_batches_per_rank=split.slots(world // (cand.tp * cand.pp)), device=device,
         compute_dtype=resolve_dtype(c.train.dtype, device))
     return {"grad_sync": settings.grad_sync,
             "reshard_after_forward": settings.reshard_after_forward}
@@ -242,15 +250,17 @@ def trainer_resolves(cfg: Config, cand: TrainSettings, *, world: int, device,
 
 def warm_up_process(cfg: Config, cand: TrainSettings, *, rank: int, world: int,
                     rank_nodes: list[str] | None = None) -> None:
-    measure(cfg, TrainSettings(1, cand.activation_checkpointing, False, cand.tp, cand.hsdp),
+    # Micro-batch 1 gives the most micro-batches per step: it fills any pipeline a larger one does.
+    measure(cfg, dataclasses.replace(cand, micro_batch=1, compile=False),
             rank=rank, world=world, steps=1, rank_nodes=rank_nodes)
 
 
 def agree(row: dict, device) -> dict:
     """Combine the ranks' figures: the slowest step, the largest peak, anyone's failure.
-    Every rank allocates the same shapes (data parallel), so an OOM normally hits all of them at
-    the same point and they all arrive here; a lone OOM inside a collective would instead stall
-    the others until the process group's timeout."""
+    Every rank of a stage allocates the same shapes (data parallel), so an OOM normally hits all
+    of them at the same point and they all arrive here; a lone OOM inside a collective (or one
+    pipeline stage's, whose ranks hold more than the others) would instead stall the others until
+    the process group's timeout."""
     import torch
     import torch.distributed as dist
     t = torch.tensor([row["step_s"] or 0.0, row["peak_bytes"], row["baseline_bytes"],
@@ -297,7 +307,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     # peak.
     warmed = set()
     for cand, dims, _ in layouts:
-        key = (cand.tp, cand.hsdp, cand.activation_checkpointing)
+        key = (cand.tp, cand.pp, cand.stages_per_rank, cand.hsdp, cand.activation_checkpointing)
         if dims is not None and key not in warmed:
             warmed.add(key)
             warm_up_process(cfg, cand, rank=rank, world=world, rank_nodes=nodes)
@@ -305,9 +315,7 @@ def tune_loop_per_worker(loop_config: dict) -> None:
     for i, (cand, dims, refused) in enumerate(layouts):
         # A candidate needs at least the memory of a smaller micro-batch with the same settings.
         smaller_oom = next((r for r in rows if r["oom"] and r["micro_batch"] < cand.micro_batch
-                            and r["activation_checkpointing"] == cand.activation_checkpointing
-                            and r["compile"] == cand.compile and r["tp"] == cand.tp
-                            and r["hsdp"] == cand.hsdp), None)
+                            and _same_but_micro_batch(r, cand)), None)
         if refused or smaller_oom:
             row = {"step_s": None, "peak_bytes": 0, "baseline_bytes": 0, "oom": not refused,
                    "error": None, "method": "", "dp_replicate": None, "dp_shard": None}
@@ -345,6 +353,11 @@ def tune_loop_per_worker(loop_config: dict) -> None:
                 json.dump(table, f)
             checkpoint = ray.train.Checkpoint.from_directory(d)
         ray.train.report({"candidates": len(rows)}, checkpoint=checkpoint)
+
+
+def _same_but_micro_batch(row: dict, cand: TrainSettings) -> bool:
+    mine = asdict(cand)
+    return all(row[k] == v for k, v in mine.items() if k != "micro_batch")
 
 
 def _row_summary(row: dict) -> str:
