@@ -265,6 +265,15 @@ CASES = [
     # ---- tune
     Case("tune-config-missing", ("tune", "--config", "missing.yaml"),
          "config file missing.yaml does not exist", "--config names no file"),
+    Case("tune-pp-not-whole-pipelines", ("tune", "--config", "jobs/configs/mini.yaml",
+                                         "model.preset=tiny", "data.path={w.data}", "--pp", "1,3"),
+         "are not whole pipelines of --pp=3 x --tp=1/2 ranks; use --pp in",
+         "`--pp 1,3` on 2 workers"),
+    Case("tune-pp-more-stages-than-blocks", ("tune", "--config", "jobs/configs/mini.yaml",
+                                             "model.preset=tiny", "data.path={w.data}", "--pp",
+                                             "2", "--pp-stages-per-rank", "2"),
+         "--pp=2 x --pp-stages-per-rank=2 stages need at least one block each, and "
+         "model.n_layer=2", "`--pp 2 --pp-stages-per-rank 2` for a model of 2 blocks"),
 ]
 
 
