@@ -384,8 +384,8 @@ def test_tune_measures_a_pipeline_next_to_fsdp_and_its_config_loads(
         by_layout[(row["pp"], ck)] = pred
         if row["pp"] == 1:
             continue
-        # the planner's pipeline rank with the most in flight: one data-parallel rank, G / mb = 2
-        # micro-batches a step through 2 stages
+        # the planner's most loaded pipeline rank (make_mesh: one data-parallel rank, 2 stages of
+        # one block), G / mb = 2 micro-batches a step
         mesh = make_mesh(2, 1, False, 2, 2, 1)
         assert pred == pytest.approx(pipelined_memory(
             shape, mesh, 4, 2, activation_checkpointing=ck, dtype="float32",
