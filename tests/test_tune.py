@@ -301,7 +301,7 @@ def test_tune_measures_tp_next_to_fsdp_and_writes_the_winners_layout(
     for r in rows:
         assert r["fits"] and r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0, r
         assert (r["dp_replicate"], r["dp_shard"]) == (1, 2 // r["tp"]), r
-    assert any(line.split()[:2] == ["2", "off"] for line in printed.splitlines())
+    assert any(line.split()[:3] == ["2", "1", "off"] for line in printed.splitlines())
     cfg = load_config("jobs/configs/mini.yaml", overrides(tmp_path, stdlib_dataset))
     shape = model_shape(model_config_for(cfg, load_manifest(stdlib_dataset)))
     for row, pred in zip(rows, res["predicted_bytes"]):
