@@ -1,5 +1,6 @@
 """The planner against published runs: each run of planner/published_runs.py planned with its
-own settings by the default and the calibrated step-time model, beside the published TFLOP/s
+own settings by the one-figure (`--efficiency 0.6`) and the calibrated (default) step-time
+model, beside the published TFLOP/s
 per GPU, as the Markdown table docs/planner.md shows.
 
     .venv/bin/python bench/published_runs.py
@@ -19,7 +20,7 @@ def cell(checked) -> str:
 
 
 def main() -> None:
-    print("| source | run | GPUs | layout | published | default | calibrated |")
+    print("| source | run | GPUs | layout | published | one figure | calibrated |")
     print("|---|---|---|---|---|---|---|")
     for run in RUNS:
         mb = run.micro_batch or "plan's"

@@ -98,16 +98,21 @@ def _check_mfu(cfg, run_id: str) -> None:
 
 def _reference(data: str, root: str):
     """Every step's loss and data fingerprint of an uninterrupted run: one process, no Ray."""
+    return reference_run(load_config(None, _overrides(data, root, "reference",
+                                                      ["tracking.enabled=false"])), STEPS)
+
+
+def reference_run(cfg, steps: int):
+    """(loss, data fingerprint) of each of `steps` steps of `cfg` trained by one process, and
+    the tokens of a step."""
     from elastic_gpt.testing.gloo import gloo_group
     from elastic_gpt.train.trainer import Trainer
 
-    cfg = load_config(None, _overrides(data, root, "reference",
-                                       ["tracking.enabled=false"]))
     with gloo_group():
         trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
         stream = trainer._open_stream()
         losses, fingerprints = {}, {}
-        for step in range(STEPS):
+        for step in range(steps):
             result = trainer.train_step(next(stream))
             losses[step], fingerprints[step] = result.loss, result.fingerprint
             trainer.step += 1
@@ -177,24 +182,43 @@ def _last_start(recs: list[dict], group: int, rank: int) -> dict:
             and r["event"] == "start"][-1]
 
 
+def assert_steps_are_the_reference(committed: list[dict], reference, steps: int) -> None:
+    """Every step committed, each by every live group on the uninterrupted run's data, with its
+    loss within float noise."""
+    ref_loss, ref_fp, tokens = reference
+    for s in range(steps):
+        at_s = [r for r in committed if r["step"] == s]
+        assert at_s, f"step {s} never committed"
+        for r in at_s:
+            assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
+            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=LOSS_NOISE), s
+
+
+def kill_group_1_rank_0(folder: str, at_step: int, together: int):
+    """SIGKILL group 1's rank-0 worker once it has committed `at_step` with group 0, and wait
+    for it to heal and step `together` times with group 0: (when, its pid, those steps)."""
+    recs, _ = _wait_records(folder, lambda recs: [
+        r for r in recs if r["group"] == 1 and r.get("event") == "step" and r["committed"]
+        and r["step"] >= at_step and r["groups"] == 2], what="group 1 at the kill step")
+    pid = _last_start(recs, 1, 0)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+
+    def rejoined(recs):
+        healed = [r for r in recs if r["group"] == 1 and r["event"] == "join"
+                  and r["t"] > killed]
+        return healed and _steps_together_after(killed, together)(recs)
+    _, steps = _wait_records(folder, rejoined, what="group 1 healed and stepping")
+    return killed, pid, steps
+
+
 def _faults(cluster, folder: str) -> dict:
     """Each fault once the previous one has been absorbed (both groups stepping together)."""
     from elastic_gpt.elastic import preemption
 
     at: dict = {}
     # (a) group 1's rank-0 worker, once it has committed KILL_AT together with group 0.
-    recs, _ = _wait_records(folder, lambda recs: [
-        r for r in recs if r["group"] == 1 and r.get("event") == "step" and r["committed"]
-        and r["step"] >= KILL_AT and r["groups"] == 2], what="group 1 at the kill step")
-    at["worker_pid"] = _last_start(recs, 1, 0)["pid"]
-    os.kill(at["worker_pid"], signal.SIGKILL)
-    at["worker"] = time.time()
-
-    def rejoined(recs):
-        healed = [r for r in recs if r["group"] == 1 and r["event"] == "join"
-                  and r["t"] > at["worker"]]
-        return healed and _steps_together_after(at["worker"], 4)(recs)
-    _, together = _wait_records(folder, rejoined, what="group 1 healed and stepping")
+    at["worker"], at["worker_pid"], together = kill_group_1_rank_0(folder, KILL_AT, 4)
 
     # (g) the Lighthouse, past a checkpoint step: the fallback re-does some steps (C4 atomic commit
     # + C7 all-or-nothing step).
@@ -364,13 +388,7 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     # (c), (d) C7 all-or-nothing step with C1 fixed global batch/C2 data order: every step committed
     # by each live group, on the data of the uninterrupted run, with its loss within float noise
     # (through every fault).
-    ref_loss, ref_fp, tokens = reference
-    for s in range(STEPS):
-        at_s = [r for r in committed if r["step"] == s]
-        assert at_s, f"step {s} never committed"
-        for r in at_s:
-            assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
-            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=LOSS_NOISE), s
+    assert_steps_are_the_reference(committed, reference, STEPS)
 
     # One run for the user (C5 one MLflow run): the ledger counts the degraded time, the groups lost
     # and joined and the fallback (with the steps it re-did); MLflow has the live groups per step.

@@ -7,22 +7,23 @@ an uninterrupted single-process run (C1, C2, C7)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
-from test_replica_groups import _last_start, _records, _steps_together_after, _wait_records
+from test_replica_groups import (
+    _records,
+    assert_steps_are_the_reference,
+    kill_group_1_rank_0,
+    reference_run,
+)
 
 from elastic_gpt.config import load_config
-from elastic_gpt.data.fingerprint import join_fingerprint
 
 pytestmark = pytest.mark.slow
 
 STEPS = 200  # outlasts the killed group's restart and heal (the tiny model steps in ~0.1 s)
 KILL_AT = 8
 WORKERS = 2  # per group: one pipeline of 2 stages
-LOSS_NOISE = 5e-3  # test_replica_groups.py: a group alone sums in another order
 # 4 micro-batches of 1: 2 pipelines share them (2 each, filling 2 stages); alone, one takes 4.
 ARGS = ["model.preset=tiny", "train.global_batch_size=4", "train.micro_batch_size=1",
         f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3",
@@ -43,23 +44,9 @@ def _overrides(data: str, root: str, name: str, extra: list[str]) -> list[str]:
 def _reference(data: str, root: str):
     """Every step's loss and data fingerprint of an uninterrupted run: one process, no pipeline,
     no Ray."""
-    from elastic_gpt.testing.gloo import gloo_group
-    from elastic_gpt.train.trainer import Trainer
-
-    cfg = load_config(None, _overrides(data, root, "reference", [
+    return reference_run(load_config(None, _overrides(data, root, "reference", [
         "tracking.enabled=false", "parallel.pp=1", "elastic.replica_groups=off",
-        "scaling.min_workers=1", "scaling.max_workers=1"]))
-    with gloo_group():
-        trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None)
-        stream = trainer._open_stream()
-        losses, fingerprints = {}, {}
-        for step in range(STEPS):
-            result = trainer.train_step(next(stream))
-            losses[step], fingerprints[step] = result.loss, result.fingerprint
-            trainer.step += 1
-        stream.close()
-        tokens = cfg.train.global_batch_size * trainer.gpt_cfg.seq_len
-    return losses, fingerprints, tokens
+        "scaling.min_workers=1", "scaling.max_workers=1"])), STEPS)
 
 
 def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
@@ -67,25 +54,14 @@ def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
     from elastic_gpt.elastic.replica_groups import RECORD_DIR_ENV, STATE_HASH_ENV
     from elastic_gpt.testing.cluster import LocalCluster, train_in_background
 
-    ref_loss, ref_fp, tokens = _reference(stdlib_dataset, str(tmp_path / "reference"))
+    reference = _reference(stdlib_dataset, str(tmp_path / "reference"))
     records = str(tmp_path / "records")
     monkeypatch.setenv(RECORD_DIR_ENV, records)
     monkeypatch.setenv(STATE_HASH_ENV, "1")
     at: dict = {}
 
     def kill_group_1_first_stage():
-        recs, _ = _wait_records(records, lambda recs: [
-            r for r in recs if r["group"] == 1 and r.get("event") == "step" and r["committed"]
-            and r["step"] >= KILL_AT and r["groups"] == 2], what="group 1 at the kill step")
-        at["pid"] = _last_start(recs, 1, 0)["pid"]
-        os.kill(at["pid"], signal.SIGKILL)
-        at["kill"] = time.time()
-
-        def rejoined(recs):
-            healed = [r for r in recs if r["group"] == 1 and r["event"] == "join"
-                      and r["t"] > at["kill"]]
-            return healed and _steps_together_after(at["kill"], 3)(recs)
-        _wait_records(records, rejoined, what="group 1 healed and stepping")
+        at["kill"], at["pid"], _ = kill_group_1_rank_0(records, KILL_AT, 3)
         at["back"] = time.time()
         return at
 
@@ -121,11 +97,6 @@ def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
 
     # C1, C2, C7: every step committed by every live group on the uninterrupted run's data, with
     # its loss within float noise.
-    for s in range(STEPS):
-        at_s = [r for r in committed if r["step"] == s]
-        assert at_s, f"step {s} never committed"
-        for r in at_s:
-            assert join_fingerprint(*r["fp"]) == ref_fp[s], f"step {s} trained other samples"
-            assert r["loss_sum"] / tokens == pytest.approx(ref_loss[s], abs=LOSS_NOISE), s
+    assert_steps_are_the_reference(committed, reference, STEPS)
     print(f"\n[replica groups x pp=2] group 0 alone for {len(alone)} step(s) while group 1 "
           f"restarted; healed at step {healed[0]['step']}")
