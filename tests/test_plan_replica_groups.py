@@ -284,3 +284,26 @@ def test_forced_replica_groups_are_written_and_bad_ones_refused(tmp_path, capsys
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_groups_of_whole_pipelines_are_planned_and_written(tmp_path):
+    """Replica groups may hold pipelines (the trainer runs them: test_replica_groups_pipeline.py):
+    each group's mesh is searched with pipeline stages, its cross-group all-reduce and heal are a
+    pipeline rank's part of the model (the larger of the first and last ranks'), and the written
+    config carries both and loads."""
+    from elastic_gpt.cost_model.pipeline import rank_shapes
+    from elastic_gpt.elastic.replica_groups import group_size
+
+    plan = plan_training(PlanInputs(model="gpt3-1.3b", gpu="H100", n_gpus=16, tokens=26e9,
+                                    replica_groups=2, pp=2, spot_node_mtbf_h=12.0))
+    lay = plan.fault_tolerance.best.layout
+    mesh, c = lay.mesh, lay.candidate
+    assert mesh.pp == 2 and lay.group_gpus == 8 and mesh.world == 8
+    assert (c.grad_sync, c.reshard_policy) == ("step", "never")  # the schedules' (KEPT_GATHERED)
+    held = max(s.params for s in rank_shapes(plan.shape, 2, mesh.stages_per_rank).values())
+    assert lay.allreduce_bytes == pytest.approx(2 * ring_bytes(4 * held / mesh.dp_shard, 2))
+    assert lay.heal_bytes == pytest.approx(12 * held / mesh.dp_shard)
+    written = training_config(plan)
+    assert written["parallel"]["pp"] == 2 and written["elastic"]["replica_groups"] == 2
+    cfg = load_config_from(written, tmp_path)
+    assert group_size(cfg) == 8

@@ -20,7 +20,12 @@ from elastic_gpt.cost_model.memory import (
     memory_per_gpu,
     training_flops_per_token,
 )
-from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
+from elastic_gpt.cost_model.pipeline import (
+    KEPT_GATHERED,
+    pipelined_memory,
+    pipelined_step_time,
+    rank_shapes,
+)
 from elastic_gpt.cost_model.step_time import (
     LayoutCandidate,
     Mesh,
@@ -373,8 +378,7 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
         g = W // n
         lost = max(1, gpn // g)
         try:
-            meshes = mesh_choices(dataclasses.replace(p, n_gpus=g), shape.cfg, net, g,
-                                  pipelines=False)
+            meshes = mesh_choices(dataclasses.replace(p, n_gpus=g), shape.cfg, net, g)
         except PlanError as e:  # a forced tp or HSDP the group's size cannot take
             if forced:
                 raise PlanError(f"--replica-groups={n} gives groups of {g} GPUs: {e}") from None
@@ -391,6 +395,11 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
             steady_s = time_to_train_s(G * shape.cfg.seq_len, hw_fpt, W,
                                        p.achieved_flops_per_gpu)
             away_s = steady_s * k_away / c.micro_batches_per_rank
+        elif mesh.pp > 1:
+            away_s = pipelined_step_time(
+                shape, gpu, net, mesh, c.micro_batch, k_away, dtype=p.dtype,
+                efficiency=p.efficiency, kernel_set=p.kernel_set,
+                activation_checkpointing=c.activation_checkpointing).step_s
         else:
             away_s = step_time(shape, gpu, net, g, c.micro_batch, k_away,
                                activation_checkpointing=c.activation_checkpointing,
@@ -398,14 +407,15 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
                                kernel_set=p.kernel_set,
                                reshard_after_forward=c.reshard_after_forward, tp=c.tp,
                                hsdp=c.hsdp).step_s
-        _, ar_away_s = cross_group_allreduce(shape, net, mesh, n - lost,
+        _, ar_away_s = cross_group_allreduce(_rank_shape(shape, mesh), net, mesh, n - lost,
                                              _syncs(c.grad_sync, k_away), W)
         group_nodes = net.nodes(g)
         # A given --ckpt-write-s is for every node writing its part: one group's nodes write all
         write_s = (p.ckpt_write_s * net.nodes(W) / group_nodes if p.ckpt_write_s is not None
                    else checkpoint_io_s(ckpt_bytes, group_nodes, p.ckpt_gbps, p.storage_gbps))
         read_s = lost * checkpoint_io_s(ckpt_bytes, group_nodes, p.ckpt_gbps, p.storage_gbps)
-        heal_bytes = CHECKPOINT_BYTES_PER_PARAM * shape.local_params(mesh.tp) / mesh.dp_shard
+        heal_bytes = (CHECKPOINT_BYTES_PER_PARAM * _rank_shape(shape, mesh).local_params(mesh.tp)
+                      / mesh.dp_shard)
         # the peer's node sends, the new node receives: every GPU's shard through its NICs
         heal_s = max(heal_bytes / (net.intra_node_gbps * GB),
                      min(g, gpn) * heal_bytes / (net.inter_node_gbps * GB)) + net.latency_s
@@ -429,6 +439,15 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
     return layouts, why_not
 
 
+def _rank_shape(shape: ModelShape, mesh: Mesh) -> ModelShape:
+    """What one rank of `mesh` holds: the model, or under pipeline parallelism the larger of the
+    first and last pipeline ranks' parts (cost_model/pipeline.py `rank_shapes`)."""
+    if mesh.pp == 1:
+        return shape
+    return max(rank_shapes(shape, mesh.pp, mesh.stages_per_rank).values(),
+               key=lambda s: s.params)
+
+
 def _syncs(grad_sync: str, micro_batches: int) -> int:
     """Gradient syncs per step: the cross-group all-reduce hook runs at each."""
     return micro_batches if grad_sync == "microbatch" else 1
@@ -449,6 +468,28 @@ def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Net
         for mb in _micro_batch_sizes(p, G, n * mesh.dp):
             k = BatchSplit(G, mb).slots(n * mesh.dp)
             k_away = BatchSplit(G, mb).slots((n - lost) * mesh.dp)
+            if mesh.pp > 1:  # every group's pipelines fill at full membership
+                if k < mesh.pp:
+                    continue
+                for ckpt in ckpts:
+                    kw = dict(activation_checkpointing=ckpt, dtype=p.dtype,
+                              context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
+                              **KEPT_GATHERED)
+                    mem = pipelined_memory(shape, mesh, mb, k, micro_batches_per_rank=k, **kw)
+                    if mem.total > usable or pipelined_memory(
+                            shape, mesh, mb, k_away, micro_batches_per_rank=k_away,
+                            **kw).total > usable:
+                        continue
+                    st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
+                                             efficiency=p.efficiency, kernel_set=p.kernel_set,
+                                             activation_checkpointing=ckpt)
+                    c = LayoutCandidate(mb, ckpt, "step", k, mem, st, False, mesh)
+                    ar_bytes, ar_s = cross_group_allreduce(_rank_shape(shape, mesh), net, mesh,
+                                                           n, 1, p.n_gpus)
+                    key = (st.step_s + ar_s, *choice_key(c)[1:])
+                    if best_key is None or key < best_key:
+                        best, best_key = (c, k_away, ar_bytes, ar_s), key
+                continue
             for ckpt, sync, reshard in itertools.product(ckpts, syncs, _reshard_choices(p)):
                 kw = dict(activation_checkpointing=ckpt, dtype=p.dtype, grad_sync=sync,
                           reshard_after_forward=reshard, context_bytes=p.context_gib * GiB,
