@@ -10,8 +10,8 @@ size, no overlap of the two (the "no_overlap" processing mode both files use). T
 steps: the first row whose size the kernel reaches gives its efficiency. Calculon's authors
 validated this against Megatron-LM's measured iteration times on Selene (Korthikanti et al.
 2022, Table 5); the planner's own check against those and SC21's tables is
-planner/published_runs.py. The same curves are used for every GPU row: Calculon's A100 and H100
-files give the same ones, and no source gives others for L4, A10G or L40S.
+planner/published_runs.py. Calculon's A100 and H100 files give the same curves; their top is
+scaled to each GPU's measured matmul ceiling (hardware.py `MAMF_CEILINGS`).
 
 Per TP rank, with b the micro-batch, s the sequence, h the width, t the tensor-parallel degree
 (parallel/tensor.py's plan: Megatron's column/row split with sequence parallelism, so the layer
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_gpt.cost_model.memory import FP32
 from elastic_gpt.hardware import (
     GB,
     GPU,
@@ -42,7 +43,6 @@ from elastic_gpt.hardware import (
     UNMEASURED_MATMUL_CEILING,
 )
 
-FP32 = 4
 MATRIX_EFFICIENCY = ((128e9, 0.95), (16e9, 0.9), (1e9, 0.6), (0.0, 0.1))
 """(kernel FLOPs at least, fraction of peak): Calculon's A100-80GB and H100 matrix curves."""
 MEMORY_EFFICIENCY = ((100e6, 0.9), (10e6, 0.75), (1e6, 0.6), (0.0, 0.3))
@@ -56,23 +56,21 @@ def step_efficiency(curve: tuple[tuple[float, float], ...], size: float) -> floa
 
 @dataclass(frozen=True)
 class Kernels:
-    """The GPU and dtype a step runs in. `matmul_efficiency` replaces the matrix curve with one
-    fraction of peak (`plan --efficiency`, for a GPU whose own was measured)."""
+    """The GPU and dtype a step runs in."""
 
     gpu: GPU
     act_bytes: int
-    matmul_efficiency: float | None = None
     float8: bool = False
     """The blocks' linears in float8 (`train.float8`, torchao's dynamic tensorwise scaling):
     their matmuls at the float8 peak and ceiling, each bf16 operand read for its scale, read
     again and written in float8 first (5 bytes an element). Attention and the output layer stay
     in bf16."""
 
-    def matrix_efficiency(self, flops: float) -> float:
-        """Calculon's curve, its top scaled to the GPU's measured ceiling (hardware.py)."""
-        if self.matmul_efficiency:
-            return self.matmul_efficiency
-        ceiling = self.gpu.matmul_ceiling or UNMEASURED_MATMUL_CEILING
+    def matrix_efficiency(self, flops: float, float8: bool = False) -> float:
+        """Calculon's curve, its top scaled to the GPU's measured bf16 (or float8) matmul
+        ceiling (hardware.py)."""
+        ceiling = (self.gpu.fp8_matmul_ceiling or UNMEASURED_FP8_MATMUL_CEILING if float8
+                   else self.gpu.matmul_ceiling or UNMEASURED_MATMUL_CEILING)
         return step_efficiency(MATRIX_EFFICIENCY, flops) * ceiling / MATRIX_EFFICIENCY[0][1]
 
     def matmul_s(self, m: float, k: float, n: float) -> float:
@@ -87,10 +85,7 @@ class Kernels:
             one = self.matmul_s(m, k, n)
             return one, 2 * one
         flops = 2 * m * k * n
-        ceiling = self.gpu.fp8_matmul_ceiling or UNMEASURED_FP8_MATMUL_CEILING
-        eff = (self.matmul_efficiency
-               or step_efficiency(MATRIX_EFFICIENCY, flops) * ceiling / MATRIX_EFFICIENCY[0][1])
-        one = (flops / (self.gpu.fp8_peak_flops * eff)
+        one = (flops / (self.gpu.fp8_peak_flops * self.matrix_efficiency(flops, float8=True))
                + self.memory_s(m * k + k * n + m * n * self.act_bytes))
         # forward casts the input; backward the output's gradient and the input again
         return (one + self.memory_s(5 * m * k),

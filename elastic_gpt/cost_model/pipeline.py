@@ -24,14 +24,7 @@ import dataclasses
 import functools
 
 from elastic_gpt.cost_model.memory import Memory, ModelShape, dtype_bytes, memory_per_gpu
-from elastic_gpt.cost_model.step_time import (
-    NCCL_NET_HOP_S,
-    NCCL_NVLINK_HOP_S,
-    Mesh,
-    Network,
-    StepTime,
-    step_time,
-)
+from elastic_gpt.cost_model.step_time import Mesh, Network, StepTime, step_time
 from elastic_gpt.hardware import GB, GPU
 from elastic_gpt.model.gpt import GPTConfig
 
@@ -217,6 +210,5 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
     sends = micro_batches * (2 * mesh.stages_per_rank)
     return dataclasses.replace(
         st, bubble_s=bubble_fraction(mesh.pp, micro_batches, mesh.stages_per_rank) * st.compute_s,
-        p2p_bytes=sent, p2p_s=sent / (per_gpu_gbps * GB) + sends * (
-            net.latency_s if not net.nccl_latency
-            else NCCL_NVLINK_HOP_S if one_node else NCCL_NET_HOP_S))
+        p2p_bytes=sent, p2p_s=sent / (per_gpu_gbps * GB)
+        + sends * net.send_latency_s(across_nodes=not one_node))

@@ -69,6 +69,13 @@ class Network:
         return (NCCL_BASE_LATENCY_S + (steps - net_steps) * NCCL_NVLINK_HOP_S
                 + net_steps * NCCL_NET_HOP_S)
 
+    def send_latency_s(self, across_nodes: bool) -> float:
+        """A point-to-point transfer's fixed cost: one ring step of NCCL's model (a network or an
+        NVLink hop), or `latency_s`."""
+        if not self.nccl_latency:
+            return self.latency_s
+        return NCCL_NET_HOP_S if across_nodes else NCCL_NVLINK_HOP_S
+
     def collective_s(self, full_bytes: float, n_gpus: int) -> float:
         """All-gather or reduce-scatter of a `full_bytes` tensor: each rank sends and receives
         (N-1)/N of it (ring algorithm)."""

@@ -21,7 +21,6 @@ from elastic_gpt.cost_model.memory import (
     training_flops_per_token,
 )
 from elastic_gpt.cost_model.pipeline import (
-    KEPT_GATHERED,
     pipelined_memory,
     pipelined_step_time,
     rank_shapes,
@@ -103,10 +102,8 @@ def _tp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) 
     return [t for t in TP_DEGREES if tp_problem(t, cfg, n_gpus, gpus_per_node) is None]
 
 
-def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int,
-                 pipelines: bool = True) -> list[Mesh]:
-    """Every tp x pp x HSDP layout to weigh for n_gpus (forced ones only, when forced;
-    `pipelines` False: pp=1 only)."""
+def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> list[Mesh]:
+    """Every tp x pp x HSDP layout to weigh for n_gpus (forced ones only, when forced)."""
     if p.hsdp not in ("auto", "on", "off"):
         raise PlanError(f"--hsdp={p.hsdp!r} must be auto, on or off")
     gpn = net.gpus_per_node
@@ -117,7 +114,7 @@ def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int,
     hsdps = {"off": [False], "on": [True], "auto": [False] + ([True] if spans and whole_nodes
                                                              else [])}[p.hsdp]
     tps = _tp_choices(p, cfg, n_gpus, gpn)
-    if p.pp is not None and pipelines:
+    if p.pp is not None:
         problems = [pp_problem(p.pp, cfg, n_gpus, tp) for tp in tps]
         if problems and all(problems):
             raise PlanError(problems[0])
@@ -126,7 +123,7 @@ def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int,
         raise PlanError(f"--pp-stages-per-rank={v} x --pp={p.pp} stages need at least one block "
                         f"each, and the model has {cfg.n_layer}")
     meshes = [make_mesh(n_gpus, tp, h, gpn, pp, v) for tp in tps
-              for pp, v in (_pp_choices(p, cfg, n_gpus, tp) if pipelines else [(1, 1)])
+              for pp, v in _pp_choices(p, cfg, n_gpus, tp)
               for h in hsdps
               # HSDP replicates within a stage: whole nodes of it
               if not (h and pp > 1 and (n_gpus // pp) % gpn)]
@@ -181,18 +178,27 @@ def _pipelined_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Netwo
     out = []
     for mb in _micro_batch_sizes(p, G, mesh.dp):
         k = BatchSplit(G, mb).slots(mesh.dp)
-        if k < mesh.pp:
-            continue
-        for ckpt in ckpts:
-            kw = dict(activation_checkpointing=ckpt, grad_sync="step",
-                      reshard_after_forward=False)
-            mem = pipelined_memory(shape, mesh, mb, k, dtype=p.dtype, micro_batches_per_rank=k,
-                                   context_bytes=p.context_gib * GiB,
-                                   fragmentation=p.fragmentation, **kw)
-            st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
-                                     efficiency=p.efficiency, kernel_set=p.kernel_set, **kw)
-            out.append(LayoutCandidate(mb, ckpt, "step", k, mem, st, False, mesh))
+        if k >= mesh.pp:
+            out += [_pipelined_candidate(p, shape, gpu, net, mesh, mb, k, ckpt) for ckpt in ckpts]
     return out
+
+
+def _pipelined_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh, mb: int, k: int,
+                      ckpt: bool) -> Memory:
+    return pipelined_memory(shape, mesh, mb, k, dtype=p.dtype, micro_batches_per_rank=k,
+                            activation_checkpointing=ckpt, context_bytes=p.context_gib * GiB,
+                            fragmentation=p.fragmentation)
+
+
+def _pipelined_candidate(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh,
+                         mb: int, k: int, ckpt: bool) -> LayoutCandidate:
+    """A pipeline mesh at micro-batch `mb`, `k` per rank, with the schedules' resharding and
+    gradient sync (`KEPT_GATHERED`)."""
+    st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
+                             efficiency=p.efficiency, kernel_set=p.kernel_set,
+                             activation_checkpointing=ckpt)
+    return LayoutCandidate(mb, ckpt, "step", k, _pipelined_memory(p, shape, mesh, mb, k, ckpt),
+                           st, False, mesh)
 
 
 def _reshard_choices(p: PlanInputs) -> list[bool]:
@@ -396,10 +402,8 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
                                        p.achieved_flops_per_gpu)
             away_s = steady_s * k_away / c.micro_batches_per_rank
         elif mesh.pp > 1:
-            away_s = pipelined_step_time(
-                shape, gpu, net, mesh, c.micro_batch, k_away, dtype=p.dtype,
-                efficiency=p.efficiency, kernel_set=p.kernel_set,
-                activation_checkpointing=c.activation_checkpointing).step_s
+            away_s = _pipelined_candidate(p, shape, gpu, net, mesh, c.micro_batch, k_away,
+                                          c.activation_checkpointing).step.step_s
         else:
             away_s = step_time(shape, gpu, net, g, c.micro_batch, k_away,
                                activation_checkpointing=c.activation_checkpointing,
@@ -417,8 +421,9 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
         heal_bytes = (CHECKPOINT_BYTES_PER_PARAM * _rank_shape(shape, mesh).local_params(mesh.tp)
                       / mesh.dp_shard)
         # the peer's node sends, the new node receives: every GPU's shard through its NICs
-        heal_s = max(heal_bytes / (net.intra_node_gbps * GB),
-                     min(g, gpn) * heal_bytes / (net.inter_node_gbps * GB)) + net.latency_s
+        heal_s = (max(heal_bytes / (net.intra_node_gbps * GB),
+                      min(g, gpn) * heal_bytes / (net.inter_node_gbps * GB))
+                  + net.send_latency_s(across_nodes=True))
         layouts.append(ReplicaLayout(
             n_groups=n, group_gpus=g, candidate=c, groups_lost=lost, in_group_step_s=steady_s,
             allreduce_bytes=ar_bytes, allreduce_s=ar_s, degraded_step_s=away_s + ar_away_s,
@@ -453,42 +458,22 @@ def _syncs(grad_sync: str, micro_batches: int) -> int:
     return micro_batches if grad_sync == "microbatch" else 1
 
 
-def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
-                            meshes: list[Mesh], n: int, lost: int, G: int, usable: float
-                            ) -> tuple[LayoutCandidate, int, float, float] | None:
-    """One group's fastest candidate of n, by its step plus the cross-group all-reduce (grad
-    sync per step does it once), that also fits while `lost` groups are away (the survivors then
-    run more micro-batches per rank, and with grad sync per step accumulate unsharded grads).
-    Returns (candidate, micro-batches per rank while away, all-reduce bytes and seconds per
-    step). C1 fixed global batch spans every group's data-parallel ranks: n x the group's."""
+def _group_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
+                      meshes: list[Mesh], n: int, lost: int, G: int, usable: float):
+    """(candidate, micro-batches per rank while `lost` groups are away) for every setting of a
+    group of n that fits both in steady state and while they are away."""
     ckpts = [False, True] if p.activation_checkpointing is None else [p.activation_checkpointing]
     syncs = ["microbatch", "step"] if p.grad_sync == "auto" else [p.grad_sync]
-    best, best_key = None, None
     for mesh in meshes:
         for mb in _micro_batch_sizes(p, G, n * mesh.dp):
             k = BatchSplit(G, mb).slots(n * mesh.dp)
             k_away = BatchSplit(G, mb).slots((n - lost) * mesh.dp)
             if mesh.pp > 1:  # every group's pipelines fill at full membership
-                if k < mesh.pp:
-                    continue
-                for ckpt in ckpts:
-                    kw = dict(activation_checkpointing=ckpt, dtype=p.dtype,
-                              context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
-                              **KEPT_GATHERED)
-                    mem = pipelined_memory(shape, mesh, mb, k, micro_batches_per_rank=k, **kw)
-                    if mem.total > usable or pipelined_memory(
-                            shape, mesh, mb, k_away, micro_batches_per_rank=k_away,
-                            **kw).total > usable:
-                        continue
-                    st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
-                                             efficiency=p.efficiency, kernel_set=p.kernel_set,
-                                             activation_checkpointing=ckpt)
-                    c = LayoutCandidate(mb, ckpt, "step", k, mem, st, False, mesh)
-                    ar_bytes, ar_s = cross_group_allreduce(_rank_shape(shape, mesh), net, mesh,
-                                                           n, 1, p.n_gpus)
-                    key = (st.step_s + ar_s, *choice_key(c)[1:])
-                    if best_key is None or key < best_key:
-                        best, best_key = (c, k_away, ar_bytes, ar_s), key
+                for ckpt in ckpts if k >= mesh.pp else []:
+                    c = _pipelined_candidate(p, shape, gpu, net, mesh, mb, k, ckpt)
+                    away = _pipelined_memory(p, shape, mesh, mb, k_away, ckpt)
+                    if c.memory.total <= usable and away.total <= usable:
+                        yield c, k_away
                 continue
             for ckpt, sync, reshard in itertools.product(ckpts, syncs, _reshard_choices(p)):
                 kw = dict(activation_checkpointing=ckpt, dtype=p.dtype, grad_sync=sync,
@@ -502,10 +487,23 @@ def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Net
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
                                kernel_set=p.kernel_set,
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp)
-                c = LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh)
-                ar_bytes, ar_s = cross_group_allreduce(shape, net, mesh, n, _syncs(sync, k),
-                                                       p.n_gpus)
-                key = (st.step_s + ar_s, *choice_key(c)[1:])
-                if best_key is None or key < best_key:
-                    best, best_key = (c, k_away, ar_bytes, ar_s), key
+                yield LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh), k_away
+
+
+def _fastest_group_settings(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
+                            meshes: list[Mesh], n: int, lost: int, G: int, usable: float
+                            ) -> tuple[LayoutCandidate, int, float, float] | None:
+    """One group's fastest candidate of n, by its step plus the cross-group all-reduce (grad
+    sync per step does it once), that also fits while `lost` groups are away (the survivors then
+    run more micro-batches per rank, and with grad sync per step accumulate unsharded grads).
+    Returns (candidate, micro-batches per rank while away, all-reduce bytes and seconds per
+    step). C1 fixed global batch spans every group's data-parallel ranks: n x the group's."""
+    best, best_key = None, None
+    for c, k_away in _group_candidates(p, shape, gpu, net, meshes, n, lost, G, usable):
+        ar_bytes, ar_s = cross_group_allreduce(_rank_shape(shape, c.mesh), net, c.mesh, n,
+                                               _syncs(c.grad_sync, c.micro_batches_per_rank),
+                                               p.n_gpus)
+        key = (c.step.step_s + ar_s, *choice_key(c)[1:])
+        if best_key is None or key < best_key:
+            best, best_key = (c, k_away, ar_bytes, ar_s), key
     return best

@@ -347,7 +347,7 @@ class Trainer:
     def _prepare_pipeline(self) -> None:
         """The pipeline's schedule for this step's split: its micro-batches per rank, the loss
         scaled as `forward_backward` scales it. With replica groups the split is over every live
-        group's data-parallel ranks, so a quorum change makes a new one (a no-op otherwise)."""
+        group's data-parallel ranks: a quorum that changes it makes a new one."""
         if self.pipeline is not None:
             T, split = self.gpt_cfg.seq_len, self.batch_split
             self.pipeline.prepare(split.slots(self.batch_degree), split.micro_batch_size,
@@ -380,7 +380,6 @@ class Trainer:
                    warmup_steps=cfg.train.warmup_steps, max_steps=cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self._prepare_pipeline()
         loss_sum = self.forward_backward(batch)
         self.fault_tolerance.reduce_gradients()  # over the live replica groups, if any
         grad_norm = self.clip_gradients()
@@ -531,6 +530,7 @@ class Trainer:
                     # data order).
                     stream.close()
                     self.step, self.batch_rank, self.batch_degree = planned
+                    self._prepare_pipeline()  # the new split's schedule
                     stream = self._open_stream()
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
