@@ -304,6 +304,47 @@ class ElasticSection:
 
 
 @dataclass
+class HealthSection:
+    """Loss spikes and non-finite losses, handled without a person (train/health.py,
+    docs/operations.md "Training health")."""
+
+    spike_action: Literal["rollback", "report", "off"] = "rollback"
+    """rollback: a spike or a non-finite loss rolls the run back to the newest checkpoint before
+    it, re-runs the suspect steps to tell a hardware fault from bad data, and skips the data only
+    when the re-run reproduces the spike; report: an event and a warning, training goes on; off:
+    neither (a non-finite loss then stops the run after train.nan_patience)."""
+    spike_window: Annotated[int, Range(8)] = 100
+    """Healthy steps whose losses make the running median and median absolute deviation that a
+    loss is judged against."""
+    spike_deviations: Annotated[float, Range(1)] = 6.0
+    """A loss is flagged above median + this many robust standard deviations (1.4826 x MAD) of
+    the window."""
+    spike_min_rise: Annotated[float, Range(0)] = 0.05
+    """...and above the median by at least this fraction of it, so a very smooth loss curve (a
+    large batch, MAD near 0) does not flag ordinary noise."""
+    spike_steps: AtLeastOne = 3
+    """Consecutive flagged losses that make a spike: one high batch the run absorbs is left
+    alone. A non-finite loss is a spike at once."""
+    spike_min_history: Annotated[int, Range(2)] = 20
+    """Healthy steps seen before any loss is judged (the start of training falls fast)."""
+    skip_steps_before: Annotated[int, Range(0)] = 1
+    """A data-caused spike skips the flagged steps' batches and this many before them: the
+    loss at step t is computed on weights that step t-1's batch updated."""
+    rerun: bool = True
+    """Re-run the suspect steps from the checkpoint before skipping data: a different result means
+    the hardware (nothing skipped; the rank whose parameters diverged first is named and its node
+    drained), the same result means the data."""
+    rerun_tolerance: Annotated[float, Range(0)] = 1e-3
+    """Relative difference between a re-run loss and the first one that still counts as the
+    same result (a re-run on the same ranks is bit-identical, C3)."""
+    max_rollbacks_per_hour: Annotated[float, Range(0)] = 4.0
+    """Rollbacks allowed in any hour; one more stops the run with one line: it keeps
+    diverging, which skipping data will not cure."""
+    max_skipped_steps: Annotated[int, Range(0)] = 500
+    """Global batches a run may skip in all; a skip past it stops the run."""
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     """Model shape: a preset and per-field overrides."""
@@ -325,6 +366,8 @@ class Config:
     """The run's name and where its state lives."""
     elastic: ElasticSection = field(default_factory=ElasticSection)
     """Failure budget and worker-start patience of the elastic controller."""
+    health: HealthSection = field(default_factory=HealthSection)
+    """Loss spikes and non-finite losses: detected, rolled back, attributed, skipped."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

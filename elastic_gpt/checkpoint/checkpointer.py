@@ -141,6 +141,9 @@ class Checkpointer:
     def poll(self) -> None:
         """Raise the error of a failed background save, if one has failed; never blocks."""
 
+    def wait(self) -> None:
+        """Block until an in-flight save is written (and on rank 0 committed); saving goes on."""
+
     def finish(self) -> None:
         """Collective. Block until the last save is committed (and raise its error)."""
 

@@ -207,6 +207,17 @@ class CheckpointStore:
                 pass
         return sorted(doomed)
 
+    def discard_after(self, step: int) -> list[int]:
+        """Delete every step newer than `step`, committed or not: a rollback abandoned the
+        trajectory they hold (train/health.py), and a restart must not resume from it."""
+        doomed = sorted(s for s in self.step_dirs() if s > step)
+        for s in doomed:
+            try:
+                self.fs.rm(self.path(step_dirname(s)), recursive=True)
+            except FileNotFoundError:
+                pass
+        return doomed
+
     def remove_uncommitted(self) -> list[int]:
         """At (re)start nothing is in flight: every uncommitted step dir is a leftover (C4 atomic
         commit)."""

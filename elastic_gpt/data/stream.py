@@ -38,6 +38,7 @@ from elastic_gpt.data.fingerprint import FINGERPRINT_MASK, sample_hash, sample_h
 from elastic_gpt.data.manifest import Manifest, describe_storage_error, load_manifest
 from elastic_gpt.data.order import (DEFAULT_READ_BLOCK_BYTES, DEFAULT_SHUFFLE_WINDOW, BatchSplit,
                                     SampleOrder)
+from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.errors import FatalTrainingError
 
 __all__ = ["StepBatch", "StepStream", "open_step_stream", "sample_hash", "CorruptShardError",
@@ -314,10 +315,13 @@ class StepStream:
     def __init__(self, manifest, *, batch_split: BatchSplit, rank: int, world_size: int,
                  start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                  prefetch_steps: int = 4, storage_options: dict | None = None,
-                 pin_memory: bool = False, read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES):
+                 pin_memory: bool = False, read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
+                 skips: DataSkips = DataSkips()):
         """`manifest`: one dataset's Manifest, or a run's TrainingData (elastic_gpt/data/
         mixture.py: one dataset or a weighted mixture), which brings its own order and reader.
-        `read_block_bytes`: the size of a ranged read (see `read_block_records`)."""
+        `read_block_bytes`: the size of a ranged read (see `read_block_records`).
+        `skips`: steps of the order the run leaves out (data/skips.py); a batch keeps the run's
+        step number."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_split.num_micro_batches < world_size:
@@ -335,6 +339,7 @@ class StepStream:
         self.manifest = manifest
         self.next_step = start_step
         self.pin_memory = pin_memory
+        self.skips = skips
         self._stop = threading.Event()
         self._thread = None
         if prefetch_steps > 0:  # 0: build each step in __next__ (debugging, exact byte counts)
@@ -349,7 +354,8 @@ class StepStream:
 
     def build_step(self, step: int) -> StepBatch:
         """Read and assemble one step's batch for this rank (what the thread runs)."""
-        samples = rank_samples(self.order, self.batch_split, self.rank, self.world_size, step)
+        samples = rank_samples(self.order, self.batch_split, self.rank, self.world_size,
+                               self.skips.data_step(step))
         records, hashes = self.reader.read(samples)
         return assemble_step(step, records, hashes, self.batch_split, self.rank, self.world_size,
                              self.pin_memory)
@@ -416,7 +422,8 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
                      start_step: int, seed: int, shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
                      prefetch_steps: int = 4, storage_options: dict | None = None,
                      engine: str = "thread", pin_memory: bool = False,
-                     read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES) -> StepStream:
+                     read_block_bytes: int = DEFAULT_READ_BLOCK_BYTES,
+                     skips: DataSkips = DataSkips()) -> StepStream:
     """Open rank `rank`'s stream of step batches from `start_step` on (C1 fixed global batch + C2
     data order).
     data_url: a dataset URL, or a TrainingData (`mixture.open_training_data(cfg.data)`: a
@@ -425,9 +432,13 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
     "ray_data": the same reads done by Ray Data tasks (see RayDataStepStream; one dataset only).
     pin_memory: batches in page-locked memory (CUDA training; the thread engine pins them
     while prefetching, off the training thread).
-    read_block_bytes: bytes per ranged read of the thread engine (0: record reads)."""
+    read_block_bytes: bytes per ranged read of the thread engine (0: record reads).
+    skips: steps of the order the run leaves out (data/skips.py; the thread engine)."""
     if engine not in ("thread", "ray_data"):
         raise ValueError(f"data engine must be 'thread' or 'ray_data', got {engine!r}")
+    if engine == "ray_data" and skips:
+        raise ValueError("the ray_data engine reads the order without skips; a run with skipped "
+                         "steps is read by the thread engine")
     if isinstance(data_url, str):
         manifest = load_manifest(data_url, storage_options)
     elif isinstance(data_url, Manifest) or not data_url.is_mixture:
@@ -439,7 +450,7 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
         return StepStream(data_url, batch_split=batch_split, rank=rank, world_size=world_size,
                           start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                           prefetch_steps=prefetch_steps, storage_options=storage_options,
-                          pin_memory=pin_memory, read_block_bytes=read_block_bytes)
+                          pin_memory=pin_memory, read_block_bytes=read_block_bytes, skips=skips)
     if engine == "ray_data":
         return RayDataStepStream(manifest, batch_split=batch_split, rank=rank, world_size=world_size,
                                  start_step=start_step, seed=seed, shuffle_window=shuffle_window,
@@ -447,7 +458,7 @@ def open_step_stream(data_url, *, batch_split: BatchSplit, rank: int, world_size
     return StepStream(manifest, batch_split=batch_split, rank=rank, world_size=world_size,
                       start_step=start_step, seed=seed, shuffle_window=shuffle_window,
                       prefetch_steps=prefetch_steps, storage_options=storage_options,
-                      pin_memory=pin_memory, read_block_bytes=read_block_bytes)
+                      pin_memory=pin_memory, read_block_bytes=read_block_bytes, skips=skips)
 
 
 def read_shard_stream(manifest: Manifest, k: int, storage_options: dict | None = None

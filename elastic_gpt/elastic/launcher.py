@@ -343,7 +343,9 @@ def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | 
     if link:
         say(f"[elastic-gpt] MLflow run: {link}")
     if run_id and run_id != run_info.get("mlflow_run_id"):
-        store.write_run_info({"mlflow_run_id": run_id, "run_name": cfg.run.name,
+        # The record's other keys (the data skips of a rolled-back spike) belong to the
+        # checkpoints' trajectory, not to the MLflow run: they stay.
+        store.write_run_info({**run_info, "mlflow_run_id": run_id, "run_name": cfg.run.name,
                               "created_at": time.time()})
     return run_id
 

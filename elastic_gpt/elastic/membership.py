@@ -164,6 +164,15 @@ class WorkerMembership:
         best_effort(self.records.put, "last_restart",
                     {"kind": kind, "reason": reason, "step": step, "at": time.time()})
 
+    def drain_node(self, node_id: str, reason: str) -> None:
+        """A node found faulty (train/health.py): drained as a preemption is, so this group
+        checkpoints and restarts without it (the poll below sees the drain) and the autoscaler
+        replaces it."""
+        from elastic_gpt.elastic.preemption import drain_node
+
+        if not best_effort(drain_node, node_id, None, "preemption", f"elastic-gpt: {reason}"):
+            log.warning("could not drain node %s (%s)", node_id, reason)
+
     def _flush(self) -> None:
         if self._progress is not None and self._progress is not self._published:
             best_effort(self.records.put, "progress", self._progress)

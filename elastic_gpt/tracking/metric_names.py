@@ -58,6 +58,13 @@ STARTUP_S = DEBUG_PREFIX + "startup_s"
 STARTUP_INIT_S = DEBUG_PREFIX + "startup_init_s"
 STARTUP_CHECKPOINT_READ_S = DEBUG_PREFIX + "startup_checkpoint_read_s"
 
+# Training health (train/health.py), logged at the step a spike is acted on: the run's totals.
+HEALTH_PREFIX = "system/health/"
+HEALTH_SPIKES = HEALTH_PREFIX + "spikes"
+HEALTH_ROLLBACKS = HEALTH_PREFIX + "rollbacks"
+HEALTH_SKIPPED_STEPS = HEALTH_PREFIX + "skipped_steps"
+HEALTH_HARDWARE_FAULTS = HEALTH_PREFIX + "hardware_faults"
+
 # MLflow's own names for host metrics (what `mlflow.start_run(log_system_metrics=True)` logs).
 SYSTEM_CPU_PERCENT = "system/cpu_utilization_percentage"
 SYSTEM_MEMORY_MB = "system/system_memory_usage_megabytes"
@@ -93,7 +100,8 @@ VAL_METRICS = (VAL_LOSS, VAL_PERPLEXITY, VAL_BITS_PER_BYTE)
 FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, TRAIN_REPLICA_GROUPS, GOODPUT,
                          GOODPUT_EVENTS, GOODPUT_LOST_STEPS, GOODPUT_WALL_S, EVENT_RECOVERY_S,
                          EVENT_LOST_STEPS, STARTUP_S, STARTUP_INIT_S, STARTUP_CHECKPOINT_READ_S,
-                         SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
+                         HEALTH_SPIKES, HEALTH_ROLLBACKS, HEALTH_SKIPPED_STEPS,
+                         HEALTH_HARDWARE_FAULTS, SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
                          SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
 # Families whose last part is a ledger key, a cluster resource, a source or a GPU index.
 FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_")

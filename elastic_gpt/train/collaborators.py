@@ -53,6 +53,11 @@ class Membership(Protocol):
 
     def record_restart(self, reason: str, step: int) -> None: ...
 
+    def drain_node(self, node_id: str, reason: str) -> None:
+        """Have a node of this group drained (a hardware fault found on it): the group restarts
+        without it, and the autoscaler replaces it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -68,6 +73,9 @@ class NullMembership:
         pass
 
     def record_restart(self, reason: str, step: int) -> None:
+        pass
+
+    def drain_node(self, node_id: str, reason: str) -> None:
         pass
 
     def close(self) -> None:

@@ -55,6 +55,7 @@ from elastic_gpt.train.evaluate import EvalResult, gzip_bits_per_byte, open_eval
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.group_batches import GroupBroadcastBatches
+from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
 from elastic_gpt.train.run_memory import resolve_run_memory
@@ -74,6 +75,8 @@ class StepResult:
     committed: bool = True
     """False: a replica group's quorum refused the step (C7 all-or-nothing step); nothing was
     applied, re-do it."""
+    nonfinite: bool = False
+    """The loss or the gradient was not finite: the optimizer step was skipped."""
 
 
 class Trainer:
@@ -133,6 +136,14 @@ class Trainer:
         # the random init (CPU draws of the whole shard, on every rank, at every restart).
         self.startup: dict[str, float] = {"init_s": 0.0, "checkpoint_read_s": 0.0}
         self.resume_from = self._newest_checkpoint()
+        # Loss spikes (train/health.py) and the data skips the run has made (C2 with the skips).
+        self.health = TrainingHealth(
+            cfg.health, rank=rank, world_size=world_size, store=self.store,
+            skips=load_skips(self.store, rank, self.resume_from and self.resume_from.state),
+            global_batch_size=cfg.train.global_batch_size,
+            keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2),
+            rank_nodes=rank_nodes, metrics=metrics, membership=membership,
+            replica_groups=cfg.elastic.replica_groups != "off")
         self.model = self._build_model(initialise=self.resume_from is None)
         self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
@@ -423,13 +434,14 @@ class Trainer:
             self._nonfinite_streak = 0
         else:
             self._nonfinite_streak += 1
-            if self._nonfinite_streak > cfg.train.nan_patience:
+            if self._nonfinite_streak > cfg.train.nan_patience and not self.health.rolls_back:
                 raise NonFiniteLossError(
                     f"loss is {loss} (grad norm {grad_norm}) at step {self.step} for "
                     f"{self._nonfinite_streak} step(s), beyond train.nan_patience="
                     f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
         fingerprint = join_fingerprint(fp_lo, fp_hi)
-        return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed)
+        return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed,
+                          nonfinite=bool(skipped))
 
     def _open_stream(self):
         """This rank's batches from self.step on, for its place in the step's split. Under
@@ -450,7 +462,7 @@ class Trainer:
             self.data, batch_split=self.batch_split, rank=self.batch_rank, world_size=self.batch_degree,
             start_step=self.step, seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window,
             prefetch_steps=cfg.data.prefetch_steps, pin_memory=self.device.type == "cuda",
-            read_block_bytes=cfg.data.read_block_bytes)
+            read_block_bytes=cfg.data.read_block_bytes, skips=self.health.skips)
 
     # ---- checkpoint --------------------------------------------------------------------------
 
@@ -470,7 +482,8 @@ class Trainer:
             "mlflow_run_id": self.mlflow_run_id,
             "model_shape": self.gpt_cfg.shape(),
             "data": {**self.data.describe(), "seed": self.cfg.data.seed,
-                     "shuffle_window": self.cfg.data.shuffle_window},
+                     "shuffle_window": self.cfg.data.shuffle_window,
+                     "skips": self.health.skips.to_list()},
             "train_seed": self.cfg.train.seed,
             "global_batch_size": self.batch_split.global_batch_size,
             "ledger": self.ledger.to_dict(),
@@ -535,6 +548,7 @@ class Trainer:
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
                 t_data = time.perf_counter() - t0
+                self.health.before_step(self.model, self.step)
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
                 if not result.committed:
@@ -579,13 +593,20 @@ class Trainer:
                 if self.rank == 0 and (result.step % cfg.train.log_every == 0
                                        or self.step == cfg.train.max_steps):
                     say(_progress_line(self.step, cfg.train.max_steps, metrics))
+                rollback = self.health.after_step(self.step, result.loss, result.nonfinite,
+                                                  step_time, self.ledger)
+                if rollback is not None:
+                    stream.close()
+                    self._roll_back(rollback)
+                    stream = self._open_stream()
+                    continue
                 if self._eval_due(self.step):  # before the save: a resume never skips one
                     self.evaluate(self.step)
                 self.checkpointer.poll()  # a failed background write raises here
                 # The last step, and the step a planned restart resumes from, are always saved;
                 # of replica groups, the one leading this step's quorum saves.
                 self.timeouts.step_done()
-                if ft.leads:
+                if ft.leads and not self.health.rerunning:  # a re-run may hold a spike
                     self.timeouts.before_save()
                     self.timeouts.after_save(self.checkpointer.save(
                         self.step, force=self.step == end or bool(self.stop_reason)))
@@ -601,6 +622,16 @@ class Trainer:
             ft.close()
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
+
+    def _roll_back(self, rollback: Rollback) -> None:
+        """Collective: back to the committed checkpoint of `rollback.to_step` (train/health.py);
+        the checkpoints after it hold the abandoned trajectory and are discarded."""
+        self.checkpointer.wait()  # an in-flight save of the abandoned trajectory lands first
+        if self.rank == 0:
+            self.store.discard_after(rollback.to_step)
+        load_sharded(rollback.url, self.model, self.optimizer)
+        self.step = rollback.to_step
+        self._nonfinite_streak = 0
 
     def _startup_metrics(self) -> dict[str, float]:
         """At this attempt's first step: the time from the Trainer's start, by part (logged with

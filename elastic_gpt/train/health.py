@@ -1,0 +1,443 @@
+"""Loss spikes and non-finite losses, handled without a person.
+
+What a person did by hand in the published large runs (OPT-175B's logbook, PaLM's restarts from
+~100 steps before a spike with 200-500 batches skipped), and what Megatron's re-run state machine
+automates in part, as one loop the Trainer calls after every committed step:
+
+1. **Detect.** A loss is flagged when it is non-finite, or above the running median of the last
+   `health.spike_window` healthy losses by `health.spike_deviations` robust standard deviations
+   (1.4826 x the median absolute deviation, the normal distribution's scale; median and MAD are
+   not moved by the spike itself, as a mean and standard deviation would be) and by at least
+   `health.spike_min_rise` of the median. `health.spike_steps` consecutive flagged losses make a
+   spike; a non-finite one is a spike at once. Flagged losses never enter the window.
+2. **Roll back** to the newest committed checkpoint at or before the spike's first step; the
+   checkpoints after it hold the spiked trajectory and are discarded.
+3. **Attribute by re-running** (`health.rerun`): the steps from the checkpoint to the detection
+   are trained again on the same samples, with no checkpoint saved. Training is deterministic on
+   the same ranks (C3 bit-identical resume), so the same losses mean the data caused the spike;
+   different ones mean the hardware did. Each rank keeps an exact checksum of its parameter
+   shard at every step; the rank whose checksum differs first between the two runs held the
+   corrupted memory, and its node is drained (Ray re-places the group without it and the
+   autoscaler replaces it). Nothing is skipped: the re-run is the trajectory from then on.
+4. **Skip the data** (a reproduced spike): roll back to the checkpoint again and leave out the
+   flagged steps' batches and `health.skip_steps_before` before them (the loss at step t is
+   computed on weights that step t-1's batch updated). The skip is written to the run record
+   at once (data/skips.py): every later restart, resize or resume reads the same order.
+5. **Budgets.** More than `health.max_rollbacks_per_hour` rollbacks in an hour, or more than
+   `health.max_skipped_steps` batches skipped in all, stop the run with one line: it keeps
+   diverging, and skipping more data will not cure it.
+
+Every decision is made from values every rank holds alike (the step's reduced loss), so all
+ranks act at the same step without a collective of their own; the rank attribution is one small
+all-reduce, once per hardware verdict. Spikes, rollbacks, skips and verdicts are ledger events
+(they travel with the checkpoints and reach MLflow's events.jsonl) and `system/health/*` metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from elastic_gpt.config import HealthSection
+from elastic_gpt.console import say
+from elastic_gpt.data.skips import DataSkips
+from elastic_gpt.errors import FatalTrainingError
+from elastic_gpt.tracking import metric_names as mn
+
+MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal distribution times this is its sigma
+RUN_INFO_SKIPS = "data_skips"  # the run record's key (checkpoint/store.py's run.json)
+# Tests inject a hardware fault through this: "rank:step" flips one exponent bit of that rank's
+# parameter shard before that step's forward, once per process (elastic_gpt/testing/faults.py).
+FLIP_BIT_ENV = "ELASTIC_GPT_TEST_FLIP_BIT"
+
+
+class TrainingDiverged(FatalTrainingError):
+    """A health budget is spent: the run keeps diverging (its newest checkpoint is intact)."""
+
+
+@dataclass(frozen=True)
+class Spike:
+    """Steps are numbered as everywhere (C5): step k's loss is the one of the batch that made
+    the k-th optimizer step, computed on the weights of checkpoint step k - 1."""
+
+    first: int
+    """The first flagged step."""
+    last: int
+    """The step the spike was detected at."""
+    losses: dict[int, float]
+    """Flagged step -> its loss."""
+    median: float
+    threshold: float
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(not math.isfinite(v) for v in self.losses.values())
+
+    def describe(self) -> str:
+        what = "non-finite loss" if self.nonfinite else "loss spike"
+        steps = f"step {self.first}" if self.first == self.last else \
+            f"steps {self.first}-{self.last}"
+        worst = max(self.losses.values(), key=lambda v: v if math.isfinite(v) else math.inf)
+        return f"{what} at {steps} (loss {worst:.4g}; running median {self.median:.4g}, " \
+               f"threshold {self.threshold:.4g})"
+
+
+class SpikeDetector:
+    """Running median and MAD of the last `window` healthy losses (module docstring, step 1)."""
+
+    def __init__(self, window: int, deviations: float, min_rise: float, steps: int,
+                 min_history: int):
+        self.window, self.deviations, self.min_rise = window, deviations, min_rise
+        self.steps, self.min_history = steps, min_history
+        self.history: deque[tuple[int, float]] = deque(maxlen=window)
+        self.flagged: dict[int, float] = {}
+
+    def threshold(self) -> tuple[float, float]:
+        """(median, threshold) of the window; threshold inf before `min_history` losses."""
+        if len(self.history) < self.min_history:
+            return math.nan, math.inf
+        losses = [v for _, v in self.history]
+        median = statistics.median(losses)
+        mad = statistics.median(abs(v - median) for v in losses)
+        rise = max(self.deviations * MAD_TO_SIGMA * mad, self.min_rise * abs(median))
+        return median, median + rise
+
+    def observe(self, step: int, loss: float) -> Spike | None:
+        median, threshold = self.threshold()
+        if not math.isfinite(loss) or loss > threshold:
+            self.flagged[step] = loss
+            if not math.isfinite(loss) or len(self.flagged) >= self.steps:
+                return Spike(min(self.flagged), step, dict(self.flagged), median, threshold)
+            return None
+        self.flagged.clear()
+        self.history.append((step, loss))
+        return None
+
+    def forget_from(self, step: int) -> None:
+        """A rollback to `step`: the losses from it on will be trained again."""
+        kept = [(s, v) for s, v in self.history if s < step]
+        self.history.clear()
+        self.history.extend(kept)
+        self.flagged.clear()
+
+
+def shard_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """An exact checksum of this rank's parameter shard, on its device (no host sync): the sum
+    of the values' bit patterns as integers, so a single flipped bit anywhere changes it."""
+    total = None
+    for p in model.parameters():
+        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
+        if t.numel() == 0:
+            continue
+        s = t.reshape(-1).view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+        total = s if total is None else total + s
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class _Rerun:
+    spike: Spike
+    checkpoint: int
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What the Trainer does next: load the checkpoint of `to_step` and train on from it."""
+
+    to_step: int
+    url: str
+
+
+class TrainingHealth:
+    """One rank's part of the loop in the module docstring. Every rank calls `before_step` and
+    `after_step` at each step; rank 0 alone writes the run record, the events and the metrics."""
+
+    def __init__(self, cfg: HealthSection, *, rank: int, world_size: int, store, skips: DataSkips,
+                 global_batch_size: int, keep_steps: int, rank_nodes: list[str] | None = None,
+                 metrics=None, membership=None, replica_groups: bool = False):
+        """`keep_steps`: how far back a rollback can reach (the checkpoints kept, in steps):
+        each rank's checksums and step times are kept that long."""
+        self.cfg, self.rank, self.world_size, self.store = cfg, rank, world_size, store
+        self.skips, self.global_batch_size = skips, global_batch_size
+        # Rolling a replica group back alone would fork it from the others (C7 all-or-nothing
+        # step): with replica groups a spike is reported, not rolled back.
+        self.action = "report" if replica_groups and cfg.spike_action == "rollback" \
+            else cfg.spike_action
+        self.rank_nodes, self.metrics, self.membership = rank_nodes, metrics, membership
+        self.detector = SpikeDetector(cfg.spike_window, cfg.spike_deviations, cfg.spike_min_rise,
+                                      cfg.spike_steps, cfg.spike_min_history)
+        self.keep_steps = max(keep_steps, cfg.spike_steps + 1)
+        self.checksums: dict[int, torch.Tensor] = {}  # step -> this rank's shard checksum
+        self.step_seconds: dict[int, float] = {}
+        self.rerun: _Rerun | None = None
+        self._rerun_checksums: dict[int, torch.Tensor] = {}
+        self.totals = {"spikes": 0, "rollbacks": 0, "hardware_faults": 0}
+        self._flip = _parse_flip(os.environ.get(FLIP_BIT_ENV), rank)
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a non-finite loss is this loop's to handle (else train.nan_patience's)."""
+        return self.action == "rollback"
+
+    @property
+    def rerunning(self) -> bool:
+        """Re-running suspect steps: nothing is saved until the verdict."""
+        return self.rerun is not None
+
+    # ---- every step --------------------------------------------------------------------------
+
+    def before_step(self, model: torch.nn.Module, step: int) -> None:
+        if self.action != "rollback" or not self.cfg.rerun:
+            return
+        if self._flip is not None and self._flip == step:
+            _flip_one_bit(model)
+            self._flip = None
+        book = self._rerun_checksums if self.rerun else self.checksums
+        book[step] = shard_checksum(model)
+        for old in [s for s in book if s < step - self.keep_steps]:
+            del book[old]
+
+    def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
+                   ledger) -> Rollback | None:
+        """After committed step `step` (steps done, as the metrics number it; its loss; whether
+        its loss or gradient was non-finite; its wall time): None to go on, or the rollback to
+        make."""
+        if self.action == "off":
+            return None
+        if nonfinite:
+            loss = math.nan
+        self.step_seconds[step] = seconds
+        for old in [s for s in self.step_seconds if s < step - self.keep_steps]:
+            del self.step_seconds[old]
+        if self.rerun is not None:
+            return self._rerun_step(step, loss, ledger)
+        spike = self.detector.observe(step, loss)
+        if spike is None:
+            return None
+        self.totals["spikes"] += 1
+        if self.action == "report":
+            self._event(ledger, {"kind": "loss spike", "detail": spike.describe(),
+                                 "step": spike.last, "first_step": spike.first,
+                                 "action": "reported (health.spike_action=report)"})
+            if self.rank == 0:
+                say(f"[elastic-gpt] warning: {spike.describe()}; reported, not rolled back")
+            self._log_totals(step)
+            return None
+        return self._roll_back_for(spike, ledger)
+
+    # ---- decisions ---------------------------------------------------------------------------
+
+    def _roll_back_for(self, spike: Spike, ledger) -> Rollback:
+        self._check_rollback_budget(ledger, spike)
+        # The first flagged loss was computed on the weights of step first - 1.
+        target = self._checkpoint_at_or_before(spike.first - 1)
+        if target is None:
+            raise TrainingDiverged(
+                f"{spike.describe()} with no committed checkpoint at or before step "
+                f"{spike.first - 1} to roll back to; lower train.lr or raise train.warmup_steps, "
+                "or save sooner with a smaller checkpoint.every_steps")
+        rerun = self.cfg.rerun
+        action = f"rolled back to step {target.step}" + (
+            f", re-running steps {target.step + 1}-{spike.last} to attribute it" if rerun else "")
+        self._event(ledger, {"kind": "loss spike", "detail": spike.describe(),
+                             "step": spike.last, "first_step": spike.first,
+                             "losses": {str(k): v for k, v in spike.losses.items()},
+                             "median": spike.median, "threshold": spike.threshold,
+                             "action": action})
+        if self.rank == 0:
+            say(f"[elastic-gpt] {spike.describe()}: {action}")
+        if rerun:
+            self.rerun = _Rerun(spike, target.step)
+            self._rerun_checksums = {}
+            return self._rollback(target, ledger, spike.last, "spike")
+        return self._skip_and_roll_back(spike, target, ledger)
+
+    def _rerun_step(self, step: int, loss: float, ledger) -> Rollback | None:
+        rerun = self.rerun
+        if step >= rerun.spike.first:
+            rerun.losses[step] = loss
+        else:  # the healthy steps before the spike: back into the window
+            self.detector.observe(step, loss)
+        if step < rerun.spike.last:
+            return None
+        self.rerun = None
+        first = rerun.spike.losses
+        same = all(_same_loss(first[s], rerun.losses.get(s, math.nan), self.cfg.rerun_tolerance)
+                   for s in first)
+        shown = ", ".join(f"step {s}: {first[s]:.6g} then {rerun.losses.get(s, math.nan):.6g}"
+                          for s in sorted(first))
+        if same:
+            if self.rank == 0:
+                say(f"[elastic-gpt] the re-run reproduced the spike ({shown}): the data caused "
+                    "it")
+            target = self._checkpoint_at_or_before(rerun.checkpoint)
+            return self._skip_and_roll_back(rerun.spike, target, ledger, rerun_losses=shown)
+        for s, v in rerun.losses.items():  # the re-run is the trajectory now
+            self.detector.observe(s, v)
+        culprits = self._first_diverged_ranks(rerun.checkpoint, step - 1)
+        nodes = sorted({self.rank_nodes[r] for r in culprits}) if self.rank_nodes else []
+        self.totals["hardware_faults"] += 1
+        where = (f"rank(s) {culprits} (node {', '.join(n[:12] for n in nodes)})" if nodes else
+                 f"rank(s) {culprits}") if culprits else "no single rank (every shard changed)"
+        self._event(ledger, {"kind": "hardware fault", "step": step,
+                             "detail": f"re-running steps {rerun.checkpoint + 1}-{step} changed the "
+                                       f"losses ({shown}); first diverged: {where}",
+                             "ranks": culprits, "nodes": nodes, "skipped_steps": 0})
+        if self.rank == 0:
+            say(f"[elastic-gpt] the re-run did not reproduce the spike ({shown}): a hardware "
+                f"fault, first seen on {where}; nothing skipped"
+                + (", draining its node" if nodes else ""))
+            for node in nodes:
+                if self.membership is not None:
+                    self.membership.drain_node(node, f"hardware fault found by re-running steps "
+                                                     f"{rerun.checkpoint + 1}-{step}")
+        self._log_totals(step)
+        return None
+
+    def _skip_and_roll_back(self, spike: Spike, target, ledger, rerun_losses: str = ""
+                            ) -> Rollback:
+        # Skips count in steps done: the batch of step k is the one trained after k - 1 steps.
+        start = max(target.step, spike.first - 1 - self.cfg.skip_steps_before)
+        steps = spike.last - start
+        if self.skips.skipped_steps() + steps > self.cfg.max_skipped_steps:
+            raise TrainingDiverged(
+                f"{spike.describe()}: skipping {steps} more step(s) of data would pass "
+                f"health.max_skipped_steps={self.cfg.max_skipped_steps} (already "
+                f"{self.skips.skipped_steps()}); the run keeps diverging: lower train.lr, or "
+                "raise the budget if the data is known to be dirty")
+        self.skips = self.skips.add(start, steps)
+        positions = self.skips.positions(len(self.skips.skips) - 1, self.global_batch_size)
+        if self.rank == 0:
+            info = self.store.read_run_info() or {}
+            info[RUN_INFO_SKIPS] = self.skips.to_list()
+            self.store.write_run_info(info)  # before training on: a restart reads it
+            say(f"[elastic-gpt] skipping the batches of steps {start + 1}-{spike.last} (samples "
+                f"{positions.start}-{positions.stop - 1} of the order) and rolling back to step "
+                f"{target.step}")
+        self._event(ledger, {"kind": "data skipped", "step": spike.last,
+                             "detail": f"{spike.describe()}; batches of steps {start + 1}-"
+                                       f"{spike.last} skipped"
+                                       + (f" (re-run: {rerun_losses})" if rerun_losses else ""),
+                             "from_step": start, "skipped_steps": steps,
+                             "sample_positions": [positions.start, positions.stop]})
+        return self._rollback(target, ledger, spike.last, "skip")
+
+    def _rollback(self, target, ledger, last: int, why: str) -> Rollback:
+        lost = [s for s in self.step_seconds if s > target.step]
+        ledger.on_rollback(len(lost), sum(self.step_seconds[s] for s in lost))
+        for s in lost:
+            del self.step_seconds[s]
+        self.detector.forget_from(target.step + 1)
+        self.totals["rollbacks"] += 1
+        self._event(ledger, {"kind": "rollback", "step": last, "resumed_from_step": target.step,
+                             "detail": f"to step {target.step} ({why})",
+                             "lost_steps": len(lost)})
+        self._log_totals(last)
+        return Rollback(target.step, target.url)
+
+    def _checkpoint_at_or_before(self, step: int):
+        """Collective: the newest committed checkpoint at or before `step` (rank 0 lists)."""
+        box = [self.store.latest(before=step + 1) if self.rank == 0 else None]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _check_rollback_budget(self, ledger, spike: Spike) -> None:
+        hour_ago = time.time() - 3600
+        recent = [e for e in ledger.events if e.get("kind") == "rollback"
+                  and e.get("at", 0) > hour_ago]
+        # Each spike costs one rollback, or two when its re-run blames the data.
+        if len(recent) + 1 > self.cfg.max_rollbacks_per_hour * (2 if self.cfg.rerun else 1):
+            raise TrainingDiverged(
+                f"{spike.describe()}: {len(recent)} rollback(s) in the last hour already, the "
+                f"budget of health.max_rollbacks_per_hour={self.cfg.max_rollbacks_per_hour:g} "
+                "spikes is spent; the run keeps diverging: lower train.lr or raise "
+                "train.warmup_steps")
+
+    def _first_diverged_ranks(self, start: int, end: int) -> list[int]:
+        """Collective: the ranks whose shard checksum (of the weights after steps start..end)
+        differs between the first run and the re-run at the earliest step any does, unless every
+        rank's does (then no single one)."""
+        never = end + 1
+        mine = never
+        for s in range(start, end + 1):
+            a, b = self.checksums.get(s), self._rerun_checksums.get(s)
+            if a is not None and b is not None and int(a) != int(b):
+                mine = s
+                break
+        first = torch.full((self.world_size,), 0, dtype=torch.int64)
+        first[self.rank] = mine
+        if dist.is_initialized() and self.world_size > 1:
+            device = next(iter(self.checksums.values()), first).device
+            first = first.to(device)
+            dist.all_reduce(first)
+        first = first.tolist()
+        # The re-run's checksums are the trajectory's now.
+        self.checksums.update(self._rerun_checksums)
+        self._rerun_checksums = {}
+        earliest = min(first)
+        culprits = [r for r, s in enumerate(first) if s == earliest]
+        return [] if earliest == never or len(culprits) == self.world_size else culprits
+
+    # ---- records -----------------------------------------------------------------------------
+
+    def _event(self, ledger, event: dict) -> None:
+        ledger.events.append({"at": time.time(), **event})
+
+    def _log_totals(self, step: int) -> None:
+        if self.metrics is not None:
+            self.metrics.log({mn.HEALTH_SPIKES: self.totals["spikes"],
+                              mn.HEALTH_ROLLBACKS: self.totals["rollbacks"],
+                              mn.HEALTH_SKIPPED_STEPS: self.skips.skipped_steps(),
+                              mn.HEALTH_HARDWARE_FAULTS: self.totals["hardware_faults"]}, step)
+
+
+def load_skips(store, rank: int, checkpoint_state: dict | None) -> DataSkips:
+    """Collective: the run's skips, from the run record (written when a skip is made), else
+    from the checkpoint resumed (rank 0 reads; every rank gets them)."""
+    box = [None]
+    if rank == 0:
+        info = store.read_run_info() or {}
+        items = info.get(RUN_INFO_SKIPS)
+        if items is None and checkpoint_state is not None:
+            items = (checkpoint_state.get("data") or {}).get("skips")
+        box = [items or []]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return DataSkips.from_list(box[0])
+
+
+def _same_loss(a: float, b: float, tolerance: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return not math.isfinite(a) and not math.isfinite(b)
+    return abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+def _parse_flip(spec: str | None, rank: int) -> int | None:
+    if not spec:
+        return None
+    at_rank, at_step = (int(x) for x in spec.split(":"))
+    return at_step if at_rank == rank else None
+
+
+def _flip_one_bit(model: torch.nn.Module) -> None:
+    """The injected hardware fault: the top exponent bit of this rank's first parameter value."""
+    for p in model.parameters():
+        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
+        if t.numel():
+            bits = t.reshape(-1).view(_BITS[t.element_size()])
+            with torch.no_grad():
+                bits[0] ^= 1 << (8 * t.element_size() - 2)
+            return
