@@ -163,7 +163,8 @@ class TrainSection:
     threads_per_worker: int = 0
     """torch intra-op threads per worker; 0: cpus_per_worker."""
     nan_patience: int = 0
-    """Consecutive non-finite losses tolerated (step skipped) before the run stops."""
+    """Consecutive non-finite losses tolerated (step skipped) before the run rolls back
+    (health.spike_action=rollback) or stops."""
 
 
 @dataclass

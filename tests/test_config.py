@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 from elastic_gpt import config as config_module
-from elastic_gpt.config import Config, config_from_dict, load_config
+from elastic_gpt.config import Config, HealthSection, config_from_dict, load_config
 from elastic_gpt.train.schedule import lr_at
 
 TINY = "jobs/configs/mini.yaml"
@@ -224,7 +224,10 @@ def test_a_config_dict_written_by_old_main_loads():
                                          "replica_collective_timeout_s": 10.0,
                                          "hang_timeout_s": 600.0, "init_timeout_s": 1800.0,
                                          "grow_settle_s": 30.0,
-                                         "node_mtbf_h": 200.0}}
+                                         "node_mtbf_h": 200.0},
+                             # Today's training health: old main stopped at a non-finite loss
+                             # and ignored spikes; a resumed old run is guarded as a new one.
+                             "health": dataclasses.asdict(HealthSection())}
     assert cfg.scaling.use_gpu == "auto" and cfg.train.reshard_after_forward == "never"
     assert cfg.run.stop_at_step == 3 and cfg.data.path == "file:///old/run/dataset"
     # And today's dicts round-trip: what the launcher sends is what the worker rebuilds.

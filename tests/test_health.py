@@ -103,6 +103,7 @@ def garbage_data(stdlib_dataset, tmp_path_factory):
     return out, positions
 
 
+@pytest.mark.slow
 def test_a_spike_from_bad_data_is_rolled_back_reproduced_and_skipped(garbage_data, tmp_path):
     from elastic_gpt.testing.gloo import run_gloo
 
@@ -137,6 +138,7 @@ def test_a_spike_from_bad_data_is_rolled_back_reproduced_and_skipped(garbage_dat
     assert sorted(got["seen"]) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
         stdlib_dataset, tmp_path, monkeypatch):
     from elastic_gpt.testing.gloo import run_gloo
@@ -160,6 +162,7 @@ def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
     assert got[0]["seen"] == ref[0]["seen"]
 
 
+@pytest.mark.slow
 def test_the_skip_budget_stops_a_run_that_keeps_diverging(garbage_data, tmp_path):
     from elastic_gpt.testing.gloo import run_gloo
 

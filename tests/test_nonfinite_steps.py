@@ -26,7 +26,8 @@ PLAN = ["nan_grad", "ok", "nan_grad", "ok", "inf_loss", "nan_grad"]
 def _overrides(data: str, tmp: str, world: int, tp: int) -> list[str]:
     return ["model.preset=tiny", f"data.path={data}", "train.global_batch_size=4",
             "train.micro_batch_size=2", "train.warmup_steps=0", "train.lr=1e-2",
-            "train.nan_patience=1", f"scaling.max_workers={world}", f"scaling.min_workers={tp}",
+            "train.nan_patience=1", "health.spike_action=off", f"scaling.max_workers={world}",
+            f"scaling.min_workers={tp}",
             f"parallel.tp={tp}", "train.dtype=float32", "eval.samples=0",
             "tracking.enabled=false", f"checkpoint.path={tmp}/unused"]
 

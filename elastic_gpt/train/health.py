@@ -218,6 +218,8 @@ class TrainingHealth:
             return None
         if nonfinite:
             loss = math.nan
+        elif not math.isfinite(loss):  # skipped, and tolerated by train.nan_patience
+            return None
         self.step_seconds[step] = seconds
         for old in [s for s in self.step_seconds if s < step - self.keep_steps]:
             del self.step_seconds[old]

@@ -76,7 +76,8 @@ class StepResult:
     """False: a replica group's quorum refused the step (C7 all-or-nothing step); nothing was
     applied, re-do it."""
     nonfinite: bool = False
-    """The loss or the gradient was not finite: the optimizer step was skipped."""
+    """The loss or the gradient was not finite (the optimizer step was skipped) for more steps
+    in a row than train.nan_patience tolerates."""
 
 
 class Trainer:
@@ -428,20 +429,22 @@ class Trainer:
         if stop > 0:
             self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.batch_split.global_batch_size * self.gpt_cfg.seq_len)
+        diverged = False  # non-finite for longer than train.nan_patience tolerates
         if not committed:
             pass
         elif not skipped:
             self._nonfinite_streak = 0
         else:
             self._nonfinite_streak += 1
-            if self._nonfinite_streak > cfg.train.nan_patience and not self.health.rolls_back:
+            diverged = self._nonfinite_streak > cfg.train.nan_patience
+            if diverged and not self.health.rolls_back:  # else train/health.py rolls back
                 raise NonFiniteLossError(
                     f"loss is {loss} (grad norm {grad_norm}) at step {self.step} for "
                     f"{self._nonfinite_streak} step(s), beyond train.nan_patience="
                     f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
         fingerprint = join_fingerprint(fp_lo, fp_hi)
         return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed,
-                          nonfinite=bool(skipped))
+                          nonfinite=diverged)
 
     def _open_stream(self):
         """This rank's batches from self.step on, for its place in the step's split. Under
