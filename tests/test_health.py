@@ -170,3 +170,26 @@ def test_the_skip_budget_stops_a_run_that_keeps_diverging(garbage_data, tmp_path
     with pytest.raises(Exception, match="health.max_skipped_steps=1"):
         run_gloo(_train, 1, [*ARGS, f"data.path={data}", f"checkpoint.path={tmp_path}",
                              "health.max_skipped_steps=1", f"train.max_steps={BAD_STEPS.stop}"])
+
+
+@pytest.mark.slow
+def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
+    """The default job (jobs/configs/mini.yaml: its model, batch, schedule and the default
+    health settings) on the test corpus: no loss is flagged, not even one alone."""
+    from elastic_gpt.testing.gloo import run_gloo
+
+    steps = 200
+    got = run_gloo(_train, 1, [f"data.path={stdlib_dataset}", f"train.max_steps={steps}",
+                               "tracking.enabled=false", "eval.samples=0", "train.log_every=100",
+                               f"checkpoint.path={tmp_path}"])[0]
+    assert got["events"] == []
+    losses = [got["seen"][k][0] for k in sorted(got["seen"])]
+    d = SpikeDetector(window=100, deviations=6, min_rise=0.05, steps=1, min_history=20)
+    closest = 0.0
+    for k, loss in enumerate(losses, 1):
+        median, threshold = d.threshold()
+        if math.isfinite(threshold):
+            closest = max(closest, (loss - median) / (threshold - median))
+        assert d.observe(k, loss) is None, (k, loss, median, threshold)
+    print(f"[health] default job, {steps} steps: the highest loss reached {closest:.2f} of the "
+          "way from the running median to the threshold")
