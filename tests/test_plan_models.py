@@ -393,3 +393,25 @@ def test_hsdp_gathers_in_the_node_and_all_reduces_across_nodes():
     assert mem.sharded_state == pytest.approx(16 * local / 4)
     # one node: HSDP is FSDP
     assert make_mesh(8, 2, True, 8) == make_mesh(8, 2, False, 8)
+
+
+def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():
+    """Training health (train/health.py) rolls a spike back, re-runs it and rolls back again
+    (blamed on the data, the costlier verdict): at PaLM 540B's rate (~20 spikes in 255k steps)
+    the goodput counts that; by default none is assumed."""
+    from elastic_gpt.config import HealthSection
+    from elastic_gpt.elastic.resize_rule import kept_fraction
+    from elastic_gpt.planner.inputs import PALM_STEPS_PER_SPIKE
+
+    run = dict(model="gpt3-175b", gpu="A100-80GB", n_gpus=1024, tokens=300e9,
+               replica_groups="off", market="on-demand")
+    palm = plan_training(PlanInputs(**run, spike_every_steps=PALM_STEPS_PER_SPIKE))
+    none = plan_training(PlanInputs(**run))
+    rel = palm.on_demand
+    assert rel.spike_every_s == pytest.approx(PALM_STEPS_PER_SPIKE * palm.step_s)
+    assert rel.spike_s == pytest.approx(2 * (rel.interval_s / 2 + HealthSection.spike_steps
+                                             * palm.step_s) + 2 * palm.restart_cost.read_s)
+    assert none.on_demand.spike_s == 0
+    assert rel.goodput == pytest.approx(none.on_demand.goodput
+                                        * kept_fraction(rel.spike_s, rel.spike_every_s))
+    assert rel.goodput < none.on_demand.goodput

@@ -27,7 +27,7 @@ from elastic_gpt.arguments import (
 )
 from elastic_gpt.hardware import GPUS, load_overrides
 from elastic_gpt.model.gpt import PRESETS, GPTConfig, preset_config
-from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PlanInputs
+from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PALM_STEPS_PER_SPIKE, PlanInputs
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
 from elastic_gpt.planner.training_plan import plan_training
 
@@ -134,6 +134,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                    "the bound on a hung rank)")
     r.add_argument("--compile-s", type=non_negative_float, default=0.0,
                    help="compilation in every restarted process, with train.compile (default 0)")
+    r.add_argument("--spike-every-steps", type=non_negative_float, default=0.0,
+                   help="mean steps between loss spikes, each rolled back, re-run and skipped "
+                   "(default 0: none; PaLM 540B saw ~20 in 255k steps: "
+                   f"{PALM_STEPS_PER_SPIKE:.0f})")
     r.add_argument("--storage-bandwidth", type=positive_float,
                    help="GB/s the checkpoint storage sustains for all nodes together (default: "
                    "no cap beyond nodes x --ckpt-bandwidth)")
@@ -183,6 +187,7 @@ def inputs_from_args(args) -> PlanInputs:
         node_mtbf_h=args.node_mtbf_hours, spot_node_mtbf_h=args.spot_node_mtbf_hours,
         ckpt_write_s=args.ckpt_write_s, ckpt_gbps=args.ckpt_bandwidth, restart_s=args.restart_s,
         detect_s=args.detect_s, compile_s=args.compile_s, storage_gbps=args.storage_bandwidth,
+        spike_every_steps=args.spike_every_steps,
         ckpt_every_steps=args.ckpt_every_steps, market=args.market, min_workers=args.min_workers,
         replica_groups=args.replica_groups,
         replica_heartbeat_timeout_s=args.replica_heartbeat_timeout_s)

@@ -18,6 +18,9 @@ from elastic_gpt.model.gpt import GPTConfig, preset_config
 
 HOUR = 3600.0
 DAY = 86400.0
+# PaLM 540B saw "spikes in the loss roughly 20 times" in its 255k steps (Chowdhery et al. 2022,
+# sec. 5.1): a published rate of loss spikes for a run at that scale (planner/reliability.py).
+PALM_STEPS_PER_SPIKE = 255_000 / 20
 
 
 DEFAULT_HEARTBEAT_S = 2.0
@@ -99,6 +102,11 @@ class PlanInputs:
     (planner/restart_cost.py)."""
     compile_s: float = 0.0
     """Compilation in every restarted process (`train.compile`)."""
+    spike_every_steps: float | None = None
+    """Mean steps between loss spikes, each rolled back and re-run (planner/reliability.py).
+    None or 0: none counted. A rate per step does not carry from one model and batch to another
+    (a small model's steps are seconds, not PaLM's), so none is assumed; PaLM 540B's,
+    `PALM_STEPS_PER_SPIKE`, is the published one for a run of that scale."""
     storage_gbps: float | None = None
     """The checkpoint storage's sustained bandwidth for all nodes together, GB/s. None: no cap
     beyond nodes x ckpt_gbps."""

@@ -2,6 +2,14 @@
 the restart time at each failure (first-order Young/Daly model; Young 1974 for the interval).
 
 Node failures are independent and exponential: the cluster's MTBF is the node MTBF / nodes.
+
+Loss spikes are the other interruption (train/health.py): each one rolls the run back to the
+checkpoint before it, re-runs the steps to the detection, and, blamed on the data, rolls back
+again: twice the work since the checkpoint (half an interval on average, plus the
+`health.spike_steps` it took to see it) and two checkpoint reads. Counted as the worse case, the
+data's (a hardware fault found so costs one of each, and its node's drain is a planned restart
+among the failures above). Their rate by default: PaLM 540B's (planner/inputs.py,
+`PALM_STEPS_PER_SPIKE`).
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from elastic_gpt.config import HealthSection
 from elastic_gpt.elastic.resize_rule import kept_fraction
 from elastic_gpt.planner.inputs import HOUR
 
@@ -50,11 +59,24 @@ class Reliability:
     goodput: float
     young_interval_s: float
     best_goodput: float
+    spike_s: float = 0.0
+    """What one loss spike costs (rollback, re-run, rollback), counted in `goodput`."""
+    spike_every_s: float = math.inf
+
+
+def spike_cost_s(interval_s: float, step_s: float, read_s: float,
+                 spike_steps: int = HealthSection.spike_steps) -> float:
+    """One spike blamed on the data: the work since the checkpoint done twice (the first run and
+    the re-run), and the checkpoint read twice (module docstring)."""
+    return 2 * (interval_s / 2 + spike_steps * step_s) + 2 * read_s
 
 
 def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s: float,
                 step_s: float, every_steps: int | None = None,
-                max_steps: int | None = None) -> Reliability:
+                max_steps: int | None = None, spike_every_steps: float | None = None,
+                read_s: float = 0.0) -> Reliability:
+    """`spike_every_steps`: the mean steps between loss spikes (None: none counted); `read_s`:
+    one checkpoint read."""
     mtbf = node_mtbf_h * HOUR / nodes
     young = young_interval_s(ckpt_write_s, mtbf)
     if every_steps is None:
@@ -64,5 +86,11 @@ def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s:
     interval = every_steps * step_s
     best = goodput(optimal_interval_s(ckpt_write_s, recovery_s, mtbf), ckpt_write_s, recovery_s,
                    mtbf)
+    kept, spike_s, spike_every_s = 1.0, 0.0, math.inf
+    if spike_every_steps:
+        spike_s = spike_cost_s(interval, step_s, read_s)
+        spike_every_s = spike_every_steps * step_s
+        kept = kept_fraction(spike_s, spike_every_s)
     return Reliability(mtbf, ckpt_write_s, recovery_s, interval, every_steps,
-                       goodput(interval, ckpt_write_s, recovery_s, mtbf), young, best)
+                       goodput(interval, ckpt_write_s, recovery_s, mtbf) * kept, young,
+                       best * kept, spike_s, spike_every_s)

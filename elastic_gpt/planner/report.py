@@ -171,6 +171,11 @@ def format_report(plan: Plan) -> str:
             f"{rel.every_steps} steps ({_duration(rel.interval_s)}, Young/Daly "
             f"sqrt(2*delta*MTBF) = {_duration(rel.young_interval_s)}): goodput "
             f"{100 * rel.goodput:.1f}%")
+    rel = plan.on_demand
+    if rel.spike_s:
+        lines.append(f"  loss spikes: one every {_duration(rel.spike_every_s)}, each "
+                     f"{_duration(rel.spike_s)} to roll back, re-run and skip: counted above "
+                     "(on the restart path; replica groups report spikes, not roll them back)")
     lines += ["", *_fault_tolerance_lines(plan)]
     lines += [
         "",

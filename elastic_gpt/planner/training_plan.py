@@ -208,10 +208,9 @@ def plan_training(inputs: PlanInputs) -> Plan:
         detect_s=ElasticSection.hang_timeout_s if p.detect_s is None else p.detect_s,
         restart_s=p.restart_s, compile_s=p.compile_s, read_s=io_s)
     recovery_s = restart_cost.total_s
-    on_demand = reliability(p.node_mtbf_h, nodes, write_s, recovery_s, step_s,
-                            p.ckpt_every_steps, max_steps)
-    spot = reliability(p.spot_node_mtbf_h, nodes, write_s, recovery_s, step_s,
-                       p.ckpt_every_steps, max_steps)
+    on_demand, spot = (reliability(node_mtbf_h, nodes, write_s, recovery_s, step_s,
+                                   p.ckpt_every_steps, max_steps, p.spike_every_steps, io_s)
+                       for node_mtbf_h in (p.node_mtbf_h, p.spot_node_mtbf_h))
     group_layouts, not_offered = replica_layouts(p, shape, gpu, net, G, usable, ckpt_bytes)
     fault_tolerance = {}
     for market, restart, node_mtbf_h in (("on-demand", on_demand, p.node_mtbf_h),
