@@ -343,6 +343,17 @@ class HealthSection:
     diverging, which skipping data will not cure."""
     max_skipped_steps: Annotated[int, Range(0)] = 500
     """Global batches a run may skip in all; a skip past it stops the run."""
+    straggler_action: Literal["evict", "report", "off"] = "evict"
+    """A rank whose device computes slower than its peers' (train/stragglers.py): evict drains
+    its node (the group restarts without it; the autoscaler replaces it), report only says so."""
+    straggler_every_steps: Annotated[int, Range(0)] = 10
+    """Steps between straggler probes (every rank times the same fixed matmuls); 0: none."""
+    straggler_slowdown: Annotated[float, Range(1)] = 1.5
+    """A rank whose probe takes this many times the ranks' median is slow (NVIDIA's resiliency
+    extension flags a GPU below 0.7 of the median performance, 1.43x)."""
+    straggler_checks: AtLeastOne = 5
+    """Consecutive slow probes that make a straggler: a rank slowed once (a page fault storm, a
+    neighbour's burst) is left alone."""
 
 
 @dataclass

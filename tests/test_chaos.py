@@ -382,3 +382,46 @@ def test_a_burst_of_returning_nodes_is_one_restart_to_the_full_size(cluster):
     fingerprints = metric_by_step(env["uri"], summary["run_id"], mn.DATA_FINGERPRINT)
     assert fingerprints == uninterrupted_fingerprints(cfg, BURST_STEPS), \
         "same samples at every step (C2 data order)"
+
+
+def test_a_straggler_is_evicted_and_the_run_goes_on_in_order(cluster, reference):
+    """One worker's process slowed for real (SIGSTOP 30 ms / SIGCONT 10 ms over and over: its
+    device gets a quarter of the time). Its probe of fixed matmuls is slower than its peer's at
+    `health.straggler_checks` probes in a row: it is named, its node drained, and the group
+    restarts without it and trains on in the same data order (train/stragglers.py)."""
+    from elastic_gpt.testing.cluster import DutyCycled, training_workers
+
+    every, checks = 2, 3
+
+    def fault(cfg):
+        store = CheckpointStore(cfg.checkpoint.path)
+        wait_for(lambda: committed(store, 4))
+        node = cluster.node_hosting_a_worker()
+        pid = next(a.pid for a in training_workers() if a.node_id == node.node_id)
+        key = run_key(cfg)
+        slowed = DutyCycled(pid, stop_s=0.03, run_s=0.01)
+        from_step = (progress(key) or {}).get("step", 0)
+        try:
+            wait_for(lambda: (progress(key) or {}).get("world_size") == 1, timeout_s=180)
+        finally:
+            slowed.release()
+        return node, slowed.started, from_step
+
+    summary, cfg, (node, slowed_at, from_step) = train(
+        cluster.env, "straggler", fault, extra=(f"health.straggler_every_steps={every}",
+                                                f"health.straggler_checks={checks}"))
+    assert summary["step"] == STEPS
+    assert_same_training(metrics(cluster.env, summary), reference, exact=False)
+    events = events_of(summary)
+    found = [e for e in events if e["kind"] == "straggler"]
+    assert len(found) == 1 and found[0]["action"] == "node drained", events
+    assert found[0]["nodes"] == [node.node_id] and min(found[0]["ratios"]) >= 1.5
+    # Named at the `checks`-th slow probe: within `checks` + 1 probes of the slowdown's start
+    # (its progress record may lag a step).
+    assert found[0]["step"] - from_step <= (checks + 1) * every + 1, (found[0], from_step)
+    assert any(e["kind"] == "preemption" and e["at"] > found[0]["at"] for e in events), events
+    print(f"[straggler] named {found[0]['at'] - slowed_at:.1f} s after the slowdown began, at "
+          f"step {found[0]['step']}, {found[0]['ratios'][0]:.1f}x the median probe")
+    cluster.nodes.remove(node)
+    cluster.cluster.remove_node(node, allow_graceful=False)  # the cloud takes it
+    cluster.nodes.append(cluster.add_node())

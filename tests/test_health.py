@@ -90,7 +90,8 @@ def _train(rank: int, world: int, overrides: list[str]) -> dict:
                       world_size=world, mlflow_run_id=None, metrics=recorder)
     trainer.train()
     return {"seen": recorder.seen, "events": trainer.ledger.events,
-            "summary": trainer.ledger.summary(), "skips": trainer.health.skips.to_list()}
+            "summary": trainer.ledger.summary(), "skips": trainer.health.skips.to_list(),
+            "worst_probe": trainer.stragglers.worst_ratio}
 
 
 @pytest.fixture(scope="module")
@@ -174,15 +175,20 @@ def test_the_skip_budget_stops_a_run_that_keeps_diverging(garbage_data, tmp_path
 
 @pytest.mark.slow
 def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
-    """The default job (jobs/configs/mini.yaml: its model, batch, schedule and the default
-    health settings) on the test corpus: no loss is flagged, not even one alone."""
+    """The default job (jobs/configs/mini.yaml: its model, batch, schedule, two workers and the
+    default health settings) on the test corpus: no loss is flagged, not even one alone, and no
+    rank is a straggler though both are probed every other step (the default is every 10th)."""
     from elastic_gpt.testing.gloo import run_gloo
 
-    steps = 200
-    got = run_gloo(_train, 1, [f"data.path={stdlib_dataset}", f"train.max_steps={steps}",
+    steps = 160
+    got = run_gloo(_train, 2, [f"data.path={stdlib_dataset}", f"train.max_steps={steps}",
                                "tracking.enabled=false", "eval.samples=0", "train.log_every=100",
-                               f"checkpoint.path={tmp_path}"])[0]
-    assert got["events"] == []
+                               f"checkpoint.path={tmp_path}", "health.straggler_every_steps=2"])
+    assert got[0]["events"] == [] and got[1]["events"] == []
+    print(f"[health] default job, {steps} steps at W=2: the slowest rank's probe reached "
+          f"{max(g['worst_probe'] for g in got):.2f}x the median at worst (a straggler is 1.5x "
+          "at 5 probes in a row)")
+    got = got[0]
     losses = [got["seen"][k][0] for k in sorted(got["seen"])]
     d = SpikeDetector(window=100, deviations=6, min_rise=0.05, steps=1, min_history=20)
     closest = 0.0

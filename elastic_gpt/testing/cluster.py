@@ -96,6 +96,37 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+class DutyCycled:
+    """A process slowed down for real: SIGSTOP for `stop_s`, SIGCONT for `run_s`, over and over
+    from a thread, until `release()` or the process is gone (a straggler's host: a noisy
+    neighbour, a throttled device)."""
+
+    def __init__(self, pid: int, stop_s: float, run_s: float):
+        self.pid, self.stop_s, self.run_s = pid, stop_s, run_s
+        self.started = time.time()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(self.run_s)
+        except ProcessLookupError:
+            pass
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def sigkill_a_worker() -> int:
     pid = training_workers()[0].pid
     os.kill(pid, signal.SIGKILL)

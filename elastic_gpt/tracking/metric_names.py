@@ -64,6 +64,11 @@ HEALTH_SPIKES = HEALTH_PREFIX + "spikes"
 HEALTH_ROLLBACKS = HEALTH_PREFIX + "rollbacks"
 HEALTH_SKIPPED_STEPS = HEALTH_PREFIX + "skipped_steps"
 HEALTH_HARDWARE_FAULTS = HEALTH_PREFIX + "hardware_faults"
+# At each straggler probe (train/stragglers.py): the ranks' median time for the fixed matmuls, the
+# slowest rank's time over it, and which rank that is.
+HEALTH_PROBE_MEDIAN_S = HEALTH_PREFIX + "probe_median_s"
+HEALTH_PROBE_SLOWEST_RATIO = HEALTH_PREFIX + "probe_slowest_ratio"
+HEALTH_PROBE_SLOWEST_RANK = HEALTH_PREFIX + "probe_slowest_rank"
 
 # MLflow's own names for host metrics (what `mlflow.start_run(log_system_metrics=True)` logs).
 SYSTEM_CPU_PERCENT = "system/cpu_utilization_percentage"
@@ -101,7 +106,8 @@ FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, TRAIN_REPLICA_GROUPS, GOOD
                          GOODPUT_EVENTS, GOODPUT_LOST_STEPS, GOODPUT_WALL_S, EVENT_RECOVERY_S,
                          EVENT_LOST_STEPS, STARTUP_S, STARTUP_INIT_S, STARTUP_CHECKPOINT_READ_S,
                          HEALTH_SPIKES, HEALTH_ROLLBACKS, HEALTH_SKIPPED_STEPS,
-                         HEALTH_HARDWARE_FAULTS, SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
+                         HEALTH_HARDWARE_FAULTS, HEALTH_PROBE_MEDIAN_S, HEALTH_PROBE_SLOWEST_RATIO,
+                         HEALTH_PROBE_SLOWEST_RANK, SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
                          SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
 # Families whose last part is a ledger key, a cluster resource, a source or a GPU index.
 FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_")

@@ -60,6 +60,7 @@ from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
 from elastic_gpt.train.run_memory import resolve_run_memory
 from elastic_gpt.train.schedule import lr_at
+from elastic_gpt.train.stragglers import StragglerWatch
 from elastic_gpt.train.throughput import peak_flops
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,9 @@ class Trainer:
             keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2),
             rank_nodes=rank_nodes, metrics=metrics, membership=membership,
             replica_groups=cfg.elastic.replica_groups != "off")
+        self.stragglers = StragglerWatch(cfg.health, rank=rank, world_size=world_size,
+                                         device=self.device, rank_nodes=rank_nodes,
+                                         metrics=metrics, membership=membership)
         self.model = self._build_model(initialise=self.resume_from is None)
         self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
@@ -603,6 +607,7 @@ class Trainer:
                     self._roll_back(rollback)
                     stream = self._open_stream()
                     continue
+                self.stragglers.after_step(self.step, self.ledger)
                 if self._eval_due(self.step):  # before the save: a resume never skips one
                     self.evaluate(self.step)
                 self.checkpointer.poll()  # a failed background write raises here
