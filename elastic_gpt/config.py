@@ -343,6 +343,10 @@ class HealthSection:
     diverging, which skipping data will not cure."""
     max_skipped_steps: Annotated[int, Range(0)] = 500
     """Global batches a run may skip in all; a skip past it stops the run."""
+    sdc_every_steps: Annotated[int, Range(0)] = 1
+    """Steps between comparisons of the replicas that must hold the same state (HSDP's, across
+    nodes; train/replica_check.py): a replica that disagrees with the majority is overwritten
+    from it before its corrupted value is used, and its node drained. 0: none."""
     straggler_action: Literal["evict", "report", "off"] = "evict"
     """A rank whose device computes slower than its peers' (train/stragglers.py): evict drains
     its node (the group restarts without it; the autoscaler replaces it), report only says so."""

@@ -80,14 +80,16 @@ def test_a_stream_with_skips_reads_the_later_steps_batches(stdlib_dataset):
 
 # ---- real faults in real training ----------------------------------------------------------------
 
-def _train(rank: int, world: int, overrides: list[str]) -> dict:
+def _train(rank: int, world: int, overrides: list[str], rank_nodes: list[str] | None = None
+           ) -> dict:
     from elastic_gpt.config import load_config
     from elastic_gpt.testing.step_recorder import StepRecorder
     from elastic_gpt.train.trainer import Trainer
 
     recorder = StepRecorder()
     trainer = Trainer(load_config("jobs/configs/mini.yaml", overrides), rank=rank,
-                      world_size=world, mlflow_run_id=None, metrics=recorder)
+                      world_size=world, mlflow_run_id=None, metrics=recorder,
+                      rank_nodes=rank_nodes)
     trainer.train()
     return {"seen": recorder.seen, "events": trainer.ledger.events,
             "summary": trainer.ledger.summary(), "skips": trainer.health.skips.to_list(),
@@ -199,3 +201,38 @@ def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
         assert d.observe(k, loss) is None, (k, loss, median, threshold)
     print(f"[health] default job, {steps} steps: the highest loss reached {closest:.2f} of the "
           "way from the running median to the threshold")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [["a", "b", "c"], ["a", "b"]], ids=["majority", "two"])
+def test_a_bit_flipped_in_one_replica_is_caught_before_it_is_used(stdlib_dataset, tmp_path,
+                                                                  monkeypatch, nodes):
+    """HSDP over 3 (or 2) nodes holds every shard on each: one low mantissa bit of one replica's
+    parameters flipped between two steps (no spike follows) is found by the replicas' checksums
+    before the next forward. With a majority the replica is overwritten from it; with two, the
+    run rolls back to its newest checkpoint. Either way every loss equals an uncorrupted run's,
+    bit for bit (train/replica_check.py)."""
+    from elastic_gpt.testing.gloo import run_gloo
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+
+    world, flip_at = len(nodes), 25
+    args = [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1", "parallel.hsdp=on",
+            "train.max_steps=40", "health.straggler_action=off", "train.micro_batch_size=2",
+            "train.global_batch_size=12"]
+    monkeypatch.setenv(FLIP_BIT_ENV, f"{world - 1}:{flip_at}:3")
+    got = run_gloo(_train, world, [*args, f"checkpoint.path={tmp_path / 'run'}"], nodes)
+    monkeypatch.delenv(FLIP_BIT_ENV)
+    events = got[0]["events"]
+    found = [e for e in events if e["kind"] == "silent data corruption"]
+    assert len(found) == 1 and found[0]["step"] == flip_at, events
+    if world == 3:
+        assert found[0]["ranks"] == [2] and found[0]["nodes"] == ["c"]
+        assert found[0]["action"] == "healed from the majority"
+        assert [e["kind"] for e in events] == ["silent data corruption"]
+    else:
+        assert found[0]["action"] == "rollback"
+        rollback = next(e for e in events if e["kind"] == "rollback")
+        assert rollback["resumed_from_step"] == flip_at // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+    ref = run_gloo(_train, world, [*args, f"checkpoint.path={tmp_path / 'reference'}"], nodes)
+    assert ref[0]["events"] == []
+    assert got[0]["seen"] == ref[0]["seen"]

@@ -54,8 +54,9 @@ from elastic_gpt.tracking import metric_names as mn
 
 MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal distribution times this is its sigma
 RUN_INFO_SKIPS = "data_skips"  # the run record's key (checkpoint/store.py's run.json)
-# Tests inject a hardware fault through this: "rank:step" flips one exponent bit of that rank's
-# parameter shard before that step's forward, once per process (elastic_gpt/testing/faults.py).
+# Tests inject a hardware fault through this: "rank:step" flips the top exponent bit of the first
+# value of that rank's parameter shard before that step's forward, once per process; "rank:step:
+# bit" flips that bit (a low mantissa bit: silent data corruption, no spike).
 FLIP_BIT_ENV = "ELASTIC_GPT_TEST_FLIP_BIT"
 
 
@@ -198,16 +199,23 @@ class TrainingHealth:
 
     # ---- every step --------------------------------------------------------------------------
 
-    def before_step(self, model: torch.nn.Module, step: int) -> None:
-        if self.action != "rollback" or not self.cfg.rerun:
-            return
-        if self._flip is not None and self._flip == step:
-            _flip_one_bit(model)
+    def before_step(self, model: torch.nn.Module, step: int,
+                    checksum: bool = False) -> torch.Tensor | None:
+        """Before the forward of the step after `step` steps: this rank's shard checksum when the
+        re-run attribution keeps one, or `checksum` asks (train/replica_check.py); else None."""
+        if self._flip is not None and self._flip[0] == step:
+            _flip_one_bit(model, self._flip[1])
             self._flip = None
-        book = self._rerun_checksums if self.rerun else self.checksums
-        book[step] = shard_checksum(model)
-        for old in [s for s in book if s < step - self.keep_steps]:
-            del book[old]
+        keep = self.action == "rollback" and self.cfg.rerun
+        if not (keep or checksum):
+            return None
+        value = shard_checksum(model)
+        if keep:
+            book = self._rerun_checksums if self.rerun else self.checksums
+            book[step] = value
+            for old in [s for s in book if s < step - self.keep_steps]:
+                del book[old]
+        return value
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
                    ledger) -> Rollback | None:
@@ -349,6 +357,15 @@ class TrainingHealth:
         self._log_totals(last)
         return Rollback(target.step, target.url)
 
+    def roll_back_to_newest(self, step: int, ledger, why: str) -> Rollback:
+        """Collective: back to the newest committed checkpoint at or before `step`, for a fault
+        found outside the loss (replicas that disagree with no majority to heal from)."""
+        target = self._checkpoint_at_or_before(step)
+        if target is None:
+            raise TrainingDiverged(f"{why}, and no committed checkpoint to roll back to; run "
+                                   "again from the start")
+        return self._rollback(target, ledger, step, why)
+
     def _checkpoint_at_or_before(self, step: int):
         """Collective: the newest committed checkpoint at or before `step` (rank 0 lists)."""
         box = [self.store.latest(before=step + 1) if self.rank == 0 else None]
@@ -427,19 +444,23 @@ def _same_loss(a: float, b: float, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(abs(a), abs(b))
 
 
-def _parse_flip(spec: str | None, rank: int) -> int | None:
+def _parse_flip(spec: str | None, rank: int) -> tuple[int, int | None] | None:
+    """(step, bit or None) of FLIP_BIT_ENV's "rank:step[:bit]" when it names this rank."""
     if not spec:
         return None
-    at_rank, at_step = (int(x) for x in spec.split(":"))
-    return at_step if at_rank == rank else None
+    parts = [int(x) for x in spec.split(":")]
+    if parts[0] != rank:
+        return None
+    return parts[1], parts[2] if len(parts) > 2 else None
 
 
-def _flip_one_bit(model: torch.nn.Module) -> None:
-    """The injected hardware fault: the top exponent bit of this rank's first parameter value."""
+def _flip_one_bit(model: torch.nn.Module, bit: int | None = None) -> None:
+    """The injected hardware fault: one bit (None: the top exponent bit) of this rank's first
+    parameter value."""
     for p in model.parameters():
         t = (p.to_local() if isinstance(p, DTensor) else p).detach()
         if t.numel():
             bits = t.reshape(-1).view(_BITS[t.element_size()])
             with torch.no_grad():
-                bits[0] ^= 1 << (8 * t.element_size() - 2)
+                bits[0] ^= 1 << (8 * t.element_size() - 2 if bit is None else bit)
             return

@@ -58,6 +58,7 @@ from elastic_gpt.train.group_batches import GroupBroadcastBatches
 from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
+from elastic_gpt.train.replica_check import ReplicaCheck
 from elastic_gpt.train.run_memory import resolve_run_memory
 from elastic_gpt.train.schedule import lr_at
 from elastic_gpt.train.stragglers import StragglerWatch
@@ -146,6 +147,8 @@ class Trainer:
             keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2),
             rank_nodes=rank_nodes, metrics=metrics, membership=membership,
             replica_groups=cfg.elastic.replica_groups != "off")
+        self.replica_check = ReplicaCheck(cfg.health, self.dims, rank=rank, world_size=world_size,
+                                          rank_nodes=rank_nodes, membership=membership)
         self.stragglers = StragglerWatch(cfg.health, rank=rank, world_size=world_size,
                                          device=self.device, rank_nodes=rank_nodes,
                                          metrics=metrics, membership=membership)
@@ -555,7 +558,12 @@ class Trainer:
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
                 t_data = time.perf_counter() - t0
-                self.health.before_step(self.model, self.step)
+                rollback = self._check_state()
+                if rollback is not None:
+                    stream.close()
+                    self._roll_back(rollback)
+                    stream = self._open_stream()
+                    continue
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
                 if not result.committed:
@@ -630,6 +638,23 @@ class Trainer:
             ft.close()
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
+
+    def _check_state(self) -> Rollback | None:
+        """Before the step's forward: the state's checksum for the health checks, and the
+        replicas compared (train/replica_check.py); the rollback to make when they disagree
+        with no majority."""
+        due = self.replica_check.due(self.step)
+        checksum = self.health.before_step(self.model, self.step, checksum=due)
+        if not due:
+            return None
+        verdict = self.replica_check.check(self.step, checksum, self.model, self.optimizer,
+                                           self.ledger)
+        if verdict == "healed":
+            self.health.before_step(self.model, self.step)  # the healed state's checksum
+        elif verdict == "no majority":
+            return self.health.roll_back_to_newest(self.step, self.ledger,
+                                                   "replicas disagree with no majority")
+        return None
 
     def _roll_back(self, rollback: Rollback) -> None:
         """Collective: back to the committed checkpoint of `rollback.to_step` (train/health.py);
