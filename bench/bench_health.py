@@ -1,0 +1,190 @@
+"""Training health (train/health.py, train/replica_check.py, train/stragglers.py): what the checks
+cost a healthy run, and what each automatic action costs when it fires.
+
+    .venv/bin/python bench/bench_health.py [--steps 60] [--json out.json]
+
+Parts, each on real gloo processes of this machine:
+
+  overhead   the default job's model and batch at W=2 as HSDP over two "nodes" (every check
+             active: the shard checksum and the replicas' comparison before every forward, the
+             straggler probe every 10 steps), against the same run with every check off;
+             the two alternate, and the median step times are compared
+  spike      a garbage sample range at a known step: the steps from the first bad batch to the
+             detection, the seconds from the detection to the first step after the last
+             rollback (rollback, re-run, rollback), the steps re-done
+  hardware   the top exponent bit of one rank's parameters flipped: the same figures
+  sdc        one low mantissa bit of one replica flipped (3 replicas): the steps to detection
+             and the seconds the heal took (its step's time against the median step)
+
+The straggler's figures come from the real Ray test that evicts one
+(tests/test_chaos.py::test_a_straggler_is_evicted_and_the_run_goes_on_in_order prints them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+SEED, G, BAD_AT = 1234, 8, 40
+OFF = ["health.spike_action=off", "health.sdc_every_steps=0", "health.straggler_action=off"]
+
+
+class TimedSink:
+    """Each logged step's wall time and loss, in log order (a re-done step appears again)."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, float, float]] = []
+
+    def log(self, metrics: dict, step: int) -> None:
+        from elastic_gpt.tracking import metric_names as mn
+
+        if mn.TRAIN_LOSS in metrics:
+            self.steps.append((step, time.time(), metrics[mn.TRAIN_STEP_TIME_S]))
+
+    def log_params(self, params):
+        pass
+
+    def flush(self, timeout_s):
+        return True
+
+    def close(self):
+        pass
+
+
+def _run(rank: int, world: int, overrides: list[str], nodes: list[str] | None) -> dict:
+    from elastic_gpt.config import load_config
+    from elastic_gpt.train.trainer import Trainer
+
+    sink = TimedSink()
+    trainer = Trainer(load_config(os.path.join(ROOT, "jobs/configs/mini.yaml"), overrides),
+                      rank=rank, world_size=world, mlflow_run_id=None, metrics=sink,
+                      rank_nodes=nodes)
+    trainer.train()
+    return {"steps": sink.steps, "events": trainer.ledger.events}
+
+
+def _gloo(world, overrides, nodes=None, env=None):
+    from elastic_gpt.testing.gloo import run_gloo
+
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return run_gloo(_run, world, overrides, nodes)[0]
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def overhead(data: str, tmp: str, steps: int, repeats: int) -> dict:
+    base = [f"data.path={data}", f"train.max_steps={steps}", "tracking.enabled=false",
+            "eval.samples=0", "train.log_every=1000", "parallel.hsdp=on",
+            "checkpoint.every_steps=100000"]
+    times = {"on": [], "off": []}
+    for i in range(repeats):
+        for mode in ("on", "off"):
+            got = _gloo(2, [*base, f"checkpoint.path={tmp}/{mode}{i}", *(OFF if mode == "off"
+                                                                          else [])], ["a", "b"])
+            times[mode] += [t for _, _, t in got["steps"][5:]]  # past the first steps' warm-up
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    return {"step_s_on": on, "step_s_off": off, "on_over_off": on / off}
+
+
+def _recovery(got: dict) -> dict:
+    """From the detection until the run is back at the detected step, on the trajectory it
+    keeps (after the last rollback)."""
+    events = got["events"]
+    detected = next(e for e in events if e["kind"] == "loss spike")
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    back = [t for step, t, _ in got["steps"] if step == detected["step"]
+            and t > rollbacks[-1]["at"]]
+    median_step = statistics.median(s for _, _, s in got["steps"])
+    recovery = back[0] - detected["at"]
+    return {"detected_at_step": detected["step"], "recovery_s": recovery,
+            "steps_redone": sum(e.get("lost_steps", 0) for e in rollbacks),
+            "median_step_s": median_step, "recovery_in_steps": recovery / median_step,
+            "kinds": [e["kind"] for e in events]}
+
+
+def spike(data: str, tmp: str) -> dict:
+    from elastic_gpt.testing.faults import corrupt_steps
+
+    bad = f"{tmp}/garbage"
+    corrupt_steps(data, bad, range(BAD_AT, BAD_AT + 2), G, SEED, 16384)
+    got = _gloo(1, [*_test_job(bad), f"checkpoint.path={tmp}/spike"])
+    return {"first_bad_step": BAD_AT + 1, **_recovery(got)}
+
+
+def hardware(data: str, tmp: str) -> dict:
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+
+    got = _gloo(2, [*_test_job(data), f"checkpoint.path={tmp}/hw", "scaling.min_workers=1"],
+                env={FLIP_BIT_ENV: f"1:{BAD_AT}"})
+    return {"first_bad_step": BAD_AT + 1, **_recovery(got)}
+
+
+def sdc(data: str, tmp: str) -> dict:
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+
+    got = _gloo(3, [*_test_job(data), f"checkpoint.path={tmp}/sdc", "scaling.min_workers=1",
+                    "parallel.hsdp=on", "train.global_batch_size=12", "train.micro_batch_size=2"],
+                ["a", "b", "c"], env={FLIP_BIT_ENV: f"2:{BAD_AT}:3"})
+    event = next(e for e in got["events"] if e["kind"] == "silent data corruption")
+    step_s = {step: s for step, _, s in got["steps"]}
+    median = statistics.median(step_s.values())
+    return {"flipped_before_step": BAD_AT + 1, "detected_before_step": event["step"] + 1,
+            "healed_step_s": step_s[event["step"] + 1], "median_step_s": median,
+            "heal_s": step_s[event["step"] + 1] - median, "kinds": [e["kind"] for e in
+                                                                     got["events"]]}
+
+
+def _test_job(data: str) -> list[str]:
+    return ["model.preset=tiny", f"data.path={data}", f"data.seed={SEED}",
+            f"train.global_batch_size={G}", "train.micro_batch_size=4", "train.max_steps=56",
+            "train.warmup_steps=5", "train.lr=3e-3", "train.dtype=float32",
+            "checkpoint.every_steps=10", "checkpoint.keep=3", "tracking.enabled=false",
+            "eval.samples=0", "train.log_every=1000", "data.prefetch_steps=2",
+            "health.spike_steps=2", "health.spike_window=20", "health.spike_min_history=10",
+            "health.straggler_action=off"]
+
+
+def _dataset(tmp: str) -> str:
+    import sysconfig
+
+    from data_pipelines.tokenize_job import prepare_data
+
+    out = f"{tmp}/stdlib"
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:40]
+    prepare_data(files, out, tokenizer="bytes", seq_len=64, engine="local", progress=False,
+                 max_bytes=500_000)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
+        data = _dataset(tmp)
+        out = {"overhead": overhead(data, tmp, args.steps, args.repeats),
+               "spike": spike(data, tmp), "hardware": hardware(data, tmp), "sdc": sdc(data, tmp),
+               "load_average": os.getloadavg()[0]}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
