@@ -1,7 +1,8 @@
 """Training health (train/health.py, train/replica_check.py, train/stragglers.py): what the checks
 cost a healthy run, and what each automatic action costs when it fires.
 
-    .venv/bin/python bench/bench_health.py [--steps 60] [--json out.json]
+    .venv/bin/python bench/bench_health.py [--steps 60] [--repeats 2] [--parts overhead,...]
+                                           [--json out.json]
 
 Parts, each on real gloo processes of this machine:
 
@@ -88,14 +89,18 @@ def overhead(data: str, tmp: str, steps: int, repeats: int) -> dict:
     base = [f"data.path={data}", f"train.max_steps={steps}", "tracking.enabled=false",
             "eval.samples=0", "train.log_every=1000", "parallel.hsdp=on",
             "checkpoint.every_steps=100000"]
-    times = {"on": [], "off": []}
+    ratios, medians = [], {"on": [], "off": []}
     for i in range(repeats):
-        for mode in ("on", "off"):
+        pair = {}
+        for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):  # neither always first
             got = _gloo(2, [*base, f"checkpoint.path={tmp}/{mode}{i}", *(OFF if mode == "off"
                                                                           else [])], ["a", "b"])
-            times[mode] += [t for _, _, t in got["steps"][5:]]  # past the first steps' warm-up
-    on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    return {"step_s_on": on, "step_s_off": off, "on_over_off": on / off}
+            # past the first steps' warm-up
+            pair[mode] = statistics.median(t for _, _, t in got["steps"][5:])
+            medians[mode].append(pair[mode])
+        ratios.append(pair["on"] / pair["off"])
+    return {"step_s_on": medians["on"], "step_s_off": medians["off"],
+            "on_over_off_per_pair": ratios, "on_over_off": statistics.median(ratios)}
 
 
 def _recovery(got: dict) -> dict:
@@ -173,13 +178,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--parts", default="overhead,spike,hardware,sdc")
     ap.add_argument("--json")
     args = ap.parse_args()
+    parts = {"overhead": lambda data, tmp: overhead(data, tmp, args.steps, args.repeats),
+             "spike": spike, "hardware": hardware, "sdc": sdc}
     with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
         data = _dataset(tmp)
-        out = {"overhead": overhead(data, tmp, args.steps, args.repeats),
-               "spike": spike(data, tmp), "hardware": hardware(data, tmp), "sdc": sdc(data, tmp),
-               "load_average": os.getloadavg()[0]}
+        out = {name: parts[name](data, tmp) for name in args.parts.split(",")}
+        out["load_average"] = os.getloadavg()[0]
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
