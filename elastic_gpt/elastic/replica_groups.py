@@ -18,7 +18,8 @@ the restart path. Each fallback is charged to the same sliding-hour budget.
 Each group's Ray Train job is built as the restart path's is (`worker_group_job.py`). Worker side
 (`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroups`, and its
 metric sink logs only while the group leads the quorum, so the one MLflow run gets each step once
-(C5 one MLflow run).
+(C5 one MLflow run). torchft's own per-step detail goes to a file per worker (`detail_log_dir`),
+not to the console.
 """
 
 from __future__ import annotations
@@ -66,6 +67,24 @@ def group_size(cfg: Config) -> int:
     return s.max_workers // n
 
 
+def detail_log_dir(cfg: Config) -> str:
+    """Where each worker keeps torchft's detail (`parallel/replicate.keep_torchft_detail`): the
+    run's folder under run.storage_path, `<run.storage_path>/<run.name>/logs` (Ray Train's own
+    folders there are `<run.name>-<time>`); an object store takes no appends, so with one there
+    the temp folder of each worker's node."""
+    import tempfile
+
+    root = cfg.run.storage_path
+    if "://" in root:
+        root = os.path.join(tempfile.gettempdir(), "elastic-gpt")
+    return os.path.join(root, cfg.run.name, "logs")
+
+
+def detail_log_path(log_dir: str, group: int | str, rank: int | str) -> str:
+    """One file per worker of a group, appended to across its restarts."""
+    return os.path.join(log_dir, f"torchft-g{group}-r{rank}.log")
+
+
 def group_run_key(key: str, group: int) -> str:
     """Each group's own GCS records (its failures, drains, progress): `membership.RunRecords`."""
     return f"{key}/g{group}"
@@ -107,6 +126,9 @@ class ReplicaGroupsJob:
     """When each fallback to the restart path happened (the sliding-hour budget)."""
 
     def fit(self) -> ReplicaGroupsJob:
+        say("[elastic-gpt] replica groups: torchft's detail (quorums, commits, heals) goes to "
+            f"{detail_log_path(detail_log_dir(self.cfg), '<G>', '<R>')} on each worker's node "
+            "(group G, rank R)")
         while True:
             outcome = self._attempt()
             if outcome.finished:
@@ -141,11 +163,11 @@ class ReplicaGroupsJob:
                            pid=ray.get(lighthouse.pid.remote()))
         say(f"[elastic-gpt] replica groups: {n} x {self.size} worker(s), Lighthouse at "
             f"{address} (heartbeat timeout {cfg.elastic.replica_heartbeat_timeout_s:g} s)")
-        diagnostics = {"record_dir": os.environ.get(RECORD_DIR_ENV),
-                       "state_hash": os.environ.get(STATE_HASH_ENV) == "1"}
+        spec = {"log_dir": detail_log_dir(cfg), "record_dir": os.environ.get(RECORD_DIR_ENV),
+                "state_hash": os.environ.get(STATE_HASH_ENV) == "1"}
         runs = {run_group.options(scheduling_strategy=here,
                                   runtime_env={"env_vars": self.env}).remote(
-                    cfg.to_dict(), self.run_id, g, address, self.size, self.gpu, diagnostics): g
+                    cfg.to_dict(), self.run_id, g, address, self.size, self.gpu, spec): g
                 for g in range(n)}
         outcomes: dict[int, dict] = {}
         try:
@@ -287,9 +309,10 @@ class Lighthouse:
 
 @ray.remote(num_cpus=0, max_retries=0)
 def run_group(config: dict, run_id: str | None, group: int, lighthouse: str, size: int,
-              gpu: bool, diagnostics: dict) -> dict:
+              gpu: bool, spec: dict) -> dict:
     """Group `group`'s own Ray Train run; Ray restarts its workers after a failure (within the
-    group's budget) or a drain, while the other groups' runs go on."""
+    group's budget) or a drain, while the other groups' runs go on. `spec`: where its workers
+    keep torchft's detail, and the diagnostics of the tests (RECORD_DIR_ENV, STATE_HASH_ENV)."""
     from elastic_gpt.config import config_from_dict
 
     cfg = config_from_dict(config)
@@ -297,7 +320,7 @@ def run_group(config: dict, run_id: str | None, group: int, lighthouse: str, siz
     job = job_factory(cfg, gpu=gpu, num_workers=size, key=key,
                       name=f"{cfg.run.name}-g{group}-{int(time.time())}")
     trainer = job({"config": config, "mlflow_run_id": run_id, "run_key": key,
-                   "replica_group": {"group": group, "lighthouse": lighthouse, **diagnostics}})
+                   "replica_group": {"group": group, "lighthouse": lighthouse, **spec}})
     try:
         result = trainer.fit()
     except Exception as e:  # returned, not raised: one group's end is not the run's

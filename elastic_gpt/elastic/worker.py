@@ -84,15 +84,19 @@ def train_loop_per_worker(loop_config: dict) -> None:
 
 def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGroups:
     """This worker's place in its replica group (the loop config's `replica_group`: which group,
-    the Lighthouse, the diagnostics of elastic/replica_groups.py)."""
+    the Lighthouse, where torchft's detail goes, the diagnostics of elastic/replica_groups.py)."""
+    from elastic_gpt.elastic.replica_groups import detail_log_path
     from elastic_gpt.parallel.replicate import ReplicaGroup
+
+    log_dir = spec.get("log_dir")
 
     return ReplicaGroups(ReplicaGroup(
         lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
         groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,
         collective_timeout_s=min(cfg.elastic.replica_collective_timeout_s,
                                  cfg.elastic.hang_timeout_s),
-        record_dir=spec.get("record_dir"), state_hash=bool(spec.get("state_hash"))))
+        record_dir=spec.get("record_dir"), state_hash=bool(spec.get("state_hash")),
+        log_path=detail_log_path(log_dir, spec["group"], rank) if log_dir else None))
 
 
 def _note_placement_group(run_key: str) -> None:

@@ -42,6 +42,73 @@ FT_MISSING = ("elastic.replica_groups needs torchft, which is not installed; pip
               "'elastic-gpt[ft]'")
 
 
+# torchft's Python loggers: its modules' (torchft.manager, torchft.process_group, ...) and the
+# structured records it writes per quorum, commit and error (an empty message with fields).
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+_RECORD_FIELDS = ("replica_id", "rank", "quorum_id", "step", "commit_result")
+# A long run's detail at about ten lines a step: a few of these per worker, the oldest dropped.
+DETAIL_FILE_BYTES = 64 << 20
+DETAIL_FILE_BACKUPS = 2
+
+
+def keep_torchft_detail(path: str) -> None:
+    """torchft's detail into `path`, at debug level, and only its warnings and errors to the
+    console, so a replica-group run prints what the restart path prints. Call before torchft is
+    first imported in the process.
+
+    torchft logs every step's quorum, process-group reconfiguration and commit vote at INFO,
+    twice: from Python (the loggers above) and from its Rust core (manager and Lighthouse client,
+    written straight to stderr at the level RUST_LOG names when torchft is first imported). The
+    Python records go to the file, with the fields of its structured records; the Rust core
+    gets RUST_LOG=warn unless the environment sets RUST_LOG (then its lines are on stderr as
+    torchft writes them: `RUST_LOG=info` brings the detail back, docs/operations.md). Python
+    warnings raised inside torchft are not shown."""
+    import warnings
+    from logging.handlers import RotatingFileHandler
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    # Python warnings about torchft's own internals (a heal's non-writable buffer, a deprecated
+    # pytree check): nothing a user can act on.
+    warnings.filterwarnings("ignore", module=r"torchft(\.|$)")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    detail = RotatingFileHandler(path, maxBytes=DETAIL_FILE_BYTES, backupCount=DETAIL_FILE_BACKUPS)
+    detail.setFormatter(_DetailFormatter())
+    console = _ToConsole(logging.WARNING)
+    for name in TORCHFT_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # the root's handlers print INFO (Ray's worker setup)
+        for old in list(logger.handlers):
+            logger.removeHandler(old)
+        logger.addHandler(detail)
+        logger.addHandler(console)
+    logging.getLogger("torchft").debug("pid %d: torchft's detail from here on", os.getpid())
+
+
+class _DetailFormatter(logging.Formatter):
+    """The time, level and logger of each line, and the fields of torchft's structured records
+    (their message is empty)."""
+
+    def __init__(self):
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={getattr(record, k)}" for k in _RECORD_FIELDS
+                          if hasattr(record, k))
+        line = super().format(record)
+        return f"{line.rstrip()} {fields}" if fields else line
+
+
+class _ToConsole(logging.Handler):
+    """A torchft warning or error on to the process's console handlers (the root logger's), in
+    their format. Not torchft's warning at every reconfiguration that a CPU build of torch has no
+    NCCL flight recorder to reset: nothing a user can act on (it stays in the file)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "flight recorder" not in record.getMessage():
+            logging.getLogger().handle(record)
+
+
 def import_torchft():
     """torchft, or the one-line error that says how to get it (C6 clear errors)."""
     try:
@@ -74,7 +141,10 @@ class ReplicaGroup:
 
     def __init__(self, *, lighthouse: str, group: int, group_rank: int, group_size: int,
                  groups: int, timeout_s: float = 30.0, collective_timeout_s: float | None = None,
-                 record_dir: str | None = None, state_hash: bool = False):
+                 record_dir: str | None = None, state_hash: bool = False,
+                 log_path: str | None = None):
+        if log_path:
+            keep_torchft_detail(log_path)
         self.torchft, self._managed_pg, self._transport = import_torchft()
         self.lighthouse, self.group = lighthouse, group
         self.group_rank, self.group_size = group_rank, group_size

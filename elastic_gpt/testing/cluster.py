@@ -24,10 +24,11 @@ FAST_FAILURE_DETECTION = {
 
 class LocalCluster:
     """Head node with no CPUs (driver, controller) plus `workers` nodes of one CPU each: one
-    training worker per node, so killing a node takes exactly one rank."""
+    training worker per node, so killing a node takes exactly one rank. `log_to_driver`: the
+    workers' output is printed by this process, as a user's driver prints it."""
 
     def __init__(self, workers: int = 2, cpus_per_node: int = 1,
-                 object_store_bytes: int = 80 << 20):
+                 object_store_bytes: int = 80 << 20, log_to_driver: bool = False):
         from ray.cluster_utils import Cluster
 
         if ray.is_initialized():
@@ -38,7 +39,7 @@ class LocalCluster:
             "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
         self.nodes = [self.add_node(wait=False) for _ in range(workers)]
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, log_to_driver=False)
+        ray.init(address=self.cluster.address, log_to_driver=log_to_driver)
 
     @property
     def address(self) -> str:
