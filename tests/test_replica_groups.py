@@ -18,16 +18,20 @@ takes every fault in turn, each while the other group keeps stepping:
   elastic.replica_collective_timeout_s, far inside the hang timeout;
 
 and (c, d) every committed step has the data and (within float noise) the loss of an
-uninterrupted single-process run. One run, not one per fault: a cluster, a reference run and a
-group start cost more than most faults do on 2 cores."""
+uninterrupted single-process run, and its metrics are in MLflow once (the steps the leading
+group had not yet stored when its node was killed (e) logged by the group leading after it).
+One run, not one per fault: a cluster, a reference run and a group start cost more than most
+faults do on 2 cores."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import signal
 import time
+from collections import Counter
 
 import pytest
 
@@ -212,7 +216,22 @@ def kill_group_1_rank_0(folder: str, at_step: int, together: int):
     return killed, pid, steps
 
 
-def _faults(cluster, folder: str) -> dict:
+@contextlib.contextmanager
+def _mlflow_stalled(db: str):
+    """The tracking store takes no write and answers no read meanwhile, as a stalled tracking
+    server: an exclusive lock on its sqlite file (MLflow's sessions wait up to 20 s for it)."""
+    import sqlite3
+
+    conn = sqlite3.connect(db, timeout=30, isolation_level=None)
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        conn.execute("ROLLBACK")
+        conn.close()
+
+
+def _faults(cluster, folder: str, mlflow_db: str) -> dict:
     """Each fault once the previous one has been absorbed (both groups stepping together)."""
     from elastic_gpt.elastic import preemption
 
@@ -251,10 +270,18 @@ def _faults(cluster, folder: str) -> dict:
     cluster.nodes.remove(node)
     cluster.cluster.remove_node(node, allow_graceful=False)  # the cloud takes it at its deadline
 
-    # (e) group 0's node hard-killed, and capacity back at once.
+    # (e) group 0's node hard-killed, and capacity back at once. MLflow stalls first, so the
+    # last steps group 0 commits as the leader are surely not stored by it when it dies: group 1,
+    # leading after it, must log them (C5 one MLflow run).
     killed = _node_of(0, recs)
-    at["kill"] = cluster.kill_node(next(n for n in cluster.cluster.worker_nodes
-                                        if n.node_id == killed))
+    with _mlflow_stalled(mlflow_db):
+        at["stalled"] = time.time()
+        _wait_records(folder, lambda recs: len([
+            r for r in recs if r.get("event") == "step" and r["group"] == 0 and r["rank"] == 0
+            and r["committed"] and r["t"] > at["stalled"]]) >= 2,
+            what="group 0 stepping while MLflow stalls")
+        at["kill"] = cluster.kill_node(next(n for n in cluster.cluster.worker_nodes
+                                            if n.node_id == killed))
     cluster.nodes.append(cluster.add_node(wait=False))
     _, alone = _wait_records(folder, lambda recs: [r for r in recs if r.get("event") == "step"
                                                    and r["t"] > at["kill"] and r["groups"] == 1],
@@ -300,8 +327,8 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     try:
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg", []))
-        summary, at = train_in_background(cfg, lambda: _faults(cluster, records),
-                                          timeout_s=600)
+        summary, at = train_in_background(
+            cfg, lambda: _faults(cluster, records, str(tmp_path / "mlflow.db")), timeout_s=600)
     finally:
         cluster.shutdown()
     recs = _records(records)
@@ -426,9 +453,25 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     assert all(r["waited_s"] < 0.5 * HEARTBEAT_S for r in prompt), prompt
     waits = {fault: _drop_wait(steps, at[fault], at[end], survivor) for fault, end, survivor in
              (("worker", "lighthouse", 0), ("drain", "back", 0), ("kill", "stop", 1))}
-    live_groups = [m.value for m in mlflow.tracking.MlflowClient(
-        cfg.tracking.uri).get_metric_history(summary["run_id"], mn.TRAIN_REPLICA_GROUPS)]
+    client = mlflow.tracking.MlflowClient(cfg.tracking.uri)
+    live_groups = [m.value for m in client.get_metric_history(summary["run_id"],
+                                                              mn.TRAIN_REPLICA_GROUPS)]
     assert set(live_groups) == {1, 2}, set(live_groups)
+    # Every committed step's metrics reached MLflow exactly once (C5 one MLflow run), through
+    # every fault: the steps the leading group had committed but not stored when its node was
+    # killed (e) among them, logged by the group leading after it. Only a step trained twice
+    # (re-done after the fallback restored a checkpoint) may be there twice, once per time.
+    unstored = [r for r in committed if r["group"] == 0 and r["leads"]
+                and at["stalled"] < r["t"] < at["kill"]]
+    assert len(unstored) >= 2, unstored
+    trained = Counter((r["group"], r["step"] + 1) for r in committed)
+    redone = {step for (_, step), n in trained.items() if n > 1}
+    for key in (mn.TRAIN_LOSS, mn.DATA_FINGERPRINT):
+        logged = Counter(m.step for m in client.get_metric_history(summary["run_id"], key))
+        assert not set(range(1, STEPS + 1)) - set(logged), \
+            (key, "never logged", sorted(set(range(1, STEPS + 1)) - set(logged)))
+        twice = {s: n for s, n in logged.items() if n > (2 if s in redone else 1)}
+        assert not twice, (key, "logged more than once", twice)
     # MFU counts every live group's workers: a step two groups shared is not credited to one.
     _check_mfu(cfg, summary["run_id"])
     redone = len([r for r in steps if not r["committed"] and at["worker"] < r["t"]

@@ -360,6 +360,37 @@ def test_metric_logger_flush_stores_everything_logged_so_far(tmp_path):
     assert mn.SYSTEM_CPU_PERCENT in client.get_run(run_id).data.metrics
 
 
+def test_a_lead_handed_over_stores_every_step_once(tmp_path):
+    """Replica groups (C5 one MLflow run): the leading group's logger ships what it holds and then
+    nothing more when it leaves; the next leader logs the held steps the store lacks, keyed by
+    step: every step once, whoever stored it."""
+    import mlflow
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    leader = MetricLogger(uri, run_id, flush_every_s=60, system_every_s=None)
+    for step in (1, 2, 3):
+        leader.log({mn.TRAIN_LOSS: step, mn.DATA_FINGERPRINT: step}, step)
+    assert leader.flush(timeout_s=60) and leader.logged_through() == 3
+    leader.log({mn.TRAIN_LOSS: 4, mn.DATA_FINGERPRINT: 4}, 4)
+    assert leader.stop_sending(timeout_s=60)  # step 4 shipped on the way out
+    leader.log({mn.TRAIN_LOSS: 5, mn.DATA_FINGERPRINT: 5}, 5)  # after it: never stored
+    assert leader.flush(timeout_s=60) and leader.logged_through() == 4
+    leader.close()
+
+    # The next leader held its own record of steps 2..5, not yet confirmed stored.
+    nxt = MetricLogger(uri, run_id, flush_every_s=60, system_every_s=None)
+    nxt.log_missing([(step, 1000 * step, {mn.TRAIN_LOSS: 10 + step, mn.DATA_FINGERPRINT: step})
+                     for step in (2, 3, 4, 5)])
+    nxt.log({mn.TRAIN_LOSS: 16, mn.DATA_FINGERPRINT: 6}, 6)
+    assert nxt.flush(timeout_s=60) and nxt.logged_through() == 6
+    nxt.close()
+    for key in (mn.TRAIN_LOSS, mn.DATA_FINGERPRINT):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3, 4, 5, 6]
+    assert {m.step: m.value for m in client.get_metric_history(run_id, mn.TRAIN_LOSS)} == {
+        1: 1, 2: 2, 3: 3, 4: 4, 5: 15, 6: 16}
+
+
 def test_metric_logger_params_a_run_already_holds_never_hold_back_the_metrics(tmp_path, caplog):
     import mlflow
     uri = f"sqlite:///{tmp_path}/mlflow.db"

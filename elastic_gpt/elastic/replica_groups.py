@@ -17,9 +17,10 @@ the restart path. Each fallback is charged to the same sliding-hour budget.
 
 Each group's Ray Train job is built as the restart path's is (`worker_group_job.py`). Worker side
 (`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroups`, and its
-metric sink logs only while the group leads the quorum, so the one MLflow run gets each step once
-(C5 one MLflow run). torchft's own per-step detail goes to a file per worker (`detail_log_dir`),
-not to the console.
+metric sink logs a step from the group leading its quorum, or from the group leading after it
+when that one is lost before it stored it, so the one MLflow run gets each step once (C5 one
+MLflow run). torchft's own per-step detail goes to a file per worker (`detail_log_dir`), not to
+the console.
 """
 
 from __future__ import annotations

@@ -20,12 +20,7 @@ from elastic_gpt.errors import permanent_failure
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.tracking.metric_logger import MetricLogger
 from elastic_gpt.train.collaborators import Membership, MetricSink, NullMembership, NullMetricSink
-from elastic_gpt.train.fault_tolerance import (
-    FaultTolerance,
-    LeaderMetrics,
-    ReplicaGroups,
-    RestartPath,
-)
+from elastic_gpt.train.fault_tolerance import FaultTolerance, ReplicaGroups, RestartPath
 from elastic_gpt.train.trainer import Trainer
 
 
@@ -45,8 +40,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ParallelDims.for_nodes(world, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp, rank_nodes=nodes,
                            pp=cfg.parallel.pp)
     # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
-    metrics: MetricSink = (MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id
-                           else NullMetricSink())
+    logger = MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id else None
+    metrics: MetricSink = logger or NullMetricSink()
     # With replica groups (elastic/replica_groups.py) `run_key` is the group's own: a drain
     # makes only this group leave (and come back when capacity does), its failures are its own.
     replica = loop_config.get("replica_group")
@@ -55,8 +50,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     fault_tolerance: FaultTolerance = RestartPath()
     if replica is not None:
         groups = _replica_groups(replica, rank, world, cfg)
-        # Each step's metrics once (C5 one MLflow run): from the group leading its quorum.
-        metrics = LeaderMetrics(metrics, groups)
+        if logger is not None:
+            # Each step's metrics once (C5 one MLflow run): from the group leading its quorum,
+            # or the one leading after it when it is lost before it stored them.
+            metrics = groups.metric_sink(logger)
         fault_tolerance = groups
         if rank == 0:
             _note_placement_group(loop_config["run_key"])
@@ -89,7 +86,6 @@ def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGr
     from elastic_gpt.parallel.replicate import ReplicaGroup
 
     log_dir = spec.get("log_dir")
-
     return ReplicaGroups(ReplicaGroup(
         lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
         groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -168,6 +169,11 @@ class ReplicaGroup:
         self._gap = 0.0
         self._phases: dict[str, float] = {}
         self._cross_s = 0.0
+        self.logged_through: Callable[[], int] = lambda: 0
+        """The step through which this rank has stored every step's metrics it was given (its
+        metric sink's; 0 where it logs none): the leading group's rank 0 tells the others with
+        each step's stats (`leader_logged_through`)."""
+        self._leader_logged = torch.zeros(1, dtype=torch.float64)
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -357,12 +363,21 @@ class ReplicaGroup:
     def reduce_stats(self, stats: torch.Tensor) -> None:
         """Sum the step's loss and data fingerprint over the live groups; each group's are
         already summed over its ranks. The flags after them stay the group's own: a drain
-        makes only the drained group leave."""
+        makes only the drained group leave. In the same call the leading group tells the
+        others how far its metrics are stored (the others add 0)."""
         self._phases["backward"] = time.perf_counter()
-        shared = stats[:3].clone()
+        stored = float(self.logged_through()) if self.leads else 0.0
+        shared = torch.cat([stats[:3], stats.new_tensor([stored])])
         self.manager.allreduce(shared, reduce_op=dist.ReduceOp.SUM).wait()
-        stats[:3] = shared
+        stats[:3] = shared[:3]
+        self._leader_logged = shared[3:]
         self._phases["stats"] = time.perf_counter()
+
+    @property
+    def leader_logged_through(self) -> int:
+        """The step through which the group leading the last step's quorum had stored every
+        step's metrics, as it said in that step's stats (read after the commit: no extra sync)."""
+        return int(self._leader_logged.item())
 
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         ok = self.manager.should_commit()

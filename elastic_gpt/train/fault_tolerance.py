@@ -32,6 +32,8 @@ Nothing here imports Ray; torchft only when a `ReplicaGroup` is built.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 
     from elastic_gpt.checkpoint.store import CheckpointStore
     from elastic_gpt.parallel.replicate import ReplicaGroup
+    from elastic_gpt.tracking.metric_logger import MetricLogger
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,16 @@ class ReplicaGroups:
 
     def __init__(self, member: ReplicaGroup):
         self.member = member
+        self._hand_over: Callable[[], None] = lambda: None
+
+    def metric_sink(self, sink: MetricLogger) -> LeaderMetrics:
+        """The metric sink of this group's rank 0 in a tracked run: each committed step's
+        metrics reach the one MLflow run once, from the group leading its quorum or, when that
+        group is lost before it stored them, from the group leading after it (C5 one MLflow
+        run)."""
+        metrics = LeaderMetrics(sink, self)
+        self._hand_over = metrics.hand_over
+        return metrics
 
     @property
     def leads(self) -> bool:
@@ -205,7 +218,9 @@ class ReplicaGroups:
 
     def on_stop(self) -> None:
         # A drained group: the others' next quorum forms without waiting for its heartbeat to
-        # time out.
+        # time out. Its metric sink stops first: the group leading after it logs what it did not
+        # store (LeaderMetrics).
+        self._hand_over()
         self.member.leave()
 
     def quorum_change(self) -> QuorumChange | None:
@@ -216,21 +231,64 @@ class ReplicaGroups:
         return QuorumChange(before, after, self.member.groups, self.member.quorum_s)
 
     def close(self) -> None:
-        # Also after an error: the group leaves the quorum first, then stops.
+        # Also after an error: the group leaves the quorum first (its metric sink stopped
+        # before, as in on_stop), then stops.
+        self._hand_over()
         self.member.shutdown()
 
 
 class LeaderMetrics:
-    """A metric sink that logs a step's metrics only from the group leading its quorum (each step
-    once: C5 one MLflow run), with the number of live groups."""
+    """Rank 0's metric sink with replica groups: every committed step's metrics reach MLflow
+    exactly once, even when the group that logs them is lost mid-step (C5 one MLflow run).
 
-    def __init__(self, sink, replica_groups: ReplicaGroups):
+    The group leading a step's quorum logs the step, with the number of live groups. Its logger
+    ships in the background, so a leader killed after a commit can take the last few steps'
+    records with it. The other groups therefore hold their own record of each step they committed
+    until the leader has stored it: the leader says how far it has (`MetricLogger.logged_through`)
+    in each step's stats sum (`ReplicaGroup.leader_logged_through`). A group that logs while
+    leading and still holds records has taken the lead from a group that is gone (the leader is
+    the quorum's lowest replica id, so the one it held records for is not in the quorum): it logs
+    each held step that the store does not have yet (`MetricLogger.log_missing`, keyed by step).
+    A record's values are this group's (its own step time), but for any step only one record is
+    stored.
+
+    Nothing logs a step twice as long as nothing of the old leader lands after the new one has
+    looked: a killed process sends nothing, and a group that leaves (a drain, an error, the end)
+    stops its sink before the Lighthouse hears it leave (`hand_over`, from
+    ReplicaGroups.on_stop and close), after shipping what it could. What is left: a leader that
+    the Lighthouse dropped by its heartbeat while it still runs and still reaches the store (cut
+    off from the Lighthouse alone) may store a step that the next leader logged too. Writers
+    that share each step's values and timestamps would let MLflow's own dedupe absorb that (it
+    drops a row equal in key, step, timestamp and value), at N times the writes: not done."""
+
+    HAND_OVER_S = 5.0
+    """How long a leaving group's sink ships what it holds (a checkpoint waits as long for the
+    metrics before its commit)."""
+    HELD = 10_000
+    """Records held at most: more steps than a leader's logger keeps unsent (100,000 values)."""
+
+    def __init__(self, sink: MetricLogger, replica_groups: ReplicaGroups):
         self.sink, self.replica_groups = sink, replica_groups
+        self._held: list[tuple[int, int, dict]] = []
+        replica_groups.member.logged_through = sink.logged_through
 
     def log(self, metrics: dict, step: int) -> None:
-        if self.replica_groups.leads:
-            self.sink.log({**metrics, mn.TRAIN_REPLICA_GROUPS: self.replica_groups.live_groups},
-                          step)
+        groups = self.replica_groups
+        record = {**metrics, mn.TRAIN_REPLICA_GROUPS: groups.live_groups}
+        if groups.leads:
+            if self._held:  # the lead taken over: what the lost leader may not have stored
+                self.sink.log_missing(self._held)
+                self._held = []
+            self.sink.log(record, step)
+            return
+        stored = groups.member.leader_logged_through
+        self._held = [r for r in self._held[-self.HELD + 1:] if r[0] > stored]
+        self._held.append((step, int(time.time() * 1000), record))
+
+    def hand_over(self) -> None:
+        """This group leaves the quorum: ship what it can, then nothing more."""
+        self.sink.stop_sending(self.HAND_OVER_S)
+        self._held = []
 
     def log_params(self, params: dict[str, str]) -> None:
         self.sink.log_params(params)
