@@ -1,8 +1,8 @@
 """Typed run configuration: YAML file + dotted `key=value` overrides, validated up front.
 
-Every field's type is the check: `_coerce` reads the resolved type hints (int, float, bool, str,
-`Literal` for closed sets, `X | None` for optional fields, `Annotated[..., Range]` for bounds), so
-a value is judged the moment it is set. `validate()` holds only what no single field's type can
+Every field's type is the check (`config_types.py` reads the resolved type hints: int, float,
+bool, str, `Literal` for closed sets, `X | None` for optional fields, `Annotated[..., Range]` for
+bounds), so a value is judged the moment it is set. `validate()` holds only what no single field's type can
 say: rules between fields, the preset registry, the required dataset path. Every user error is a
 `ValueError` whose message names the key and the fix, raised before any cluster, checkpoint or
 MLflow run is touched (C6 clear errors).
@@ -19,13 +19,13 @@ import functools
 import logging
 import math
 import os
-import types
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Literal, get_type_hints
 
 import yaml
 
+from elastic_gpt.config_types import AtLeastOne, Range, coerce
 from elastic_gpt.console import first_line
 from elastic_gpt.data.order import DEFAULT_READ_BLOCK_BYTES, DEFAULT_SHUFFLE_WINDOW
 from elastic_gpt.parallel.tp_rules import workers_problem
@@ -33,22 +33,6 @@ from elastic_gpt.parallel.tp_rules import workers_problem
 log = logging.getLogger(__name__)
 
 
-class Range(NamedTuple):
-    """Bounds of a number field: low <= value, and value < high when high is given."""
-
-    low: float
-    high: float | None = None
-
-    def holds(self, value: float) -> bool:
-        return value >= self.low and (self.high is None or value < self.high)
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"at least {self.low:g}"
-        return f"in [{self.low:g}, {self.high:g})"
-
-
-AtLeastOne = Annotated[int, Range(1)]
 
 
 @dataclass
@@ -458,7 +442,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
     hints = _field_types(type(sec))
     if key not in hints:
         raise ValueError(f"unknown config key {dotted!r}; keys of {section}: {', '.join(hints)}")
-    setattr(sec, key, _coerce(dotted, value, hints[key]))
+    setattr(sec, key, coerce(dotted, value, hints[key]))
 
 
 @functools.cache
@@ -466,97 +450,6 @@ def _field_types(section: type) -> dict[str, object]:
     """Field name -> its resolved type (annotations are strings under `from __future__`)."""
     hints = get_type_hints(section, include_extras=True)
     return {f.name: hints[f.name] for f in fields(section)}
-
-
-class _Mismatch(Exception):
-    """The value is not of this type; args[0] lists what would be (e.g. ["true", "false"])."""
-
-
-def _coerce(dotted: str, value, tp):
-    """YAML already typed the value; check it against the field's type and return it as stored."""
-    if value is None:
-        if _allows_none(tp):
-            return None
-        raise ValueError(f"{dotted} cannot be empty")
-    try:
-        return _as_type(dotted, value, tp)
-    except _Mismatch as e:
-        raise ValueError(f"{dotted}={value!r} must be {_one_of(e.args[0])}") from None
-
-
-def _allows_none(tp) -> bool:
-    return tp is type(None) or (_is_union(tp) and any(_allows_none(a) for a in get_args(tp)))
-
-
-def _is_union(tp) -> bool:
-    return get_origin(tp) in (Union, types.UnionType)
-
-
-def _as_type(dotted: str, value, tp):
-    """`value` as a `tp`, or _Mismatch with the words for what `tp` accepts."""
-    origin = get_origin(tp)
-    if origin is Annotated:
-        inner, *meta = get_args(tp)
-        value = _as_type(dotted, value, inner)
-        for bound in meta:
-            if isinstance(bound, Range) and not bound.holds(value):
-                raise ValueError(f"{dotted}={value!r} must be {bound}")
-        return value
-    if _is_union(tp):
-        accepted: list[str] = []
-        for member in get_args(tp):
-            if member is type(None):
-                continue
-            try:
-                return _as_type(dotted, value, member)
-            except _Mismatch as e:
-                accepted += e.args[0]
-        raise _Mismatch(accepted)
-    if origin is Literal:
-        choices = get_args(tp)
-        if isinstance(value, bool) and ("on" if value else "off") in choices:
-            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
-        # Compare the type too: YAML's `true` must not pass as 1, nor 1 as "1".
-        if any(type(value) is type(c) and value == c for c in choices):
-            return value
-        raise _Mismatch([str(c) for c in choices])
-    if origin is list:
-        if not isinstance(value, list):
-            raise _Mismatch(["a list"])
-        (item,) = get_args(tp)
-        return [_as_type(f"{dotted}[{i}]", v, item) for i, v in enumerate(value)]
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise _Mismatch(["a mapping"])
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch(["true", "false"])
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Mismatch(["an integer"])
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _Mismatch(["a number"])
-        if not math.isfinite(value):  # NaN passes every `<=` check below, so refuse it here
-            raise _Mismatch(["a finite number"])
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)):
-            raise _Mismatch(["a string"])
-        return str(value)
-    raise TypeError(f"config field {dotted} has a type _coerce does not know: {tp!r}")
-
-
-def _one_of(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def validate(cfg: Config) -> None:

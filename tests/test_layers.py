@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_gpt", "elastic_gpt.console", "elastic_gpt.errors", "elastic_gpt.arguments",
      "elastic_gpt.torch_internals", "elastic_gpt.hardware", "elastic_gpt.model"),
     ("elastic_gpt.tracking", "elastic_gpt.data", "elastic_gpt.parallel", "elastic_gpt.cost_model"),
-    ("elastic_gpt.config",),
+    ("elastic_gpt.config", "elastic_gpt.config_types"),
     ("elastic_gpt.checkpoint",),
     ("elastic_gpt.train", "elastic_gpt.inference"),
     ("elastic_gpt.elastic",),

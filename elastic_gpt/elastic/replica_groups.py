@@ -81,11 +81,6 @@ def detail_log_dir(cfg: Config) -> str:
     return os.path.join(root, cfg.run.name, "logs")
 
 
-def detail_log_path(log_dir: str, group: int | str, rank: int | str) -> str:
-    """One file per worker of a group, appended to across its restarts."""
-    return os.path.join(log_dir, f"torchft-g{group}-r{rank}.log")
-
-
 def group_run_key(key: str, group: int) -> str:
     """Each group's own GCS records (its failures, drains, progress): `membership.RunRecords`."""
     return f"{key}/g{group}"
@@ -127,6 +122,8 @@ class ReplicaGroupsJob:
     """When each fallback to the restart path happened (the sliding-hour budget)."""
 
     def fit(self) -> ReplicaGroupsJob:
+        from elastic_gpt.parallel.replicate import detail_log_path
+
         say("[elastic-gpt] replica groups: torchft's detail (quorums, commits, heals) goes to "
             f"{detail_log_path(detail_log_dir(self.cfg), '<G>', '<R>')} on each worker's node "
             "(group G, rank R)")

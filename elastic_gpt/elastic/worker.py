@@ -82,8 +82,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
 def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGroups:
     """This worker's place in its replica group (the loop config's `replica_group`: which group,
     the Lighthouse, where torchft's detail goes, the diagnostics of elastic/replica_groups.py)."""
-    from elastic_gpt.elastic.replica_groups import detail_log_path
-    from elastic_gpt.parallel.replicate import ReplicaGroup
+    from elastic_gpt.parallel.replicate import ReplicaGroup, detail_log_path
 
     log_dir = spec.get("log_dir")
     return ReplicaGroups(ReplicaGroup(

@@ -52,6 +52,11 @@ DETAIL_FILE_BYTES = 64 << 20
 DETAIL_FILE_BACKUPS = 2
 
 
+def detail_log_path(log_dir: str, group: int | str, rank: int | str) -> str:
+    """One file per worker of a group, appended to across its restarts."""
+    return os.path.join(log_dir, f"torchft-g{group}-r{rank}.log")
+
+
 def keep_torchft_detail(path: str) -> None:
     """torchft's detail into `path`, at debug level, and only its warnings and errors to the
     console, so a replica-group run prints what the restart path prints. Call before torchft is

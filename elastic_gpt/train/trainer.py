@@ -31,12 +31,10 @@ from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
-from elastic_gpt.hardware import GiB
 from elastic_gpt.model.gpt import GPT, flops_per_token
 from elastic_gpt.parallel.fsdp import (
     init_sharded_weights,
     parallelize,
-    reshard_label,
     resolve_dtype,
 )
 from elastic_gpt.parallel.mesh import ParallelDims
@@ -51,17 +49,22 @@ from elastic_gpt.train.collaborators import (
 )
 from elastic_gpt.train.collective_timeouts import CollectiveTimeouts
 from elastic_gpt.train.device import worker_device
-from elastic_gpt.train.evaluate import EvalResult, gzip_bits_per_byte, open_evaluator
+from elastic_gpt.train.evaluate import EvalResult, open_evaluator
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.group_batches import GroupBroadcastBatches
-from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
+from elastic_gpt.train.health import Rollback
+from elastic_gpt.train.health_checks import HealthChecks
 from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
-from elastic_gpt.train.replica_check import ReplicaCheck
+from elastic_gpt.train.run_lines import (
+    progress_line,
+    record_memory_settings,
+    say_against_gzip,
+    setup_line,
+)
 from elastic_gpt.train.run_memory import resolve_run_memory
 from elastic_gpt.train.schedule import lr_at
-from elastic_gpt.train.stragglers import StragglerWatch
 from elastic_gpt.train.throughput import peak_flops
 
 log = logging.getLogger(__name__)
@@ -139,19 +142,11 @@ class Trainer:
         # the random init (CPU draws of the whole shard, on every rank, at every restart).
         self.startup: dict[str, float] = {"init_s": 0.0, "checkpoint_read_s": 0.0}
         self.resume_from = self._newest_checkpoint()
-        # Loss spikes (train/health.py) and the data skips the run has made (C2 with the skips).
-        self.health = TrainingHealth(
-            cfg.health, rank=rank, world_size=world_size, store=self.store,
-            skips=load_skips(self.store, rank, self.resume_from and self.resume_from.state),
-            global_batch_size=cfg.train.global_batch_size,
-            keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2),
-            rank_nodes=rank_nodes, metrics=metrics, membership=membership,
-            replica_groups=cfg.elastic.replica_groups != "off")
-        self.replica_check = ReplicaCheck(cfg.health, self.dims, rank=rank, world_size=world_size,
-                                          rank_nodes=rank_nodes, membership=membership)
-        self.stragglers = StragglerWatch(cfg.health, rank=rank, world_size=world_size,
-                                         device=self.device, rank_nodes=rank_nodes,
-                                         metrics=metrics, membership=membership)
+        # Spikes, corrupt replicas, stragglers; the data skips the run has made (C2 with them).
+        self.health = HealthChecks(
+            cfg, rank=rank, world_size=world_size, dims=self.dims, device=self.device,
+            store=self.store, resume_state=self.resume_from and self.resume_from.state,
+            rank_nodes=rank_nodes, metrics=metrics, membership=membership)
         self.model = self._build_model(initialise=self.resume_from is None)
         self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
@@ -225,51 +220,13 @@ class Trainer:
         if self.rank == 0:
             say(result.line(step))
             if step == self.cfg.train.max_steps and result.bits_per_byte is not None:
-                self._say_against_gzip(result)
+                say_against_gzip(self.evaluator, result)
         self.last_eval = result
         return result
 
-    def _say_against_gzip(self, result: EvalResult) -> None:
-        """At the final evaluation: val bits/byte next to gzip -9 on exactly that text."""
-        try:
-            ref = gzip_bits_per_byte(self.evaluator.manifest, self.evaluator.num_samples,
-                                     get_tokenizer(self.evaluator.manifest.tokenizer,
-                                                   base=self.evaluator.manifest.url))
-        except Exception as e:  # a yardstick only: never fail a finished run over it
-            log.warning("could not compress the validation text for comparison (%s)", e)
-            return
-        if ref is not None:
-            say(f"[elastic-gpt] held-out text ({ref[1]:,} bytes): model {result.bits_per_byte:.3f} "
-                f"bits/byte, gzip -9 {ref[0]:.3f} bits/byte")
-
     def setup_line(self) -> str:
         """What this group runs, so a log shows the choices `auto` settings made."""
-        t = self.cfg.train
-        policy = reshard_label(self.reshard_after_forward, t.reshard_after_forward)
-        ms, split = self.memory_settings, self.batch_split
-        sync = ms.grad_sync + (" (auto)" if t.grad_sync == "auto" else "")
-        return (f"[elastic-gpt] {self.world_size} worker(s) on {self.device.type} "
-                f"({dist.get_backend()}), {self.threads} thread(s) each | "
-                f"{self.dims.describe()} | "
-                f"model {self.n_params / 1e6:,.1f}M params, "
-                f"{str(self.compute_dtype).removeprefix('torch.')} | global batch "
-                f"{split.global_batch_size} = micro-batches of {split.micro_batch_size}, "
-                f"{split.slots(self.dp_degree)} per data-parallel rank | "
-                f"FSDP2 reshard_after_forward={policy}, grad_sync={sync} | predicted peak "
-                f"{ms.memory.total / GiB:,.1f} of {ms.usable_bytes / GiB:,.1f} GiB usable per "
-                f"worker")
-
-    def _record_memory_settings(self) -> None:
-        """The resolved settings and the predicted peak as the run's params, keyed by the group's
-        size (a resized group resolves again), and a warning when the prediction does not fit."""
-        ms = self.memory_settings
-        self.metrics.log_params({f"resolved.w{self.world_size}.{k}": v
-                                 for k, v in ms.params().items()})
-        if not ms.fits:
-            say(f"[elastic-gpt] warning: the predicted peak, {ms.memory.total / GiB:,.1f} GiB per "
-                f"worker, is above the {ms.usable_bytes / GiB:,.1f} GiB usable; lower "
-                "train.micro_batch_size, turn on train.activation_checkpointing, raise "
-                "parallel.tp, or run `elastic-gpt plan` for a layout that fits")
+        return setup_line(self)
 
     # ---- restore -----------------------------------------------------------------------------
 
@@ -519,7 +476,7 @@ class Trainer:
         cfg, ft = self.cfg, self.fault_tolerance
         if self.rank == 0:
             say(self.setup_line())
-            self._record_memory_settings()
+            record_memory_settings(self.metrics, self.memory_settings, self.world_size)
         self.restore()
         ft.on_start(self.step, self.rank, self.store)
         if self.rank == 0:
@@ -558,11 +515,10 @@ class Trainer:
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
                 t_data = time.perf_counter() - t0
-                rollback = self._check_state()
+                rollback = self.health.before_forward(self.model, self.optimizer, self.step,
+                                                      self.ledger)
                 if rollback is not None:
-                    stream.close()
-                    self._roll_back(rollback)
-                    stream = self._open_stream()
+                    stream = self._roll_back(rollback, stream)
                     continue
                 result = self.train_step(batch)
                 step_time = time.perf_counter() - t0
@@ -605,17 +561,15 @@ class Trainer:
                 # One step numbering everywhere (C5 one MLflow run): self.step is now the number of
                 # optimizer steps done, the console's "step k/N" and the checkpoint folder step_<k>.
                 self.metrics.log(metrics, self.step)
-                if self.rank == 0 and (result.step % cfg.train.log_every == 0
-                                       or self.step == cfg.train.max_steps):
-                    say(_progress_line(self.step, cfg.train.max_steps, metrics))
+                # With replica groups the leading group's rank 0 says it, once per step.
+                if self.rank == 0 and ft.leads and (result.step % cfg.train.log_every == 0
+                                                    or self.step == cfg.train.max_steps):
+                    say(progress_line(self.step, cfg.train.max_steps, metrics))
                 rollback = self.health.after_step(self.step, result.loss, result.nonfinite,
                                                   step_time, self.ledger)
                 if rollback is not None:
-                    stream.close()
-                    self._roll_back(rollback)
-                    stream = self._open_stream()
+                    stream = self._roll_back(rollback, stream)
                     continue
-                self.stragglers.after_step(self.step, self.ledger)
                 if self._eval_due(self.step):  # before the save: a resume never skips one
                     self.evaluate(self.step)
                 self.checkpointer.poll()  # a failed background write raises here
@@ -639,32 +593,18 @@ class Trainer:
         return {"step": self.step, "last": last, "ledger": self.ledger,
                 "eval": self.last_eval}
 
-    def _check_state(self) -> Rollback | None:
-        """Before the step's forward: the state's checksum for the health checks, and the
-        replicas compared (train/replica_check.py); the rollback to make when they disagree
-        with no majority."""
-        due = self.replica_check.due(self.step)
-        checksum = self.health.before_step(self.model, self.step, checksum=due)
-        if not due:
-            return None
-        verdict = self.replica_check.check(self.step, checksum, self.model, self.optimizer,
-                                           self.ledger)
-        if verdict == "healed":
-            self.health.before_step(self.model, self.step)  # the healed state's checksum
-        elif verdict == "no majority":
-            return self.health.roll_back_to_newest(self.step, self.ledger,
-                                                   "replicas disagree with no majority")
-        return None
-
-    def _roll_back(self, rollback: Rollback) -> None:
+    def _roll_back(self, rollback: Rollback, stream):
         """Collective: back to the committed checkpoint of `rollback.to_step` (train/health.py);
-        the checkpoints after it hold the abandoned trajectory and are discarded."""
+        the checkpoints after it hold the abandoned trajectory and are discarded. Returns the
+        stream from there."""
+        stream.close()
         self.checkpointer.wait()  # an in-flight save of the abandoned trajectory lands first
         if self.rank == 0:
             self.store.discard_after(rollback.to_step)
         load_sharded(rollback.url, self.model, self.optimizer)
         self.step = rollback.to_step
         self._nonfinite_streak = 0
+        return self._open_stream()
 
     def _startup_metrics(self) -> dict[str, float]:
         """At this attempt's first step: the time from the Trainer's start, by part (logged with
@@ -692,16 +632,6 @@ class Trainer:
                 f"{change.groups} replica groups live at step {self.step} (waited "
                 f"{change.waited_s:.2f} s in its quorum)")
         return change.waited_s
-
-
-def _progress_line(step: int, max_steps: int, m: dict) -> str:
-    """`step` is the number of optimizer steps done, as in the metrics and checkpoint folders."""
-    return (f"[elastic-gpt] step {step}/{max_steps} | loss {m[mn.TRAIN_LOSS]:.4f} | lr "
-            f"{m[mn.TRAIN_LR]:.2e} | grad {m[mn.TRAIN_GRAD_NORM]:.2f} | "
-            f"{m[mn.TRAIN_TOKENS_PER_S]:,.0f} tok/s | mfu {m[mn.TRAIN_MFU]:.1%} | "
-            f"W={m[mn.TRAIN_WORLD_SIZE]} accum={m[mn.TRAIN_GRAD_ACCUM]} | "
-            f"{m[mn.TRAIN_STEP_TIME_S]:.2f}s/step "
-            f"(data {m[mn.DATA_WAIT_S] / m[mn.TRAIN_STEP_TIME_S]:.1%})")
 
 
 def _min_lr(cfg: Config) -> float:

@@ -1,0 +1,70 @@
+"""The Trainer's health checks behind the two calls its loop makes: `before_forward` (the state's
+checksum; the replicas compared, train/replica_check.py) and `after_step` (loss spikes,
+train/health.py; stragglers, train/stragglers.py). Either may answer with a rollback, which the
+Trainer makes (it owns the model, the optimizer and the stream)."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_gpt.config import Config
+from elastic_gpt.data.skips import DataSkips
+from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
+from elastic_gpt.train.replica_check import ReplicaCheck
+from elastic_gpt.train.stragglers import StragglerWatch
+
+
+class HealthChecks:
+    def __init__(self, cfg: Config, *, rank: int, world_size: int, dims, device: torch.device,
+                 store, resume_state: dict | None, rank_nodes: list[str] | None, metrics,
+                 membership):
+        """Collective (the run's skips are read by rank 0 and sent to every rank)."""
+        common = dict(rank=rank, world_size=world_size, rank_nodes=rank_nodes,
+                      membership=membership)
+        self.spikes = TrainingHealth(
+            cfg.health, store=store, skips=load_skips(store, rank, resume_state),
+            global_batch_size=cfg.train.global_batch_size,
+            keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2), metrics=metrics,
+            replica_groups=cfg.elastic.replica_groups != "off", **common)
+        self.replicas = ReplicaCheck(cfg.health, dims, **common)
+        self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics, **common)
+
+    @property
+    def skips(self) -> DataSkips:
+        """The steps of the order the run leaves out (C2 with the skips)."""
+        return self.spikes.skips
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a non-finite loss is rolled back here (else train.nan_patience stops it)."""
+        return self.spikes.rolls_back
+
+    @property
+    def rerunning(self) -> bool:
+        """Re-running suspect steps: the Trainer saves no checkpoint until the verdict."""
+        return self.spikes.rerunning
+
+    def before_forward(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       step: int, ledger) -> Rollback | None:
+        """Before the forward of the step after `step` steps: the rollback to make when the
+        replicas disagree with no majority, else None (a corrupt replica is healed here)."""
+        due = self.replicas.due(step)
+        checksum = self.spikes.before_step(model, step, checksum=due)
+        if not due:
+            return None
+        verdict = self.replicas.check(step, checksum, model, optimizer, ledger)
+        if verdict == "healed":
+            self.spikes.before_step(model, step)  # the healed state's checksum
+        elif verdict == "no majority":
+            return self.spikes.roll_back_to_newest(step, ledger,
+                                                   "replicas disagree with no majority")
+        return None
+
+    def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
+                   ledger) -> Rollback | None:
+        """After committed step `step`: the rollback a spike asks for, else None (a straggler
+        is probed for, and evicted, here)."""
+        rollback = self.spikes.after_step(step, loss, nonfinite, seconds, ledger)
+        if rollback is None:
+            self.stragglers.after_step(step, ledger)
+        return rollback
