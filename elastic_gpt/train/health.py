@@ -213,8 +213,7 @@ class TrainingHealth:
         if keep:
             book = self._rerun_checksums if self.rerun else self.checksums
             book[step] = value
-            for old in [s for s in book if s < step - self.keep_steps]:
-                del book[old]
+            _trim(book, step - self.keep_steps)
         return value
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
@@ -229,8 +228,7 @@ class TrainingHealth:
         elif not math.isfinite(loss):  # skipped, and tolerated by train.nan_patience
             return None
         self.step_seconds[step] = seconds
-        for old in [s for s in self.step_seconds if s < step - self.keep_steps]:
-            del self.step_seconds[old]
+        _trim(self.step_seconds, step - self.keep_steps)
         if self.rerun is not None:
             return self._rerun_step(step, loss, ledger)
         spike = self.detector.observe(step, loss)
@@ -436,6 +434,16 @@ def load_skips(store, rank: int, checkpoint_state: dict | None) -> DataSkips:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return DataSkips.from_list(box[0])
+
+
+def _trim(book: dict[int, object], before: int) -> None:
+    """Drop a per-step book's entries older than `before` (steps are added in order, so the
+    oldest come first: this stops at the first kept one)."""
+    while book:
+        oldest = next(iter(book))
+        if oldest >= before:
+            return
+        del book[oldest]
 
 
 def _same_loss(a: float, b: float, tolerance: float) -> bool:
