@@ -540,6 +540,19 @@ def _check_sources(data: DataSection) -> None:
         src["weight"] = float(weight)
 
 
+def run_log_dir(cfg: Config) -> str:
+    """Where workers keep the run's detail files (torchft's per-step log, the straggler probe's
+    per-rank times): the run's folder under run.storage_path, `<run.storage_path>/<run.name>/logs`
+    (Ray Train's own folders there are `<run.name>-<time>`); an object store takes no appends,
+    so with one there the temp folder of each worker's node."""
+    import tempfile
+
+    root = cfg.run.storage_path
+    if "://" in root:
+        root = os.path.join(tempfile.gettempdir(), "elastic-gpt")
+    return os.path.join(root, cfg.run.name, "logs")
+
+
 def resolve_paths(cfg: Config, cwd: str | None = None) -> Config:
     """Make every local path absolute on the driver: Ray workers run in another directory."""
     cwd = cwd or os.getcwd()

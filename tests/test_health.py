@@ -185,8 +185,19 @@ def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
     steps = 160
     got = run_gloo(_train, 2, [f"data.path={stdlib_dataset}", f"train.max_steps={steps}",
                                "tracking.enabled=false", "eval.samples=0", "train.log_every=100",
-                               f"checkpoint.path={tmp_path}"])
+                               f"checkpoint.path={tmp_path}/ckpt",
+                               f"run.storage_path={tmp_path}/runs", "run.name=default"])
     assert got[0]["events"] == [] and got[1]["events"] == []
+    # Every rank's time at every probe is published (rank 0's file in the run's log folder), and
+    # the worst ratio the watch saw is the one those times give.
+    with open(tmp_path / "runs" / "default" / "logs" / "probes.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert lines[0]["event"] == "start" and lines[0]["world_size"] == 2
+    probes = [line for line in lines if "probe_s" in line]
+    assert [p["step"] for p in probes] == list(range(10, steps + 1, 10))
+    assert all(len(p["probe_s"]) == 2 and min(p["probe_s"]) > 0 for p in probes)
+    worst = max(max(p["probe_s"]) / min(p["probe_s"]) for p in probes)
+    assert worst == pytest.approx(got[0]["worst_probe"], rel=1e-3)
     print(f"[health] default job, {steps} steps at W=2: the slowest rank's probe reached "
           f"{max(g['worst_probe'] for g in got):.2f}x the median at worst (a straggler is 1.5x "
           "at 5 probes in a row)")

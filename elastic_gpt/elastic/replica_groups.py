@@ -19,7 +19,7 @@ Each group's Ray Train job is built as the restart path's is (`worker_group_job.
 (`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroups`, and its
 metric sink logs a step from the group leading its quorum, or from the group leading after it
 when that one is lost before it stored it, so the one MLflow run gets each step once (C5 one
-MLflow run). torchft's own per-step detail goes to a file per worker (`detail_log_dir`), not to
+MLflow run). torchft's own per-step detail goes to a file per worker (`config.run_log_dir`), not to
 the console.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from elastic_gpt.config import Config
+from elastic_gpt.config import Config, run_log_dir
 from elastic_gpt.console import last_line, say
 from elastic_gpt.elastic.membership import PLACEMENT_GROUP, RunRecords, best_effort
 from elastic_gpt.elastic.worker_group_job import (
@@ -66,19 +66,6 @@ def group_size(cfg: Config) -> int:
             f"groups of a multiple of {what} workers; e.g. scaling.max_workers="
             f"{n * unit * max(1, s.max_workers // (n * unit))}")
     return s.max_workers // n
-
-
-def detail_log_dir(cfg: Config) -> str:
-    """Where each worker keeps torchft's detail (`parallel/replicate.keep_torchft_detail`): the
-    run's folder under run.storage_path, `<run.storage_path>/<run.name>/logs` (Ray Train's own
-    folders there are `<run.name>-<time>`); an object store takes no appends, so with one there
-    the temp folder of each worker's node."""
-    import tempfile
-
-    root = cfg.run.storage_path
-    if "://" in root:
-        root = os.path.join(tempfile.gettempdir(), "elastic-gpt")
-    return os.path.join(root, cfg.run.name, "logs")
 
 
 def group_run_key(key: str, group: int) -> str:
@@ -125,7 +112,7 @@ class ReplicaGroupsJob:
         from elastic_gpt.parallel.replicate import detail_log_path
 
         say("[elastic-gpt] replica groups: torchft's detail (quorums, commits, heals) goes to "
-            f"{detail_log_path(detail_log_dir(self.cfg), '<G>', '<R>')} on each worker's node "
+            f"{detail_log_path(run_log_dir(self.cfg), '<G>', '<R>')} on each worker's node "
             "(group G, rank R)")
         while True:
             outcome = self._attempt()
@@ -161,7 +148,7 @@ class ReplicaGroupsJob:
                            pid=ray.get(lighthouse.pid.remote()))
         say(f"[elastic-gpt] replica groups: {n} x {self.size} worker(s), Lighthouse at "
             f"{address} (heartbeat timeout {cfg.elastic.replica_heartbeat_timeout_s:g} s)")
-        spec = {"log_dir": detail_log_dir(cfg), "record_dir": os.environ.get(RECORD_DIR_ENV),
+        spec = {"log_dir": run_log_dir(cfg), "record_dir": os.environ.get(RECORD_DIR_ENV),
                 "state_hash": os.environ.get(STATE_HASH_ENV) == "1"}
         runs = {run_group.options(scheduling_strategy=here,
                                   runtime_env={"env_vars": self.env}).remote(

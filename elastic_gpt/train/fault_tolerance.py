@@ -67,6 +67,8 @@ class FaultTolerance(Protocol):
     """This rank's group writes this step's checkpoint (and logs its metrics)."""
     degraded: bool
     """Fewer groups are live than the run was configured with: the ledger's degraded time."""
+    group_name: str
+    """This worker group's name in the run's files: "" on the restart path (one group)."""
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         """`run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
@@ -112,6 +114,7 @@ class RestartPath:
 
     leads = True
     degraded = False
+    group_name = ""
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         pass
@@ -158,6 +161,7 @@ class ReplicaGroups:
 
     def __init__(self, member: ReplicaGroup):
         self.member = member
+        self.group_name = f"g{member.group}"
         self._hand_over: Callable[[], None] = lambda: None
 
     def metric_sink(self, sink: MetricLogger) -> LeaderMetrics:

@@ -5,9 +5,11 @@ Trainer makes (it owns the model, the optimizer and the stream)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from elastic_gpt.config import Config
+from elastic_gpt.config import Config, run_log_dir
 from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
 from elastic_gpt.train.replica_check import ReplicaCheck
@@ -17,8 +19,9 @@ from elastic_gpt.train.stragglers import StragglerWatch
 class HealthChecks:
     def __init__(self, cfg: Config, *, rank: int, world_size: int, dims, device: torch.device,
                  store, resume_state: dict | None, rank_nodes: list[str] | None, metrics,
-                 membership):
-        """Collective (the run's skips are read by rank 0 and sent to every rank)."""
+                 membership, group_name: str = ""):
+        """Collective (the run's skips are read by rank 0 and sent to every rank). `group_name`
+        names this worker group's files among the run's (replica groups: one per group)."""
         common = dict(rank=rank, world_size=world_size, rank_nodes=rank_nodes,
                       membership=membership)
         self.spikes = TrainingHealth(
@@ -27,7 +30,11 @@ class HealthChecks:
             keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2), metrics=metrics,
             replica_groups=cfg.elastic.replica_groups != "off", **common)
         self.replicas = ReplicaCheck(cfg.health, dims, **common)
-        self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics, **common)
+        # The per-rank probe times go to the run's folder, once the launcher has set it.
+        probes = f"probes-{group_name}.jsonl" if group_name else "probes.jsonl"
+        record = os.path.join(run_log_dir(cfg), probes) if cfg.run.storage_path else None
+        self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics,
+                                         record_path=record, **common)
 
     @property
     def skips(self) -> DataSkips:

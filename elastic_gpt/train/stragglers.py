@@ -14,11 +14,17 @@ autoscaler replaces the node). With replica groups the drain takes its group out
 the same way, and the others train on. A node that hosts every rank of the group is not drained
 (there would be nothing to train on): the straggler is reported.
 
-Each probe's slowest rank and its ratio to the median are `system/health/*` metrics.
+Each probe's slowest rank and its ratio to the median are `system/health/*` metrics, and every
+rank's time is a line of `<run log dir>/probes.jsonl` (one file per replica group:
+`probes-g<G>.jsonl`), written by rank 0: a line naming each rank's node at every start of the
+group, then one per probe. A rank's probe time is its compute time with no wait in it; a step's
+time is not (the FSDP argument above).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 
@@ -39,7 +45,10 @@ class StragglerWatch:
     """One rank's part of the probe; every rank calls `after_step` at every step."""
 
     def __init__(self, cfg: HealthSection, *, rank: int, world_size: int, device: torch.device,
-                 rank_nodes: list[str] | None = None, metrics=None, membership=None):
+                 rank_nodes: list[str] | None = None, metrics=None, membership=None,
+                 record_path: str | None = None):
+        """`record_path`: the JSONL file rank 0 appends every probe's per-rank times to (None:
+        none kept)."""
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.rank_nodes, self.metrics, self.membership = rank_nodes, metrics, membership
         self.slow_streak = [0] * world_size
@@ -50,6 +59,8 @@ class StragglerWatch:
         gen = torch.Generator(device="cpu").manual_seed(0)
         self._a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
         self._reps = reps
+        self.record_path = record_path if rank == 0 and self.active else None
+        self._record({"event": "start", "world_size": world_size, "nodes": rank_nodes})
 
     @property
     def active(self) -> bool:
@@ -86,6 +97,7 @@ class StragglerWatch:
             self.slow_streak[r] = self.slow_streak[r] + 1 if slow else 0
         slowest = max(range(self.world_size), key=lambda r: ratios[r])
         self.worst_ratio = max(self.worst_ratio, ratios[slowest])
+        self._record({"step": step, "probe_s": [round(t, 6) for t in times]})
         if self.metrics is not None:
             self.metrics.log({mn.HEALTH_PROBE_MEDIAN_S: median,
                               mn.HEALTH_PROBE_SLOWEST_RATIO: ratios[slowest],
@@ -95,6 +107,19 @@ class StragglerWatch:
         if found:
             self._act(found, ratios, median, step, ledger)
         return found
+
+    def _record(self, line: dict) -> None:
+        """Appended by rank 0; a file that cannot be written is said once, and training goes on
+        (the metrics and events still say what the probe found)."""
+        if self.record_path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.record_path), exist_ok=True)
+            with open(self.record_path, "a") as f:
+                f.write(json.dumps({"t": round(time.time(), 3), **line}) + "\n")
+        except OSError as e:
+            say(f"[elastic-gpt] the straggler probe's per-rank times are not kept: {e}")
+            self.record_path = None
 
     def _act(self, ranks: list[int], ratios: list[float], median: float, step: int,
              ledger) -> None:
