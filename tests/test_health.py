@@ -115,10 +115,12 @@ def test_a_spike_from_bad_data_is_rolled_back_reproduced_and_skipped(garbage_dat
     got = run_gloo(_train, 1, [*ARGS, f"data.path={data}", f"checkpoint.path={ckpt}"])[0]
     kinds = [e["kind"] for e in got["events"]]
     assert kinds == ["loss spike", "rollback", "data skipped", "rollback"], got["events"]
-    spike, _, skipped, _ = got["events"]
-    # Flagged at the two garbage batches' steps, rolled back to the checkpoint before them.
+    spike, rollback, skipped, _ = got["events"]
+    # Flagged at the two garbage batches' steps, rolled back to the checkpoint before the update
+    # the first flagged loss was computed after (skip_steps_before: its batch is suspect too).
     assert (spike["first_step"], spike["step"]) == (BAD_STEPS.start + 1, BAD_STEPS.stop)
-    assert got["events"][1]["resumed_from_step"] == BAD_STEPS.start
+    back_to = BAD_STEPS.start - CHECKPOINT_EVERY
+    assert rollback["resumed_from_step"] == back_to
     # The re-run reproduced it (same losses), so the data was blamed: every garbage sample is
     # in the skipped range, which is in the run record a restart reads.
     assert "then" in skipped["detail"]
@@ -127,7 +129,8 @@ def test_a_spike_from_bad_data_is_rolled_back_reproduced_and_skipped(garbage_dat
     with open(os.path.join(ckpt, "run.json")) as f:
         assert json.load(f)["data_skips"] == got["skips"] == [
             {"from_step": skipped["from_step"], "steps": skipped["skipped_steps"]}]
-    assert got["summary"]["lost_steps"] == 2 * len(BAD_STEPS)
+    assert (skipped["from_step"], skipped["skipped_steps"]) == (BAD_STEPS.start - 1, 3)
+    assert got["summary"]["lost_steps"] == 2 * (BAD_STEPS.stop - back_to)
 
     # The run's trajectory is a run that never saw the garbage: one that starts with the skips
     # in its record trains the same losses on the same samples, bit for bit (C2 with the skips,
@@ -148,7 +151,9 @@ def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
     from elastic_gpt.train.health import FLIP_BIT_ENV
 
     args = [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1"]
-    flip_at = 34  # rank 1's shard, before the 35th step's forward: checkpoint 30 is before it
+    # Rank 1's shard after the update of step 40, a checkpoint step: the checkpoint of step 40
+    # holds the corrupt value, and the rollback must reach past it.
+    flip_at = 40
     monkeypatch.setenv(FLIP_BIT_ENV, f"1:{flip_at}")
     got = run_gloo(_train, 2, [*args, f"checkpoint.path={tmp_path / 'run'}"])
     monkeypatch.delenv(FLIP_BIT_ENV)
@@ -157,6 +162,7 @@ def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
     fault = events[2]
     assert fault["ranks"] == [1] and fault["skipped_steps"] == 0
     assert events[0]["first_step"] == flip_at + 1
+    assert events[1]["resumed_from_step"] == flip_at - CHECKPOINT_EVERY
     assert got[0]["skips"] == [] and not os.path.exists(tmp_path / "run" / "run.json")
 
     # The re-run is the trajectory: the same as a run in which no bit flipped.
@@ -226,7 +232,8 @@ def test_a_bit_flipped_in_one_replica_is_caught_before_it_is_used(stdlib_dataset
     from elastic_gpt.testing.gloo import run_gloo
     from elastic_gpt.train.health import FLIP_BIT_ENV
 
-    world, flip_at = len(nodes), 25
+    # After the update of step 20, a checkpoint step: that checkpoint may hold the corrupt value.
+    world, flip_at = len(nodes), 20
     args = [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1", "parallel.hsdp=on",
             "train.max_steps=40", "health.straggler_action=off", "train.micro_batch_size=2",
             "train.global_batch_size=12"]
@@ -240,10 +247,14 @@ def test_a_bit_flipped_in_one_replica_is_caught_before_it_is_used(stdlib_dataset
         assert found[0]["ranks"] == [2] and found[0]["nodes"] == ["c"]
         assert found[0]["action"] == "healed from the majority"
         assert [e["kind"] for e in events] == ["silent data corruption"]
+        # Healed in memory, and the checkpoint written after the corruption deleted.
+        from elastic_gpt.checkpoint.store import CheckpointStore
+        assert sorted(CheckpointStore(str(tmp_path / "run")).step_dirs()) == [10, 30, 40]
     else:
+        # Back to before the last check the replicas passed: past the step-20 checkpoint.
         assert found[0]["action"] == "rollback"
         rollback = next(e for e in events if e["kind"] == "rollback")
-        assert rollback["resumed_from_step"] == flip_at // CHECKPOINT_EVERY * CHECKPOINT_EVERY
+        assert rollback["resumed_from_step"] == flip_at - CHECKPOINT_EVERY
     ref = run_gloo(_train, world, [*args, f"checkpoint.path={tmp_path / 'reference'}"], nodes)
     assert ref[0]["events"] == []
     assert got[0]["seen"] == ref[0]["seen"]

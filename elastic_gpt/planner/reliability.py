@@ -4,9 +4,11 @@ the restart time at each failure (first-order Young/Daly model; Young 1974 for t
 Node failures are independent and exponential: the cluster's MTBF is the node MTBF / nodes.
 
 Loss spikes are the other interruption (train/health.py): each one rolls the run back to the
-checkpoint before it, re-runs the steps to the detection, and, blamed on the data, rolls back
-again: twice the work since the checkpoint (half an interval on average, plus the
-`health.spike_steps` it took to see it) and two checkpoint reads. Counted as the worse case, the
+checkpoint from before the updates it may have come from, re-runs the steps to the detection,
+and, blamed on the data, rolls back again: twice the work since the checkpoint (half an interval
+on average, plus the suspect updates before the first flagged loss, max(1,
+`health.skip_steps_before`), and the `health.spike_steps` it took to see it) and two checkpoint
+reads. Counted as the worse case, the
 data's (a hardware fault found so costs one of each, and its node's drain is a planned restart
 among the failures above). Their rate by default: PaLM 540B's (planner/inputs.py,
 `PALM_STEPS_PER_SPIKE`).
@@ -65,10 +67,11 @@ class Reliability:
 
 
 def spike_cost_s(interval_s: float, step_s: float, read_s: float,
-                 spike_steps: int = HealthSection.spike_steps) -> float:
+                 spike_steps: int = HealthSection.spike_steps,
+                 suspect_steps: int = max(1, HealthSection.skip_steps_before)) -> float:
     """One spike blamed on the data: the work since the checkpoint done twice (the first run and
     the re-run), and the checkpoint read twice (module docstring)."""
-    return 2 * (interval_s / 2 + spike_steps * step_s) + 2 * read_s
+    return 2 * (interval_s / 2 + (suspect_steps + spike_steps) * step_s) + 2 * read_s
 
 
 def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s: float,

@@ -10,8 +10,10 @@ automates in part, as one loop the Trainer calls after every committed step:
    not moved by the spike itself, as a mean and standard deviation would be) and by at least
    `health.spike_min_rise` of the median. `health.spike_steps` consecutive flagged losses make a
    spike; a non-finite one is a spike at once. Flagged losses never enter the window.
-2. **Roll back** to the newest committed checkpoint at or before the spike's first step; the
-   checkpoints after it hold the spiked trajectory and are discarded.
+2. **Roll back** to the newest committed checkpoint from before every update the spike may have
+   come from: the first flagged loss was computed on weights its previous step's update made (a
+   bad batch, or faulty hardware: a checkpoint of that step holds the damage). The checkpoints
+   after it hold the spiked trajectory and are discarded.
 3. **Attribute by re-running** (`health.rerun`): the steps from the checkpoint to the detection
    are trained again on the same samples, with no checkpoint saved. Training is deterministic on
    the same ranks (C3 bit-identical resume), so the same losses mean the data caused the spike;
@@ -55,8 +57,9 @@ from elastic_gpt.tracking import metric_names as mn
 MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal distribution times this is its sigma
 RUN_INFO_SKIPS = "data_skips"  # the run record's key (checkpoint/store.py's run.json)
 # Tests inject a hardware fault through this: "rank:step" flips the top exponent bit of the first
-# value of that rank's parameter shard before that step's forward, once per process; "rank:step:
-# bit" flips that bit (a low mantissa bit: silent data corruption, no spike).
+# value of that rank's parameter shard after that many steps (as a faulty update would, before
+# the step's checkpoint is written), once per process; "rank:step:bit" flips that bit (a low
+# mantissa bit: silent data corruption, no spike).
 FLIP_BIT_ENV = "ELASTIC_GPT_TEST_FLIP_BIT"
 
 
@@ -203,9 +206,6 @@ class TrainingHealth:
                     checksum: bool = False) -> torch.Tensor | None:
         """Before the forward of the step after `step` steps: this rank's shard checksum when the
         re-run attribution keeps one, or `checksum` asks (train/replica_check.py); else None."""
-        if self._flip is not None and self._flip[0] == step:
-            _flip_one_bit(model, self._flip[1])
-            self._flip = None
         keep = self.action == "rollback" and self.cfg.rerun
         if not (keep or checksum):
             return None
@@ -215,6 +215,13 @@ class TrainingHealth:
             book[step] = value
             _trim(book, step - self.keep_steps)
         return value
+
+    def inject_fault(self, model: torch.nn.Module, step: int) -> None:
+        """FLIP_BIT_ENV's fault, once, as the update of step `step` would have made it: after the
+        optimizer step, before that step's checkpoint is written."""
+        if self._flip is not None and self._flip[0] == step:
+            _flip_one_bit(model, self._flip[1])
+            self._flip = None
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
                    ledger) -> Rollback | None:
@@ -249,13 +256,17 @@ class TrainingHealth:
 
     def _roll_back_for(self, spike: Spike, ledger) -> Rollback:
         self._check_rollback_budget(ledger, spike)
-        # The first flagged loss was computed on the weights of step first - 1.
-        target = self._checkpoint_at_or_before(spike.first - 1)
+        # The first flagged loss was computed on the weights of step first - 1, which that
+        # step's update made: from a bad batch (skip_steps_before) or faulty hardware, and a
+        # checkpoint of that step holds it. The state to trust is from before that update.
+        trusted = spike.first - 1 - max(1, self.cfg.skip_steps_before)
+        target = self._checkpoint_at_or_before(trusted)
         if target is None:
             raise TrainingDiverged(
                 f"{spike.describe()} with no committed checkpoint at or before step "
-                f"{spike.first - 1} to roll back to; lower train.lr or raise train.warmup_steps, "
-                "or save sooner with a smaller checkpoint.every_steps")
+                f"{trusted} to roll back to; keep more checkpoints (checkpoint.keep) or save "
+                "more often (checkpoint.every_steps), or lower health.skip_steps_before; this "
+                "early in a run, lower train.lr or raise train.warmup_steps")
         rerun = self.cfg.rerun
         action = f"rolled back to step {target.step}" + (
             f", re-running steps {target.step + 1}-{spike.last} to attribute it" if rerun else "")

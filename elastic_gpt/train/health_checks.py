@@ -10,6 +10,7 @@ import os
 import torch
 
 from elastic_gpt.config import Config, run_log_dir
+from elastic_gpt.console import say
 from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
 from elastic_gpt.train.replica_check import ReplicaCheck
@@ -19,15 +20,19 @@ from elastic_gpt.train.stragglers import StragglerWatch
 class HealthChecks:
     def __init__(self, cfg: Config, *, rank: int, world_size: int, dims, device: torch.device,
                  store, resume_state: dict | None, rank_nodes: list[str] | None, metrics,
-                 membership, group_name: str = ""):
+                 membership, group_name: str = "", settle_saves=lambda: None):
         """Collective (the run's skips are read by rank 0 and sent to every rank). `group_name`
-        names this worker group's files among the run's (replica groups: one per group)."""
+        names this worker group's files among the run's (replica groups: one per group);
+        `settle_saves()` returns once the checkpoint writes in flight have landed."""
+        self.store, self.rank, self.settle_saves = store, rank, settle_saves
         common = dict(rank=rank, world_size=world_size, rank_nodes=rank_nodes,
                       membership=membership)
         self.spikes = TrainingHealth(
             cfg.health, store=store, skips=load_skips(store, rank, resume_state),
             global_batch_size=cfg.train.global_batch_size,
-            keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2), metrics=metrics,
+            # back to the oldest checkpoint a rollback may reach
+            keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2)
+            + cfg.health.skip_steps_before, metrics=metrics,
             replica_groups=cfg.elastic.replica_groups != "off", **common)
         self.replicas = ReplicaCheck(cfg.health, dims, **common)
         # The per-rank probe times go to the run's folder, once the launcher has set it.
@@ -60,17 +65,27 @@ class HealthChecks:
         if not due:
             return None
         verdict = self.replicas.check(step, checksum, model, optimizer, ledger)
+        # The replicas last agreed at the previous check: the corruption was made by an update
+        # since, and a checkpoint written since may hold it (the corrupt replica may have
+        # written that shard).
+        trusted = step - self.replicas.cfg.sdc_every_steps
         if verdict == "healed":
             self.spikes.before_step(model, step)  # the healed state's checksum
+            self.settle_saves()
+            if self.rank == 0:
+                for doomed in self.store.discard_after(trusted):
+                    say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the "
+                        "corruption, is deleted")
         elif verdict == "no majority":
-            return self.spikes.roll_back_to_newest(step, ledger,
+            return self.spikes.roll_back_to_newest(trusted, ledger,
                                                    "replicas disagree with no majority")
         return None
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
-                   ledger) -> Rollback | None:
-        """After committed step `step`: the rollback a spike asks for, else None (a straggler
-        is probed for, and evicted, here)."""
+                   ledger, model: torch.nn.Module) -> Rollback | None:
+        """After committed step `step`, before its checkpoint: the rollback a spike asks for,
+        else None (a straggler is probed for, and evicted, here)."""
+        self.spikes.inject_fault(model, step)
         rollback = self.spikes.after_step(step, loss, nonfinite, seconds, ledger)
         if rollback is None:
             self.stragglers.after_step(step, ledger)

@@ -147,7 +147,7 @@ class Trainer:
             cfg, rank=rank, world_size=world_size, dims=self.dims, device=self.device,
             store=self.store, resume_state=self.resume_from and self.resume_from.state,
             rank_nodes=rank_nodes, metrics=metrics, membership=membership,
-            group_name=fault_tolerance.group_name)
+            group_name=fault_tolerance.group_name, settle_saves=lambda: self.checkpointer.wait())
         self.model = self._build_model(initialise=self.resume_from is None)
         self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
@@ -567,7 +567,7 @@ class Trainer:
                                                     or self.step == cfg.train.max_steps):
                     say(progress_line(self.step, cfg.train.max_steps, metrics))
                 rollback = self.health.after_step(self.step, result.loss, result.nonfinite,
-                                                  step_time, self.ledger)
+                                                  step_time, self.ledger, self.model)
                 if rollback is not None:
                     stream = self._roll_back(rollback, stream)
                     continue
