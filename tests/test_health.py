@@ -258,3 +258,105 @@ def test_a_bit_flipped_in_one_replica_is_caught_before_it_is_used(stdlib_dataset
     ref = run_gloo(_train, world, [*args, f"checkpoint.path={tmp_path / 'reference'}"], nodes)
     assert ref[0]["events"] == []
     assert got[0]["seen"] == ref[0]["seen"]
+
+
+# ---- the replica groups' copies compared (train/replica_check.GroupCopiesCheck) ---------------
+
+def _group_main(group: int, groups: int, lighthouse: str, overrides: list[str],
+                flip: str | None, port: int, out: str) -> None:
+    """One replica group of one rank: the real Trainer with a real torchft Manager, its process
+    group made as a launcher makes it (the store at MASTER_ADDR:MASTER_PORT, which the Manager
+    uses too). Saves what it logged, and its error if the copies differ with no majority."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic_gpt.config import load_config
+    from elastic_gpt.parallel.replicate import ReplicaGroup
+    from elastic_gpt.testing.step_recorder import StepRecorder
+    from elastic_gpt.train.fault_tolerance import ReplicaGroups
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.train.replica_check import ReplicaCopiesDiffer
+    from elastic_gpt.train.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if flip:
+        os.environ[FLIP_BIT_ENV] = flip
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    recorder = StepRecorder()
+    member = ReplicaGroup(lighthouse=lighthouse, group=group, group_rank=0, group_size=1,
+                          groups=groups, timeout_s=20.0)
+    trainer = Trainer(load_config("jobs/configs/mini.yaml", overrides), rank=0, world_size=1,
+                      mlflow_run_id=None, metrics=recorder, fault_tolerance=ReplicaGroups(member))
+    try:
+        trainer.train()
+        result = {"seen": recorder.seen, "events": trainer.ledger.events,
+                  "hash": member.local_state_hash()}
+    except ReplicaCopiesDiffer as e:
+        result = {"error": str(e), "seen": recorder.seen}
+    torch.save(result, out)
+    os._exit(0)  # as testing/gloo.py: no teardown of torchft's threads after the result
+
+
+def _replica_groups_run(groups: int, overrides: list[str], flipped: dict[int, str],
+                        tmp: str) -> list:
+    """`groups` groups trained side by side at a real Lighthouse (every group in every quorum:
+    min_replicas is all of them); what each saved, or None for a group that died."""
+    import multiprocessing
+
+    import torch
+
+    from elastic_gpt.elastic.lighthouse import LighthouseServer
+    from elastic_gpt.testing.ports import free_port
+
+    server = LighthouseServer(min_replicas=groups, join_timeout_ms=60_000, quorum_tick_ms=10,
+                              heartbeat_timeout_ms=10_000)
+    outs = [os.path.join(tmp, f"group{g}.pt") for g in range(groups)]
+    spawn = multiprocessing.get_context("spawn")
+    processes = [spawn.Process(target=_group_main, args=(
+        g, groups, server.address(), [*overrides, f"elastic.replica_groups={groups}"],
+        flipped.get(g), free_port(), outs[g])) for g in range(groups)]
+    try:
+        for p in processes:
+            p.start()
+        for p in processes:
+            p.join(timeout=300)
+    finally:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        server.shutdown()
+    return [torch.load(o, weights_only=False) if os.path.exists(o) else None for o in outs]
+
+
+@pytest.mark.slow
+def test_a_bit_flipped_in_one_replica_groups_copy_is_healed_from_the_majority(
+        stdlib_dataset, tmp_path):
+    """Three replica groups (one rank each, a real torchft Manager and Lighthouse): one low
+    mantissa bit of group 2's copy flipped by the update of step 20, a checkpoint step. The
+    copies' checksums, carried in step 21's stats, differ: no group commits it, group 2 is healed
+    from a live peer at the next quorum, and the run goes on; every group's every loss equals an
+    uncorrupted run's, bit for bit, and the copies end equal. With two groups there is no
+    majority: the checkpoint written after the flip is deleted and both groups fail, to restart
+    from the one before."""
+    from elastic_gpt.checkpoint.store import CheckpointStore
+
+    flip_at, steps = 20, 40
+    args = [*ARGS, f"data.path={stdlib_dataset}", "train.micro_batch_size=2",
+            f"train.max_steps={steps}", "health.straggler_action=off"]
+    got = _replica_groups_run(3, [*args, f"checkpoint.path={tmp_path / 'run'}"],
+                              {2: f"0:{flip_at}:3"}, str(tmp_path))
+    ref = _replica_groups_run(3, [*args, f"checkpoint.path={tmp_path / 'reference'}"], {},
+                              str(tmp_path))
+    assert all(g is not None and "error" not in g for g in got + ref), got + ref
+    leader = got[0]["events"]
+    found = [e for e in leader if e["kind"] == "silent data corruption"]
+    assert len(found) == 1 and found[0]["step"] == flip_at and found[0]["groups"] == [2], leader
+    for g in range(3):
+        assert got[g]["seen"] == ref[0]["seen"], g  # every committed step, bit for bit
+    assert got[0]["hash"] == got[1]["hash"] == got[2]["hash"] == ref[0]["hash"]
+
+    two = _replica_groups_run(2, [*args, f"checkpoint.path={tmp_path / 'two'}"],
+                              {1: f"0:{flip_at}:3"}, str(tmp_path))
+    assert all(g is not None and "with no majority" in g.get("error", "") for g in two), two
+    assert max(two[0]["seen"]) == flip_at  # step 21 was applied nowhere
+    assert sorted(CheckpointStore(str(tmp_path / "two")).step_dirs()) == [10]

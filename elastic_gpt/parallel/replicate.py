@@ -26,6 +26,7 @@ is imported only when a `ReplicaGroup` is built.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -48,6 +49,13 @@ FT_MISSING = ("elastic.replica_groups needs torchft, which is not installed; pip
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 _RECORD_FIELDS = ("replica_id", "rank", "quorum_id", "step", "commit_result")
 # A long run's detail at about ten lines a step: a few of these per worker, the oldest dropped.
+# The groups' copies of each shard are compared by an exact checksum carried in the step's stats
+# (float64): its residue below 2**52, which a float64 holds exactly.
+CHECKSUM_MODULUS = 1 << 52
+COPIES_AGREE, COPIES_MAJORITY, COPIES_MINORITY, COPIES_UNDECIDED = range(4)
+"""What a rank saw of its shard's copies over the live groups, worst last: all equal; another
+group's differed from the majority this group is in; this group's did; no majority."""
+
 DETAIL_FILE_BYTES = 64 << 20
 DETAIL_FILE_BACKUPS = 2
 
@@ -179,6 +187,14 @@ class ReplicaGroup:
         metric sink's; 0 where it logs none): the leading group's rank 0 tells the others with
         each step's stats (`leader_logged_through`)."""
         self._leader_logged = torch.zeros(1, dtype=torch.float64)
+        self._checksum: torch.Tensor | None = None
+        self._copies: torch.Tensor | None = None
+        self.copies_seen = COPIES_AGREE
+        """This rank's comparison of its shard's copies in the last attempt (`COPIES_*`)."""
+        self.copies_differed: list[int] = []
+        """The groups whose copy of this rank's shard differed from the majority's."""
+        self.copies_differed_anywhere: list[int] = []
+        """The same over every shard of the group (`settle_copies`)."""
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -372,11 +388,58 @@ class ReplicaGroup:
         others how far its metrics are stored (the others add 0)."""
         self._phases["backward"] = time.perf_counter()
         stored = float(self.logged_through()) if self.leads else 0.0
-        shared = torch.cat([stats[:3], stats.new_tensor([stored])])
+        # Each group's checksum of this rank's shard in its own pair of slots (present, value):
+        # the sum is every live group's (a group that heals in this step adds zeros).
+        copies = stats.new_zeros(2 * self.groups)
+        if self._checksum is not None:
+            copies[2 * self.group] = 1.0
+            copies[2 * self.group + 1] = (self._checksum.to(stats.device) % CHECKSUM_MODULUS
+                                          ).to(stats.dtype)
+            self._checksum = None
+        shared = torch.cat([stats[:3], stats.new_tensor([stored]), copies])
         self.manager.allreduce(shared, reduce_op=dist.ReduceOp.SUM).wait()
         stats[:3] = shared[:3]
-        self._leader_logged = shared[3:]
+        self._leader_logged = shared[3:4]
+        self._copies = shared[4:]
         self._phases["stats"] = time.perf_counter()
+
+    def note_state_checksum(self, checksum: torch.Tensor) -> None:
+        """The exact checksum of this rank's shard of the state the coming step starts from
+        (`train/health.shard_checksum`): the step's stats compare it over the live groups, whose
+        copies must be equal bit for bit (each applies the same averaged gradient)."""
+        self._checksum = checksum
+
+    def _compare_copies(self) -> int:
+        """`COPIES_*` for this rank's shard from the step's stats."""
+        copies, self._copies = self._copies, None
+        self.copies_differed = []
+        if copies is None:
+            return COPIES_AGREE
+        pairs = copies.tolist()
+        values = {g: pairs[2 * g + 1] for g in range(self.groups) if pairs[2 * g]}
+        if self.group not in values or len(set(values.values())) <= 1:
+            return COPIES_AGREE
+        value, count = collections.Counter(values.values()).most_common(1)[0]
+        if 2 * count <= len(values):
+            self.copies_differed = sorted(values)
+            return COPIES_UNDECIDED
+        self.copies_differed = sorted(g for g, v in values.items() if v != value)
+        return COPIES_MINORITY if self.group in self.copies_differed else COPIES_MAJORITY
+
+    def settle_copies(self) -> int:
+        """Collective over this group's ranks, after an attempt no group committed: the worst
+        `COPIES_*` any of them saw. A group whose copy differed from the majority's is set a step
+        behind, so the next quorum heals it from a live peer (torchft's recovery, as for a group
+        that joins late)."""
+        seen = torch.zeros(1 + self.groups, dtype=torch.int64, device=self._device)
+        seen[0] = self.copies_seen
+        seen[1:][self.copies_differed] = 1
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        worst, *differed = seen.tolist()
+        self.copies_differed_anywhere = [g for g, d in enumerate(differed) if d]
+        if worst == COPIES_MINORITY:
+            self.set_step(self.manager.current_step() - 1)
+        return worst
 
     @property
     def leader_logged_through(self) -> int:
@@ -385,6 +448,13 @@ class ReplicaGroup:
         return int(self._leader_logged.item())
 
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
+        self.copies_seen = self._compare_copies()
+        if self.copies_seen != COPIES_AGREE:
+            # Every group has a rank holding this shard, so every group votes no: the step is
+            # applied nowhere, and re-done once the differing copy is healed.
+            self.manager.report_error(RuntimeError(
+                f"replica groups {self.copies_differed} hold a copy of rank {self.group_rank}'s "
+                "shard that differs from the others' (silent data corruption)"))
         ok = self.manager.should_commit()
         self._phases["commit"] = self._ended = time.perf_counter()
         if self._record is not None:

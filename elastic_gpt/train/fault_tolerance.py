@@ -60,6 +60,19 @@ class QuorumChange:
     """How long the step waited in that quorum: recovery, not productive time (the ledger)."""
 
 
+@dataclass(frozen=True)
+class CopiesVerdict:
+    """The replica groups' copies of the state differed (`parallel/replicate.COPIES_*`)."""
+    seen: int
+    """The worst any rank of this group saw: this group's copy differed, another's, no majority."""
+    groups: list[int]
+    """The groups whose copy differed from the majority's (every live group without one)."""
+    led: bool
+    """This group led the attempt: the checkpoints it wrote are its copy's."""
+    rank_seen: int
+    """What this rank saw of its own shard."""
+
+
 class FaultTolerance(Protocol):
     """What the Trainer's loop asks of a fault-tolerance mode (the module docstring has the order)."""
 
@@ -69,6 +82,8 @@ class FaultTolerance(Protocol):
     """Fewer groups are live than the run was configured with: the ledger's degraded time."""
     group_name: str
     """This worker group's name in the run's files: "" on the restart path (one group)."""
+    compares_copies: bool
+    """Other groups hold copies of this rank's shard, compared by checksum in the step's stats."""
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         """`run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
@@ -95,6 +110,12 @@ class FaultTolerance(Protocol):
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         """Whether the optimizer steps; False: nothing is applied and the step is re-done."""
 
+    def note_state_checksum(self, checksum: torch.Tensor) -> None:
+        """Before an attempt whose copies are compared: this rank's shard checksum."""
+
+    def take_copies_verdict(self) -> CopiesVerdict | None:
+        """Once, after the attempt that found the groups' copies differing: what was found."""
+
     def on_uncommitted(self, step: int) -> None:
         """The attempt at the step after `step` was applied nowhere; the loop re-does it."""
 
@@ -115,9 +136,16 @@ class RestartPath:
     leads = True
     degraded = False
     group_name = ""
+    compares_copies = False
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         pass
+
+    def note_state_checksum(self, checksum: torch.Tensor) -> None:
+        pass
+
+    def take_copies_verdict(self) -> CopiesVerdict | None:
+        return None
 
     def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
         if rank == 0:
@@ -162,6 +190,8 @@ class ReplicaGroups:
     def __init__(self, member: ReplicaGroup):
         self.member = member
         self.group_name = f"g{member.group}"
+        self.compares_copies = member.groups > 1
+        self._verdict: CopiesVerdict | None = None
         self._hand_over: Callable[[], None] = lambda: None
 
     def metric_sink(self, sink: MetricLogger) -> LeaderMetrics:
@@ -215,8 +245,24 @@ class ReplicaGroups:
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         return self.member.should_commit(step, stats)
 
+    def note_state_checksum(self, checksum: torch.Tensor) -> None:
+        self.member.note_state_checksum(checksum)
+
+    def take_copies_verdict(self) -> CopiesVerdict | None:
+        verdict, self._verdict = self._verdict, None
+        return verdict
+
     def on_uncommitted(self, step: int) -> None:
-        if self.member.group_rank == 0:
+        from elastic_gpt.parallel.replicate import COPIES_AGREE
+
+        # Was it the groups' copies that differed? The group agrees on what its ranks saw (a
+        # group whose copy differed is set to heal at the next quorum).
+        led = self.member.leads
+        seen = self.member.settle_copies()
+        if seen != COPIES_AGREE:
+            self._verdict = CopiesVerdict(seen, self.member.copies_differed_anywhere, led,
+                                          self.member.copies_seen)
+        elif self.member.group_rank == 0:
             say(f"[elastic-gpt] step {step + 1} not committed by the replica groups' quorum; "
                 "re-doing it")
 

@@ -12,19 +12,23 @@ import torch
 from elastic_gpt.config import Config, run_log_dir
 from elastic_gpt.console import say
 from elastic_gpt.data.skips import DataSkips
+from elastic_gpt.train.fault_tolerance import RestartPath
 from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
-from elastic_gpt.train.replica_check import ReplicaCheck
+from elastic_gpt.train.replica_check import GroupCopiesCheck, ReplicaCheck
 from elastic_gpt.train.stragglers import StragglerWatch
 
 
 class HealthChecks:
     def __init__(self, cfg: Config, *, rank: int, world_size: int, dims, device: torch.device,
                  store, resume_state: dict | None, rank_nodes: list[str] | None, metrics,
-                 membership, group_name: str = "", settle_saves=lambda: None):
-        """Collective (the run's skips are read by rank 0 and sent to every rank). `group_name`
-        names this worker group's files among the run's (replica groups: one per group);
-        `settle_saves()` returns once the checkpoint writes in flight have landed."""
+                 membership, fault_tolerance=RestartPath(), settle_saves=lambda: None):
+        """Collective (the run's skips are read by rank 0 and sent to every rank).
+        `fault_tolerance` is the Trainer's mode (replica groups: the groups' copies compared, a
+        file per group); `settle_saves()` returns once the checkpoint writes in flight have
+        landed."""
         self.store, self.rank, self.settle_saves = store, rank, settle_saves
+        self.fault_tolerance = fault_tolerance
+        group_name = fault_tolerance.group_name
         common = dict(rank=rank, world_size=world_size, rank_nodes=rank_nodes,
                       membership=membership)
         self.spikes = TrainingHealth(
@@ -35,6 +39,9 @@ class HealthChecks:
             + cfg.health.skip_steps_before, metrics=metrics,
             replica_groups=cfg.elastic.replica_groups != "off", **common)
         self.replicas = ReplicaCheck(cfg.health, dims, **common)
+        self.copies = GroupCopiesCheck(cfg.health, fault_tolerance, rank=rank, store=store,
+                                       settle_saves=settle_saves, rank_nodes=rank_nodes,
+                                       membership=membership)
         # The per-rank probe times go to the run's folder, once the launcher has set it.
         probes = f"probes-{group_name}.jsonl" if group_name else "probes.jsonl"
         record = os.path.join(run_log_dir(cfg), probes) if cfg.run.storage_path else None
@@ -60,8 +67,11 @@ class HealthChecks:
                        step: int, ledger) -> Rollback | None:
         """Before the forward of the step after `step` steps: the rollback to make when the
         replicas disagree with no majority, else None (a corrupt replica is healed here)."""
-        due = self.replicas.due(step)
-        checksum = self.spikes.before_step(model, step, checksum=due)
+        self.copies.after_verdict(step, ledger)
+        due, copies_due = self.replicas.due(step), self.copies.due(step)
+        checksum = self.spikes.before_step(model, step, checksum=due or copies_due)
+        if copies_due:
+            self.fault_tolerance.note_state_checksum(checksum)
         if not due:
             return None
         verdict = self.replicas.check(step, checksum, model, optimizer, ledger)

@@ -18,9 +18,18 @@ one integer per rank, and every rank compares the replicas of each shard the sam
 - no majority (two replicas that differ): no replica can be trusted, and the run rolls back to the
   newest checkpoint (train/health.py), every one of which was saved after a passing check.
 
-Replica groups (torchft) hold the same state across groups the same way; they are not compared
-here yet (docs/operations.md). The check costs one checksum pass over the shard (about a quarter
-of the optimizer step's memory traffic) and one all-gather of a word per rank.
+Replica groups (torchft) hold the same state across groups the same way (`GroupCopiesCheck`):
+each rank's checksum rides in the step's stats, which the groups sum anyway (no collective of
+its own), and the vote to commit settles it. Copies that differ make every group vote no: the
+step is applied nowhere. A group whose copy differs from the majority's is set a step behind
+and healed from a live peer at the next quorum (torchft's recovery, as for a group that joins
+late); its node is drained, and the checkpoints it wrote since the last check are deleted. With
+no majority (two groups) no copy can be trusted: the checkpoints written since the last check are
+deleted and every group fails, so each restarts from the newest checkpoint left.
+
+The check costs one checksum pass over the shard (about a quarter of the optimizer step's memory
+traffic) and one all-gather of a word per rank (with replica groups, two words per group added to
+the step's stats).
 """
 
 from __future__ import annotations
@@ -123,3 +132,61 @@ def _broadcast_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ReplicaCopiesDiffer(RuntimeError):
+    """The replica groups' copies of the state differ with no majority: every group fails, and
+    each restarts from the newest checkpoint left (not fatal: Ray restarts them)."""
+
+
+class GroupCopiesCheck:
+    """One rank's part in comparing the replica groups' copies (`fault_tolerance.ReplicaGroups`
+    carries the checksums; this acts on what it found)."""
+
+    def __init__(self, cfg: HealthSection, fault_tolerance, *, rank: int, store,
+                 settle_saves, rank_nodes: list[str] | None = None, membership=None):
+        self.cfg, self.ft, self.rank, self.store = cfg, fault_tolerance, rank, store
+        self.settle_saves, self.rank_nodes, self.membership = settle_saves, rank_nodes, membership
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.sdc_every_steps
+        return self.ft.compares_copies and every > 0 and step % every == 0
+
+    def after_verdict(self, step: int, ledger) -> None:
+        """Before the forward of the attempt after one whose copies differed (this group, if its
+        copy was the one, has just been healed at the quorum)."""
+        from elastic_gpt.parallel.replicate import (
+            COPIES_MAJORITY,
+            COPIES_MINORITY,
+            COPIES_UNDECIDED,
+        )
+
+        verdict = self.ft.take_copies_verdict()
+        if verdict is None:
+            return
+        trusted = step - self.cfg.sdc_every_steps  # the copies last agreed on that step's state
+        detail = (f"after step {step}, replica group(s) {verdict.groups} held a copy of the state "
+                  "that differed from " + ("the others' with no majority"
+                                           if verdict.seen == COPIES_UNDECIDED else
+                                           "the majority's: healed from a live peer"))
+        if verdict.led or verdict.seen == COPIES_UNDECIDED:
+            self._delete_checkpoints_after(trusted)
+        if verdict.seen == COPIES_UNDECIDED:
+            raise ReplicaCopiesDiffer(f"silent data corruption {detail}; every group restarts "
+                                      "from the newest checkpoint written before it")
+        if verdict.seen == COPIES_MAJORITY and self.ft.leads:
+            ledger.events.append({"at": time.time(), "kind": "silent data corruption",
+                                  "step": step, "detail": detail, "groups": verdict.groups,
+                                  "action": "healed from the majority"})
+            if self.rank == 0:
+                say(f"[elastic-gpt] silent data corruption {detail}")
+        if verdict.rank_seen == COPIES_MINORITY and self.rank_nodes and self.membership:
+            node = self.rank_nodes[self.rank]
+            self.membership.drain_node(node, f"silent data corruption: {detail}")
+
+    def _delete_checkpoints_after(self, step: int) -> None:
+        self.settle_saves()
+        if self.rank == 0:
+            for doomed in self.store.discard_after(step):
+                say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the "
+                    "corruption, is deleted")

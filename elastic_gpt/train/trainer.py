@@ -147,7 +147,7 @@ class Trainer:
             cfg, rank=rank, world_size=world_size, dims=self.dims, device=self.device,
             store=self.store, resume_state=self.resume_from and self.resume_from.state,
             rank_nodes=rank_nodes, metrics=metrics, membership=membership,
-            group_name=fault_tolerance.group_name, settle_saves=lambda: self.checkpointer.wait())
+            fault_tolerance=fault_tolerance, settle_saves=lambda: self.checkpointer.wait())
         self.model = self._build_model(initialise=self.resume_from is None)
         self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
