@@ -43,9 +43,9 @@ from elastic_gpt.tracking import metric_names as mn
 pytestmark = pytest.mark.slow
 
 # The run must outlast the faults, which take several Ray restarts of a group while the survivor
-# steps on: the test prints the step they ended at (390 and 392 in two runs at load ~17), to
-# keep this well above it (a run past its faults only steps: each step here is test time).
-STEPS = 640
+# steps on: the test prints the step they ended at (390 and 392 in two runs at load ~17, 553 on
+# an idle machine, whose steps are quicker next to the same restarts), to keep this above it.
+STEPS = 800
 CHECKPOINT_EVERY = 20  # the fallback's restart point
 KILL_AT = 12  # between two checkpoint steps: the stall measured is the failure's alone
 WORKERS = 2  # per group: FSDP2 shards inside each group, and the heal goes shard by shard
@@ -455,13 +455,16 @@ def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, m
         print(f"[replica groups] dropped while late, not faulted (group, why, s after the "
               f"first fault): {[d[1:] for d in late]}")
     # After a kill or a drain, a group that left or whose process was gone was dropped without
-    # the survivors sitting a heartbeat out at the Lighthouse. (Their own quorum call, below, can
-    # take longer: right after a node dies a rank may get no CPU for seconds on these two cores.
-    # A hung group leaves only when its own collective gives up: the survivors wait for that.)
+    # the survivors sitting a heartbeat out at the Lighthouse (the probe is refused once the
+    # killed manager's process is gone: 0.77 s after a node kill in one run here, while the
+    # node's processes were being killed). Their own quorum call, below, can take longer: right
+    # after a node dies a rank may get no CPU for seconds on these two cores. A hung group leaves
+    # only when its own collective gives up: the survivors wait for that.
     prompt = [r for r in departures if r["why"] in ("left", "probe refused")
               and r["waited_s"] is not None
               and any(at[f] < r["t"] < at[windows[f][0]] for f in ("worker", "drain", "kill"))]
-    assert all(r["waited_s"] < 0.5 * HEARTBEAT_S for r in prompt), prompt
+    assert all(r["waited_s"] < HEARTBEAT_S for r in prompt), [
+        (_group_of(r), r["why"], r["waited_s"]) for r in prompt]
     waits = {fault: _drop_wait(steps, at[fault], at[end], survivor) for fault, end, survivor in
              (("worker", "lighthouse", 0), ("drain", "back", 0), ("kill", "stop", 1))}
     client = mlflow.tracking.MlflowClient(cfg.tracking.uri)
