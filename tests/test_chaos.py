@@ -418,3 +418,43 @@ def test_a_straggler_is_evicted_and_the_run_goes_on_in_order(cluster, reference)
     cluster.nodes.remove(node)
     cluster.cluster.remove_node(node, allow_graceful=False)  # the cloud takes it
     cluster.nodes.append(cluster.add_node())
+
+
+def test_a_hardware_fault_drains_its_node_and_the_run_goes_on_in_order(cluster, reference,
+                                                                      monkeypatch):
+    """The top exponent bit of rank 1's parameters flipped by the update of step 8, a checkpoint
+    step, in a real worker (train/health.FLIP_BIT_ENV, forwarded to the workers): the loss is
+    non-finite, the run rolls back past that checkpoint and re-runs, the re-run differs, so rank
+    1's hardware is blamed and its node drained; the group restarts without it and finishes in
+    the reference's data order, nothing skipped."""
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+
+    flip_at = 8
+    monkeypatch.setenv(FLIP_BIT_ENV, f"1:{flip_at}")
+    # FSDP over both nodes: with HSDP (auto's choice here) the replicas' comparison catches the
+    # flip before any loss sees it (tests/test_health.py), and with two replicas names no rank.
+    summary, cfg, _ = train(cluster.env, "hardware", min_workers=1, extra=("parallel.hsdp=off",))
+    monkeypatch.delenv(FLIP_BIT_ENV)
+    assert summary["step"] == STEPS
+    assert_same_training(metrics(cluster.env, summary), reference, exact=False)
+    events = events_of(summary)
+    kinds = [e["kind"] for e in events]
+    assert "loss spike" in kinds, events
+    spike = kinds.index("loss spike")
+    assert kinds[spike:spike + 3] == ["loss spike", "rollback", "hardware fault"], kinds
+    rollback, fault = events[spike + 1], events[spike + 2]
+    assert rollback["resumed_from_step"] == flip_at - 4  # past the checkpoint holding the flip
+    assert fault["ranks"] == [1] and fault["skipped_steps"] == 0 and len(fault["nodes"]) == 1
+    drained = [e for e in events if e["kind"] == "preemption" and e["at"] > fault["at"]]
+    assert drained and drained[0]["lost_steps"] <= 1, events
+    sizes = metrics(cluster.env, summary)["world_size"]
+    assert sizes[STEPS] == 1, sizes
+    print(f"\n[hardware] {' -> '.join(kinds)}; rank {fault['ranks']} blamed at step "
+          f"{fault['step']}, its node drained; the restart came "
+          f"{drained[0]['at'] - fault['at']:.1f} s after the verdict, re-doing "
+          f"{drained[0]['lost_steps']} step(s)")
+    node = next(n for n in cluster.cluster.worker_nodes if n.node_id == fault["nodes"][0])
+    cluster.nodes.remove(node)
+    cluster.cluster.remove_node(node, allow_graceful=False)  # the cloud takes it
+    cluster.nodes.append(cluster.add_node())
+

@@ -19,6 +19,9 @@ The hooks, in the order the loop calls them:
     on_start(step, rank, store)                  after the restore, before the first step
     on_resume(event, step)                       rank 0, when this attempt continues another
     begin_step(step, dp_rank, dp_degree)         before each attempt: the step and its split
+    take_copies_verdict(), note_state_checksum(c)  where `compares_copies`, before the forward:
+                                                 what the last attempt found of the groups'
+                                                 copies; this attempt's state checksum
     reduce_gradients(), reduce_stats(stats),     inside `Trainer.train_step`
       should_commit(step, stats)
     on_uncommitted(step)                         an attempt applied nowhere: it is re-done
