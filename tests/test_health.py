@@ -360,3 +360,21 @@ def test_a_bit_flipped_in_one_replica_groups_copy_is_healed_from_the_majority(
     assert all(g is not None and "with no majority" in g.get("error", "") for g in two), two
     assert max(two[0]["seen"]) == flip_at  # step 21 was applied nowhere
     assert sorted(CheckpointStore(str(tmp_path / "two")).step_dirs()) == [10]
+
+
+def test_a_probe_file_that_cannot_be_written_is_said_once_and_training_goes_on(tmp_path, capsys):
+    """The per-rank probe times' folder under a regular file: one line, no file kept, no error
+    (the probe's metrics and events still say what it finds)."""
+    import torch
+
+    from elastic_gpt.config import HealthSection
+    from elastic_gpt.train.stragglers import StragglerWatch
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    watch = StragglerWatch(HealthSection(), rank=0, world_size=2, device=torch.device("cpu"),
+                           record_path=str(blocker / "logs" / "probes.jsonl"))
+    assert watch.record_path is None
+    watch._record({"step": 10, "probe_s": [0.01, 0.01]})  # nothing more is tried, or said
+    said = [line for line in capsys.readouterr().out.splitlines() if "probe" in line]
+    assert len(said) == 1 and "not kept" in said[0], said

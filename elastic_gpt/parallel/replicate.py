@@ -49,15 +49,14 @@ FT_MISSING = ("elastic.replica_groups needs torchft, which is not installed; pip
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 _RECORD_FIELDS = ("replica_id", "rank", "quorum_id", "step", "commit_result")
 # A long run's detail at about ten lines a step: a few of these per worker, the oldest dropped.
+DETAIL_FILE_BYTES = 64 << 20
+DETAIL_FILE_BACKUPS = 2
 # The groups' copies of each shard are compared by an exact checksum carried in the step's stats
 # (float64): its residue below 2**52, which a float64 holds exactly.
 CHECKSUM_MODULUS = 1 << 52
 COPIES_AGREE, COPIES_MAJORITY, COPIES_MINORITY, COPIES_UNDECIDED = range(4)
 """What a rank saw of its shard's copies over the live groups, worst last: all equal; another
 group's differed from the majority this group is in; this group's did; no majority."""
-
-DETAIL_FILE_BYTES = 64 << 20
-DETAIL_FILE_BACKUPS = 2
 
 
 def detail_log_path(log_dir: str, group: int | str, rank: int | str) -> str:

@@ -10,11 +10,14 @@ import os
 import torch
 
 from elastic_gpt.config import Config, run_log_dir
-from elastic_gpt.console import say
 from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.train.fault_tolerance import RestartPath
 from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
-from elastic_gpt.train.replica_check import GroupCopiesCheck, ReplicaCheck
+from elastic_gpt.train.replica_check import (
+    GroupCopiesCheck,
+    ReplicaCheck,
+    delete_checkpoints_after,
+)
 from elastic_gpt.train.stragglers import StragglerWatch
 
 
@@ -81,11 +84,7 @@ class HealthChecks:
         trusted = step - self.replicas.cfg.sdc_every_steps
         if verdict == "healed":
             self.spikes.before_step(model, step)  # the healed state's checksum
-            self.settle_saves()
-            if self.rank == 0:
-                for doomed in self.store.discard_after(trusted):
-                    say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the "
-                        "corruption, is deleted")
+            delete_checkpoints_after(trusted, self.store, self.rank, self.settle_saves)
         elif verdict == "no majority":
             return self.spikes.roll_back_to_newest(trusted, ledger,
                                                    "replicas disagree with no majority")

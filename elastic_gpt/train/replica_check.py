@@ -170,7 +170,7 @@ class GroupCopiesCheck:
                                            if verdict.seen == COPIES_UNDECIDED else
                                            "the majority's: healed from a live peer"))
         if verdict.led or verdict.seen == COPIES_UNDECIDED:
-            self._delete_checkpoints_after(trusted)
+            delete_checkpoints_after(trusted, self.store, self.rank, self.settle_saves)
         if verdict.seen == COPIES_UNDECIDED:
             raise ReplicaCopiesDiffer(f"silent data corruption {detail}; every group restarts "
                                       "from the newest checkpoint written before it")
@@ -184,9 +184,12 @@ class GroupCopiesCheck:
             node = self.rank_nodes[self.rank]
             self.membership.drain_node(node, f"silent data corruption: {detail}")
 
-    def _delete_checkpoints_after(self, step: int) -> None:
-        self.settle_saves()
-        if self.rank == 0:
-            for doomed in self.store.discard_after(step):
-                say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the "
-                    "corruption, is deleted")
+
+def delete_checkpoints_after(step: int, store, rank: int, settle_saves) -> None:
+    """Every checkpoint newer than `step`, the last state the copies agreed on: one written since
+    may hold a corrupt copy's shard. The writes in flight land first; rank 0 deletes."""
+    settle_saves()
+    if rank == 0:
+        for doomed in store.discard_after(step):
+            say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the corruption, "
+                "is deleted")

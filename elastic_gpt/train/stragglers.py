@@ -60,6 +60,11 @@ class StragglerWatch:
         self._a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
         self._reps = reps
         self.record_path = record_path if rank == 0 and self.active else None
+        if self.record_path:
+            try:
+                os.makedirs(os.path.dirname(self.record_path), exist_ok=True)
+            except OSError:
+                pass  # the first write says what is wrong, once
         self._record({"event": "start", "world_size": world_size, "nodes": rank_nodes})
 
     @property
@@ -114,7 +119,6 @@ class StragglerWatch:
         if self.record_path is None:
             return
         try:
-            os.makedirs(os.path.dirname(self.record_path), exist_ok=True)
             with open(self.record_path, "a") as f:
                 f.write(json.dumps({"t": round(time.time(), 3), **line}) + "\n")
         except OSError as e:
