@@ -290,7 +290,7 @@ def _group_main(group: int, groups: int, lighthouse: str, overrides: list[str],
     try:
         trainer.train()
         result = {"seen": recorder.seen, "events": trainer.ledger.events,
-                  "hash": member.local_state_hash()}
+                  "hash": member.local_state_hash(), "skips": trainer.health.skips.to_list()}
     except ReplicaCopiesDiffer as e:
         result = {"error": str(e), "seen": recorder.seen}
     torch.save(result, out)
@@ -360,6 +360,48 @@ def test_a_bit_flipped_in_one_replica_groups_copy_is_healed_from_the_majority(
     assert all(g is not None and "with no majority" in g.get("error", "") for g in two), two
     assert max(two[0]["seen"]) == flip_at  # step 21 was applied nowhere
     assert sorted(CheckpointStore(str(tmp_path / "two")).step_dirs()) == [10]
+
+
+@pytest.mark.slow
+def test_replica_groups_roll_a_data_spike_back_together_and_skip_it_alike(garbage_data, tmp_path):
+    """Two replica groups (one rank each, a real torchft Manager and Lighthouse) on the garbage
+    data: they sum the loss and hold the same detector state, so both flag the spike at the same
+    step, roll back to the same checkpoint, re-run, blame the data and skip the same batches; the
+    quorum stays whole (no group is healed back to the abandoned trajectory). Every group's every
+    committed loss equals a two-group run that started with the skips in its record, bit for bit,
+    and the copies end equal."""
+    data, bad = garbage_data
+    args = [*ARGS, f"data.path={data}", "health.straggler_action=off"]
+    got = _replica_groups_run(2, [*args, f"checkpoint.path={tmp_path / 'run'}"], {},
+                              str(tmp_path))
+    assert all(g is not None and "error" not in g for g in got), got
+    for g in got:
+        kinds = [e["kind"] for e in g["events"]]
+        assert kinds == ["loss spike", "rollback", "data skipped", "rollback"], g["events"]
+        spike, rollback, skipped, again = g["events"]
+        assert (spike["first_step"], spike["step"]) == (BAD_STEPS.start + 1, BAD_STEPS.stop)
+        assert rollback["resumed_from_step"] == again["resumed_from_step"] == \
+            BAD_STEPS.start - CHECKPOINT_EVERY
+        assert (skipped["from_step"], skipped["skipped_steps"]) == (BAD_STEPS.start - 1, 3)
+        lo, hi = skipped["sample_positions"]
+        assert lo <= min(bad) and max(bad) < hi
+        print(f"group {got.index(g)}: spike at step {spike['step']}, rolled back to "
+              f"{rollback['resumed_from_step']}, re-run and skipped; the second rollback "
+              f"{again['at'] - spike['at']:.2f} s after the detection, "
+              f"{rollback['lost_steps'] + again['lost_steps']} steps re-done")
+    assert got[0]["skips"] == got[1]["skips"] and len(got[0]["skips"]) == 1
+    with open(tmp_path / "run" / "run.json") as f:
+        assert json.load(f)["data_skips"] == got[0]["skips"]
+
+    ref_root = tmp_path / "reference"
+    ref_root.mkdir()
+    (ref_root / "run.json").write_text(json.dumps({"data_skips": got[0]["skips"]}))
+    ref = _replica_groups_run(2, [*args, f"checkpoint.path={ref_root}"], {}, str(tmp_path))
+    assert all(r is not None and r["events"] == [] for r in ref), ref
+    for g in range(2):
+        assert got[g]["seen"] == ref[0]["seen"], g
+    assert sorted(got[0]["seen"]) == list(range(1, STEPS + 1))
+    assert got[0]["hash"] == got[1]["hash"] == ref[0]["hash"]
 
 
 def test_a_probe_file_that_cannot_be_written_is_said_once_and_training_goes_on(tmp_path, capsys):

@@ -27,7 +27,13 @@ from elastic_gpt.cost_model.step_time import (
 from elastic_gpt.hardware import get_gpu
 from elastic_gpt.model.gpt import LOSS_CHUNK_LOGITS, GPTConfig, preset_config
 from elastic_gpt.planner.inputs import DAY, PlanError, PlanInputs
-from elastic_gpt.planner.reliability import goodput, optimal_interval_s, young_interval_s
+from elastic_gpt.planner.reliability import (
+    goodput,
+    optimal_interval_s,
+    rollback_mtbf_s,
+    spike_cost_s,
+    young_interval_s,
+)
 from elastic_gpt.planner.report import training_config
 from elastic_gpt.planner.training_plan import plan_training
 
@@ -398,10 +404,12 @@ def test_hsdp_gathers_in_the_node_and_all_reduces_across_nodes():
 def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():
     """Training health (train/health.py) rolls a spike back, re-runs it and rolls back again
     (blamed on the data, the costlier verdict): at PaLM 540B's rate (~20 spikes in 255k steps)
-    the goodput counts that; by default none is assumed."""
+    the goodput counts that, on the restart path and with replica groups; by default none is
+    assumed."""
     from elastic_gpt.config import HealthSection
     from elastic_gpt.elastic.resize_rule import kept_fraction
     from elastic_gpt.planner.inputs import PALM_STEPS_PER_SPIKE
+    from elastic_gpt.planner.replica_group_model import replica_reliability
 
     run = dict(model="gpt3-175b", gpu="A100-80GB", n_gpus=1024, tokens=300e9,
                replica_groups="off", market="on-demand")
@@ -413,6 +421,37 @@ def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():
     assert rel.spike_s == pytest.approx(2 * (rel.interval_s / 2 + (suspect + HealthSection.spike_steps)
                                              * palm.step_s) + 2 * palm.restart_cost.read_s)
     assert none.on_demand.spike_s == 0
-    assert rel.goodput == pytest.approx(none.on_demand.goodput
-                                        * kept_fraction(rel.spike_s, rel.spike_every_s))
+    # Young's interval counts a spike twice (it re-does the work since the checkpoint twice)...
+    assert rel.young_interval_s == pytest.approx(young_interval_s(
+        rel.ckpt_write_s, rollback_mtbf_s(rel.mtbf_s, rel.spike_every_s)))
+    assert rel.goodput == pytest.approx(
+        goodput(rel.interval_s, rel.ckpt_write_s, rel.recovery_s, rel.mtbf_s)
+        * kept_fraction(rel.spike_s, rel.spike_every_s))
     assert rel.goodput < none.on_demand.goodput
+    # ... which keeps more than the interval chosen for node failures alone would.
+    blind = none.on_demand.interval_s
+    assert rel.interval_s < blind and rel.goodput > (
+        goodput(blind, rel.ckpt_write_s, rel.recovery_s, rel.mtbf_s)
+        * kept_fraction(spike_cost_s(blind, palm.step_s, palm.restart_cost.read_s),
+                        rel.spike_every_s))
+
+    # Replica groups roll a spike back together, from checkpoints as far apart as their fallback
+    # needs: the same cost at their own interval.
+    groups = {**run, "replica_groups": 8}
+    palm = plan_training(PlanInputs(**groups, spike_every_steps=PALM_STEPS_PER_SPIKE))
+    none = plan_training(PlanInputs(**groups))
+    rep, rep_none = (p.fault_tolerance.replica[0] for p in (palm, none))
+    step = rep.layout.step_s  # a group's step, the cross-group average in it
+    assert rep.spike_s == pytest.approx(2 * (rep.interval_s / 2 + (suspect + HealthSection.spike_steps)
+                                             * step) + 2 * rep.layout.ckpt_read_s)
+    assert rep.young_interval_s == pytest.approx(young_interval_s(
+        rep.layout.ckpt_write_s, rollback_mtbf_s(rep.fallback_mtbf_s, PALM_STEPS_PER_SPIKE * step)))
+    assert rep.interval_s < rep_none.interval_s and rep.goodput < rep_none.goodput
+    assert rep_none.spike_s == 0
+    # At one interval, the spikes' share of wall time is the restart path's arithmetic.
+    market = dict(node_mtbf_h=2000.0, nodes=128, heartbeat_s=10.0, restart_s=120.0,
+                  every_steps=100)
+    with_spikes = replica_reliability(rep.layout, **market, spike_every_steps=PALM_STEPS_PER_SPIKE)
+    without = replica_reliability(rep.layout, **market)
+    assert with_spikes.goodput == pytest.approx(
+        without.goodput * kept_fraction(with_spikes.spike_s, PALM_STEPS_PER_SPIKE * step))

@@ -200,7 +200,7 @@ class ReplicaGroup:
     def attach(self, model, optimizer, device: torch.device, run_state=None) -> None:
         """Make the Manager and route every FSDP module's gradient through the managed group.
         `run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
-        ledger): a healed group adopts its peer's."""
+        ledger, the health state): a healed group adopts its peer's."""
         from torch.distributed.fsdp import FSDPModule
 
         torchft = self.torchft
@@ -390,7 +390,8 @@ class ReplicaGroup:
         # Each group's checksum of this rank's shard in its own pair of slots (present, value):
         # the sum is every live group's (a group that heals in this step adds zeros).
         copies = stats.new_zeros(2 * self.groups)
-        if self._checksum is not None:
+        compared = self._checksum is not None
+        if compared:
             copies[2 * self.group] = 1.0
             copies[2 * self.group + 1] = (self._checksum.to(stats.device) % CHECKSUM_MODULUS
                                           ).to(stats.dtype)
@@ -399,7 +400,9 @@ class ReplicaGroup:
         self.manager.allreduce(shared, reduce_op=dist.ReduceOp.SUM).wait()
         stats[:3] = shared[:3]
         self._leader_logged = shared[3:4]
-        self._copies = shared[4:]
+        # Read to the host only at a check (every group checks at the same steps): a rank that
+        # gave no checksum has no copy to compare.
+        self._copies = shared[4:] if compared else None
         self._phases["stats"] = time.perf_counter()
 
     def note_state_checksum(self, checksum: torch.Tensor) -> None:

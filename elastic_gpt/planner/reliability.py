@@ -10,8 +10,8 @@ on average, plus the suspect updates before the first flagged loss, max(1,
 `health.skip_steps_before`), and the `health.spike_steps` it took to see it) and two checkpoint
 reads. Counted as the worse case, the
 data's (a hardware fault found so costs one of each, and its node's drain is a planned restart
-among the failures above). Their rate by default: PaLM 540B's (planner/inputs.py,
-`PALM_STEPS_PER_SPIKE`).
+among the failures above). Their rate: `--spike-every-steps` (PaLM 540B's published one is
+planner/inputs.py's `PALM_STEPS_PER_SPIKE`). Young's interval counts them (`rollback_mtbf_s`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,13 @@ def goodput(interval_s: float, ckpt_write_s: float, recovery_s: float, mtbf_s: f
 def young_interval_s(ckpt_write_s: float, mtbf_s: float) -> float:
     """Young (1974): the interval that minimises first-order waste, sqrt(2 * delta * MTBF)."""
     return math.sqrt(2.0 * ckpt_write_s * mtbf_s)
+
+
+def rollback_mtbf_s(mtbf_s: float, spike_every_s: float) -> float:
+    """The mean time between rollbacks as the checkpoint interval sees it: a failure re-does the
+    work since the checkpoint once, a spike twice (`spike_cost_s`), so Young's interval for both
+    is his formula at 1 / (1/MTBF + 2/spike interval)."""
+    return 1.0 / (1.0 / mtbf_s + 2.0 / spike_every_s)
 
 
 def optimal_interval_s(ckpt_write_s: float, recovery_s: float, mtbf_s: float) -> float:
@@ -81,7 +88,8 @@ def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s:
     """`spike_every_steps`: the mean steps between loss spikes (None: none counted); `read_s`:
     one checkpoint read."""
     mtbf = node_mtbf_h * HOUR / nodes
-    young = young_interval_s(ckpt_write_s, mtbf)
+    spike_every_s = spike_every_steps * step_s if spike_every_steps else math.inf
+    young = young_interval_s(ckpt_write_s, rollback_mtbf_s(mtbf, spike_every_s))
     if every_steps is None:
         every_steps = max(1, round(young / step_s))
         if max_steps is not None:
@@ -89,10 +97,9 @@ def reliability(node_mtbf_h: float, nodes: int, ckpt_write_s: float, recovery_s:
     interval = every_steps * step_s
     best = goodput(optimal_interval_s(ckpt_write_s, recovery_s, mtbf), ckpt_write_s, recovery_s,
                    mtbf)
-    kept, spike_s, spike_every_s = 1.0, 0.0, math.inf
+    kept, spike_s = 1.0, 0.0
     if spike_every_steps:
         spike_s = spike_cost_s(interval, step_s, read_s)
-        spike_every_s = spike_every_steps * step_s
         kept = kept_fraction(spike_s, spike_every_s)
     return Reliability(mtbf, ckpt_write_s, recovery_s, interval, every_steps,
                        goodput(interval, ckpt_write_s, recovery_s, mtbf) * kept, young,

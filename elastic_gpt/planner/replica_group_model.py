@@ -15,8 +15,14 @@ from dataclasses import dataclass, field
 from elastic_gpt.config import ElasticSection
 from elastic_gpt.cost_model.memory import FP32, Memory, ModelShape
 from elastic_gpt.cost_model.step_time import LayoutCandidate, Mesh, Network, ring_bytes
+from elastic_gpt.elastic.resize_rule import kept_fraction
 from elastic_gpt.planner.inputs import HOUR
-from elastic_gpt.planner.reliability import Reliability, young_interval_s
+from elastic_gpt.planner.reliability import (
+    Reliability,
+    rollback_mtbf_s,
+    spike_cost_s,
+    young_interval_s,
+)
 
 COLLECTIVE_TIMEOUT_S = ElasticSection.replica_collective_timeout_s
 """The trainer's default `elastic.replica_collective_timeout_s`: a lost node's group is dropped
@@ -154,11 +160,15 @@ class ReplicaReliability:
     every_steps: int
     young_interval_s: float
     goodput: float
+    spike_s: float = 0.0
+    """What one loss spike costs: every live group rolls back, re-runs and rolls back together
+    (train/health.py), from checkpoints as far apart as the fallback's interval."""
 
 
 def replica_reliability(layout: ReplicaLayout, node_mtbf_h: float, nodes: int,
                         heartbeat_s: float, restart_s: float, every_steps: int | None = None,
-                        max_steps: int | None = None) -> ReplicaReliability:
+                        max_steps: int | None = None, spike_every_steps: float | None = None
+                        ) -> ReplicaReliability:
     """Goodput of `layout` on a market. Per group loss the survivors stall until the Lighthouse
     drops the silent group (its heartbeat timeout: a node lost on a cloud goes silent, nothing
     refuses a connection) and their collective with it gives up (the collective timeout), plus
@@ -171,11 +181,14 @@ def replica_reliability(layout: ReplicaLayout, node_mtbf_h: float, nodes: int,
     cross-group all-reduce. The lost group is away for its restart and its read of the newest
     checkpoint (it restores that, then heals to the live step).
 
-    Checkpoints are for the fallback only, so their interval is Young's for the fallback's MTBF
-    and the leading group's write time."""
+    Checkpoints are for the fallback and loss spikes only, so their interval is Young's for the
+    fallback's MTBF and the spikes (`rollback_mtbf_s`) and the leading group's write time; a
+    spike (`spike_every_steps`) costs what it costs the restart path at that interval
+    (`spike_cost_s`): every group rolls back together."""
     mtbf, fallback_mtbf = node_mtbf_h * HOUR / nodes, node_mtbf_h * HOUR
     step = layout.step_s
-    young = young_interval_s(layout.ckpt_write_s, fallback_mtbf)
+    spike_every_s = spike_every_steps * step if spike_every_steps else math.inf
+    young = young_interval_s(layout.ckpt_write_s, rollback_mtbf_s(fallback_mtbf, spike_every_s))
     if every_steps is None:
         every_steps = max(1, round(young / step))
         if max_steps is not None:
@@ -189,8 +202,12 @@ def replica_reliability(layout: ReplicaLayout, node_mtbf_h: float, nodes: int,
                         n_groups=layout.n_groups, groups_lost=layout.groups_lost,
                         degraded_speed=layout.degraded_speed, fallback_mtbf_s=fallback_mtbf,
                         fallback_recovery_s=fallback_recovery)
+    spike_s = 0.0
+    if spike_every_steps:
+        spike_s = spike_cost_s(interval, step, layout.ckpt_read_s)
+        g *= kept_fraction(spike_s, spike_every_s)
     return ReplicaReliability(layout, mtbf, fallback_mtbf, stall, absent, fallback_recovery,
-                              interval, every_steps, young, g)
+                              interval, every_steps, young, g, spike_s)
 
 
 def replica_groups_problem(n_groups: int, n_gpus: int, tp: int, gpus_per_node: int) -> str | None:

@@ -169,13 +169,14 @@ def format_report(plan: Plan) -> str:
         lines.append(
             f"  {label:9s} cluster MTBF {_duration(rel.mtbf_s)}; checkpoint every "
             f"{rel.every_steps} steps ({_duration(rel.interval_s)}, Young/Daly "
-            f"sqrt(2*delta*MTBF) = {_duration(rel.young_interval_s)}): goodput "
+            f"sqrt(2*delta*MTBF{', a spike counted twice' if rel.spike_s else ''}) = "
+            f"{_duration(rel.young_interval_s)}): goodput "
             f"{100 * rel.goodput:.1f}%")
     rel = plan.on_demand
     if rel.spike_s:
         lines.append(f"  loss spikes: one every {_duration(rel.spike_every_s)}, each "
                      f"{_duration(rel.spike_s)} to roll back, re-run and skip: counted above "
-                     "(on the restart path; replica groups report spikes, not roll them back)")
+                     "(replica groups roll back together, from their rarer checkpoints)")
     lines += ["", *_fault_tolerance_lines(plan)]
     lines += [
         "",

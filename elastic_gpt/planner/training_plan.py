@@ -220,7 +220,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
         ft.replica = sorted((replica_reliability(lay, node_mtbf_h, nodes,
                                                  p.replica_heartbeat_timeout_s,
                                                  p.restart_s + p.compile_s,
-                                                 p.ckpt_every_steps, max_steps)
+                                                 p.ckpt_every_steps, max_steps,
+                                                 p.spike_every_steps)
                              for lay in group_layouts),
                             key=lambda r, ft=ft: (-ft.replica_effective(r), r.layout.n_groups))
         fault_tolerance[market] = ft

@@ -25,6 +25,8 @@ The hooks, in the order the loop calls them:
     reduce_gradients(), reduce_stats(stats),     inside `Trainer.train_step`
       should_commit(step, stats)
     on_uncommitted(step)                         an attempt applied nowhere: it is re-done
+    on_rollback(step)                            the loop restored the checkpoint of `step`
+                                                 (a loss spike, train/health.py)
     on_stop()                                    the last step before a planned restart committed
     quorum_change()                              after each committed step
     leads, degraded                              after each committed step: who saves, the ledger
@@ -90,7 +92,7 @@ class FaultTolerance(Protocol):
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         """`run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
-        ledger): a replica group healed from a peer adopts the peer's."""
+        ledger, the health state): a replica group healed from a peer adopts the peer's."""
 
     def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
         """This rank restored `step` (0 for a fresh run) and is about to train."""
@@ -121,6 +123,10 @@ class FaultTolerance(Protocol):
 
     def on_uncommitted(self, step: int) -> None:
         """The attempt at the step after `step` was applied nowhere; the loop re-does it."""
+
+    def on_rollback(self, step: int) -> None:
+        """The loop rolled back to the checkpoint of `step`; every live group did the same, at
+        the same step (train/health.py), and trains on from there."""
 
     def on_stop(self) -> None:
         """The step before a planned restart (a drain, a resize) committed: this group takes
@@ -174,6 +180,9 @@ class RestartPath:
         return True
 
     def on_uncommitted(self, step: int) -> None:
+        pass
+
+    def on_rollback(self, step: int) -> None:
         pass
 
     def on_stop(self) -> None:
@@ -268,6 +277,11 @@ class ReplicaGroups:
         elif self.member.group_rank == 0:
             say(f"[elastic-gpt] step {step + 1} not committed by the replica groups' quorum; "
                 "re-doing it")
+
+    def on_rollback(self, step: int) -> None:
+        # Every live group restored the same checkpoint: the next quorum finds them all at its
+        # step, and heals none of them back to the abandoned trajectory.
+        self.member.set_step(step)
 
     def on_stop(self) -> None:
         # A drained group: the others' next quorum forms without waiting for its heartbeat to

@@ -31,8 +31,12 @@ automates in part, as one loop the Trainer calls after every committed step:
 
 Every decision is made from values every rank holds alike (the step's reduced loss), so all
 ranks act at the same step without a collective of their own; the rank attribution is one small
-all-reduce, once per hardware verdict. Spikes, rollbacks, skips and verdicts are ledger events
-(they travel with the checkpoints and reach MLflow's events.jsonl) and `system/health/*` metrics.
+all-reduce, once per hardware verdict. With replica groups every group holds the same loss (the
+groups sum it) and the same detector state (`state_dict`: a group healed from a peer adopts the
+peer's, a restarted one reads its checkpoint's), so every live group rolls back to the same
+checkpoint at the same step, re-runs and skips alike, and their quorum stays whole (C7).
+Spikes, rollbacks, skips and verdicts are ledger events (they travel with the checkpoints and
+reach MLflow's events.jsonl) and `system/health/*` metrics.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -170,15 +175,14 @@ class TrainingHealth:
 
     def __init__(self, cfg: HealthSection, *, rank: int, world_size: int, store, skips: DataSkips,
                  global_batch_size: int, keep_steps: int, rank_nodes: list[str] | None = None,
-                 metrics=None, membership=None, replica_groups: bool = False):
+                 metrics=None, membership=None, speaks: Callable[[], bool] | None = None):
         """`keep_steps`: how far back a rollback can reach (the checkpoints kept, in steps):
-        each rank's checksums and step times are kept that long."""
+        each rank's checksums and step times are kept that long. `speaks()`: whether this rank
+        says what it does (rank 0; of replica groups, the leading group's alone)."""
         self.cfg, self.rank, self.world_size, self.store = cfg, rank, world_size, store
         self.skips, self.global_batch_size = skips, global_batch_size
-        # Rolling a replica group back alone would fork it from the others (C7 all-or-nothing
-        # step): with replica groups a spike is reported, not rolled back.
-        self.action = "report" if replica_groups and cfg.spike_action == "rollback" \
-            else cfg.spike_action
+        self.action = cfg.spike_action
+        self.speaks = speaks or (lambda: rank == 0)
         self.rank_nodes, self.metrics, self.membership = rank_nodes, metrics, membership
         self.detector = SpikeDetector(cfg.spike_window, cfg.spike_deviations, cfg.spike_min_rise,
                                       cfg.spike_steps, cfg.spike_min_history)
@@ -199,6 +203,38 @@ class TrainingHealth:
     def rerunning(self) -> bool:
         """Re-running suspect steps: nothing is saved until the verdict."""
         return self.rerun is not None
+
+    # ---- the run's state, not a rank's -------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The detector's window, the totals, the skips and a re-run in progress: what every rank
+        holds alike, made from the losses every rank holds alike. A replica group healed from a
+        live peer adopts it, so every group decides alike at the same step (C7 all-or-nothing
+        step); a checkpoint keeps it, so a resumed run flags a spike at once, not after
+        `spike_min_history` steps. Plain lists: it travels in a checkpoint's JSON."""
+        rerun = self.rerun
+        return {"history": [list(h) for h in self.detector.history],
+                "flagged": sorted(self.detector.flagged.items()), "totals": dict(self.totals),
+                "skips": self.skips.to_list(),
+                "rerun": None if rerun is None else {
+                    "first": rerun.spike.first, "last": rerun.spike.last,
+                    "losses": sorted(rerun.spike.losses.items()), "median": rerun.spike.median,
+                    "threshold": rerun.spike.threshold, "checkpoint": rerun.checkpoint,
+                    "rerun_losses": sorted(rerun.losses.items())}}
+
+    def load_state_dict(self, state: dict, skips: bool = True) -> None:
+        """`skips=False` keeps this rank's skips (a checkpoint's: the run record read at the
+        start is newer)."""
+        self.detector.history.clear()
+        self.detector.history.extend((int(s), v) for s, v in state["history"])
+        self.detector.flagged = {int(s): v for s, v in state["flagged"]}
+        self.totals.update(state["totals"])
+        if skips:
+            self.skips = DataSkips.from_list(state["skips"])
+        r = state["rerun"]
+        self.rerun = None if r is None else _Rerun(
+            Spike(r["first"], r["last"], {int(s): v for s, v in r["losses"]}, r["median"],
+                  r["threshold"]), r["checkpoint"], {int(s): v for s, v in r["rerun_losses"]})
 
     # ---- every step --------------------------------------------------------------------------
 
@@ -246,7 +282,7 @@ class TrainingHealth:
             self._event(ledger, {"kind": "loss spike", "detail": spike.describe(),
                                  "step": spike.last, "first_step": spike.first,
                                  "action": "reported (health.spike_action=report)"})
-            if self.rank == 0:
+            if self.speaks():
                 say(f"[elastic-gpt] warning: {spike.describe()}; reported, not rolled back")
             self._log_totals(step)
             return None
@@ -275,7 +311,7 @@ class TrainingHealth:
                              "losses": {str(k): v for k, v in spike.losses.items()},
                              "median": spike.median, "threshold": spike.threshold,
                              "action": action})
-        if self.rank == 0:
+        if self.speaks():
             say(f"[elastic-gpt] {spike.describe()}: {action}")
         if rerun:
             self.rerun = _Rerun(spike, target.step)
@@ -298,7 +334,7 @@ class TrainingHealth:
         shown = ", ".join(f"step {s}: {first[s]:.6g} then {rerun.losses.get(s, math.nan):.6g}"
                           for s in sorted(first))
         if same:
-            if self.rank == 0:
+            if self.speaks():
                 say(f"[elastic-gpt] the re-run reproduced the spike ({shown}): the data caused "
                     "it")
             target = self._checkpoint_at_or_before(rerun.checkpoint)
@@ -315,9 +351,11 @@ class TrainingHealth:
                                        f"losses ({shown}); first diverged: {where}",
                              "ranks": culprits, "nodes": nodes, "skipped_steps": 0})
         if self.rank == 0:
-            say(f"[elastic-gpt] the re-run did not reproduce the spike ({shown}): a hardware "
-                f"fault, first seen on {where}; nothing skipped"
-                + (", draining its node" if nodes else ""))
+            # Of replica groups, the group holding the culprits says so too (it drains them).
+            if culprits or self.speaks():
+                say(f"[elastic-gpt] the re-run did not reproduce the spike ({shown}): a "
+                    f"hardware fault, first seen on {where}; nothing skipped"
+                    + (", draining its node" if nodes else ""))
             for node in nodes:
                 if self.membership is not None:
                     self.membership.drain_node(node, f"hardware fault found by re-running steps "

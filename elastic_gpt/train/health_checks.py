@@ -40,7 +40,9 @@ class HealthChecks:
             # back to the oldest checkpoint a rollback may reach
             keep_steps=cfg.checkpoint.every_steps * max(cfg.checkpoint.keep, 2)
             + cfg.health.skip_steps_before, metrics=metrics,
-            replica_groups=cfg.elastic.replica_groups != "off", **common)
+            speaks=lambda: rank == 0 and fault_tolerance.leads, **common)
+        if resume_state and "health" in resume_state:  # the run record's skips are newer
+            self.spikes.load_state_dict(resume_state["health"], skips=False)
         self.replicas = ReplicaCheck(cfg.health, dims, **common)
         self.copies = GroupCopiesCheck(cfg.health, fault_tolerance, rank=rank, store=store,
                                        settle_saves=settle_saves, rank_nodes=rank_nodes,
@@ -50,6 +52,14 @@ class HealthChecks:
         record = os.path.join(run_log_dir(cfg), probes) if cfg.run.storage_path else None
         self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics,
                                          record_path=record, **common)
+
+    def state_dict(self) -> dict:
+        """The run's health state (train/health.py `TrainingHealth.state_dict`): in every
+        checkpoint, and adopted by a replica group healed from a peer."""
+        return self.spikes.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spikes.load_state_dict(state)
 
     @property
     def skips(self) -> DataSkips:

@@ -154,11 +154,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
-        # The ledger is the run's, not a group's: a replica group healed from a peer adopts the
-        # peer's, so it stays one account whichever group leads (C5 one MLflow run, C7
-        # all-or-nothing step).
+        # The ledger and the health state are the run's, not a group's: a replica group healed
+        # from a peer adopts the peer's, so it stays one account whichever group leads (C5 one
+        # MLflow run) and every group decides alike on a spike (C7 all-or-nothing step).
         self.fault_tolerance.attach(self.model, self.optimizer, self.device, run_state=(
-            lambda: self.ledger.to_dict(), lambda d: self.ledger.adopt(d)))
+            lambda: {"ledger": self.ledger.to_dict(), "health": self.health.state_dict()},
+            lambda d: (self.ledger.adopt(d["ledger"]), self.health.load_state_dict(d["health"]))))
         self.stop_reason: str | None = None
         self.flops_per_token = flops_per_token(self.gpt_cfg)
         self.peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
@@ -454,7 +455,7 @@ class Trainer:
                      "skips": self.health.skips.to_list()},
             "train_seed": self.cfg.train.seed,
             "global_batch_size": self.batch_split.global_batch_size,
-            "ledger": self.ledger.to_dict(),
+            "ledger": self.ledger.to_dict(), "health": self.health.state_dict(),
             "tokenizer": {"name": tokenizer_name(self.tokenizer), "eos_id": self.manifest.eos_id,
                           "vocab_size": self.manifest.vocab_size},
             "saved_at": time.time(),
@@ -600,10 +601,11 @@ class Trainer:
         stream from there."""
         stream.close()
         self.checkpointer.wait()  # an in-flight save of the abandoned trajectory lands first
-        if self.rank == 0:
+        if self.rank == 0:  # of replica groups, every group's (a save in flight is its own)
             self.store.discard_after(rollback.to_step)
         load_sharded(rollback.url, self.model, self.optimizer)
         self.step = rollback.to_step
+        self.fault_tolerance.on_rollback(self.step)
         self._nonfinite_streak = 0
         return self._open_stream()
 
