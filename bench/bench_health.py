@@ -10,10 +10,14 @@ Parts, each on real gloo processes of this machine:
              active: the shard checksum and the replicas' comparison before every forward, the
              straggler probe every 10 steps), against the same run with every check off;
              the two alternate, and the median step times are compared
+  overhead_fsdp  the same at W=2 as FSDP over one "node": no replicas to compare, but every
+             rank's gradients checksummed in each reduce-scatter (parallel/gradient_checksum.py)
   spike      a garbage sample range at a known step: the steps from the first bad batch to the
              detection, the seconds from the detection to the first step after the last
              rollback (rollback, re-run, rollback), the steps re-done
   hardware   the top exponent bit of one rank's parameters flipped: the same figures
+  gradient   the top exponent bit of a gradient one rank computes, before the reduce-scatter
+             (a faulty backward): the same figures, and the rank named
   sdc        one low mantissa bit of one replica flipped (3 replicas): the steps to detection
              and the seconds the heal took (its step's time against the median step)
 
@@ -78,16 +82,17 @@ def _gloo(world, overrides, nodes=None, env=None):
         os.environ.update(old)
 
 
-def overhead(data: str, tmp: str, steps: int, repeats: int) -> dict:
+def overhead(data: str, tmp: str, steps: int, repeats: int, hsdp: bool = True) -> dict:
     base = [f"data.path={data}", f"train.max_steps={steps}", "tracking.enabled=false",
-            "eval.samples=0", "train.log_every=1000", "parallel.hsdp=on",
+            "eval.samples=0", "train.log_every=1000", f"parallel.hsdp={'on' if hsdp else 'off'}",
             "checkpoint.every_steps=100000"]
+    nodes = ["a", "b"] if hsdp else ["a", "a"]
     ratios, medians = [], {"on": [], "off": []}
     for i in range(repeats):
         pair = {}
         for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):  # neither always first
             got = _gloo(2, [*base, f"checkpoint.path={tmp}/{mode}{i}", *(OFF if mode == "off"
-                                                                          else [])], ["a", "b"])
+                                                                          else [])], nodes)
             # past the first steps' warm-up
             pair[mode] = statistics.median(t for _, _, t in got["steps"][5:])
             medians[mode].append(pair[mode])
@@ -127,6 +132,15 @@ def hardware(data: str, tmp: str) -> dict:
     got = _gloo(2, [*_test_job(data), f"checkpoint.path={tmp}/hw", "scaling.min_workers=1"],
                 env={FLIP_BIT_ENV: f"1:{BAD_AT}"})
     return {"first_bad_step": BAD_AT + 1, **_recovery(got)}
+
+
+def gradient(data: str, tmp: str) -> dict:
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+
+    got = _gloo(2, [*_test_job(data), f"checkpoint.path={tmp}/grad", "scaling.min_workers=1"],
+                env={FLIP_BIT_ENV: f"1:{BAD_AT + 1}:grad"})
+    fault = next(e for e in got["events"] if e["kind"] == "hardware fault")
+    return {"first_bad_step": BAD_AT + 1, "ranks_named": fault["ranks"], **_recovery(got)}
 
 
 def sdc(data: str, tmp: str) -> dict:
@@ -175,7 +189,9 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     parts = {"overhead": lambda data, tmp: overhead(data, tmp, args.steps, args.repeats),
-             "spike": spike, "hardware": hardware, "sdc": sdc}
+             "overhead_fsdp": lambda data, tmp: overhead(data, tmp, args.steps, args.repeats,
+                                                         hsdp=False),
+             "spike": spike, "hardware": hardware, "gradient": gradient, "sdc": sdc}
     with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
         data = _dataset(tmp)
         out = {name: parts[name](data, tmp) for name in args.parts.split(",")}

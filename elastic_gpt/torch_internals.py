@@ -31,6 +31,9 @@ moved fails here, at import, naming the torch version.
 - `pipeline_sends` (`torch.distributed.pipelining.schedules._batch_p2p`, through which every
   schedule sends and receives): the bytes a rank sends across stage boundaries, for the tests
   and benchmark that check the planner's count of them.
+- `DefaultReduceScatter` (FSDP2's default reduce-scatter, `_fsdp_collectives`): subclassed to
+  checksum each rank's gradients on their way into the reduce-scatter, installed through the
+  public `FSDPModule.set_custom_reduce_scatter` (parallel/gradient_checksum.py).
 - `set_collective_timeout` (`_set_pg_timeout` over every group in `_world.pg_map`): a new
   timeout for the collectives of every process group this rank is in, the default one and the
   device mesh's, on gloo and NCCL alike; `collective_timeouts` reads back what each group's
@@ -54,6 +57,7 @@ try:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout, _world
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
     from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
     from torch.distributed.tensor.placement_types import (
         _StridedShardOffsetMode as StridedShardOffsetMode,
@@ -63,8 +67,9 @@ except ImportError as e:
     raise ImportError(f"torch {torch.__version__}: a private API elastic-gpt uses moved ({e}); "
                       "install a torch in the range pyproject.toml states") from e
 
-__all__ = ["CheckpointWrapper", "FsspecReader", "FsspecWriter", "StridedShard", "TorchDispatchMode",
-           "StridedShardOffsetMode", "_copy_state_dict", "_create_cpu_state_dict",
+__all__ = ["CheckpointWrapper", "DefaultReduceScatter", "FsspecReader", "FsspecWriter",
+           "StridedShard", "TorchDispatchMode", "StridedShardOffsetMode", "_copy_state_dict",
+           "_create_cpu_state_dict",
            "bind_default_group", "checkpoint_wrapper", "collective_timeouts", "enable_async_tp",
            "flatten_mesh", "local_indices", "set_collective_timeout",
            "set_element"]

@@ -144,31 +144,49 @@ def test_a_spike_from_bad_data_is_rolled_back_reproduced_and_skipped(garbage_dat
     assert sorted(got["seen"]) == list(range(1, STEPS + 1))
 
 
+@pytest.fixture(scope="module")
+def clean_two_ranks(stdlib_dataset, tmp_path_factory) -> dict:
+    """Two ranks (FSDP) trained with no fault: the trajectory a hardware fault's re-run must
+    rejoin."""
+    from elastic_gpt.testing.gloo import run_gloo
+
+    ref = run_gloo(_train, 2, [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1",
+                               f"checkpoint.path={tmp_path_factory.mktemp('clean') / 'run'}"])
+    assert ref[0]["events"] == []
+    return ref[0]
+
+
+# Rank 1's shard after the update of step 40, a checkpoint step: the checkpoint of step 40 holds
+# the corrupt value, and the rollback must reach past it. Or a gradient rank 1 computes in step
+# 41, before the reduce-scatter (a faulty backward): the reduce-scatter lands the corrupted
+# element in rank 0's shard (the flat input's first element is rank 0's), so the weights'
+# checksums alone would not name rank 1; its gradients' do. The gradient is non-finite: the step
+# is skipped, and the non-finite step is the spike (train.nan_patience 0).
+FAULTS = {"weights": ("1:40", 41), "gradient": ("1:41:grad", 41)}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("where", sorted(FAULTS))
 def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
-        stdlib_dataset, tmp_path, monkeypatch):
+        where, stdlib_dataset, clean_two_ranks, tmp_path, monkeypatch):
     from elastic_gpt.testing.gloo import run_gloo
     from elastic_gpt.train.health import FLIP_BIT_ENV
 
-    args = [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1"]
-    # Rank 1's shard after the update of step 40, a checkpoint step: the checkpoint of step 40
-    # holds the corrupt value, and the rollback must reach past it.
-    flip_at = 40
-    monkeypatch.setenv(FLIP_BIT_ENV, f"1:{flip_at}")
-    got = run_gloo(_train, 2, [*args, f"checkpoint.path={tmp_path / 'run'}"])
+    flip, first = FAULTS[where]
+    monkeypatch.setenv(FLIP_BIT_ENV, flip)
+    got = run_gloo(_train, 2, [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1",
+                               f"checkpoint.path={tmp_path / 'run'}"])
     monkeypatch.delenv(FLIP_BIT_ENV)
     events = got[0]["events"]
     assert [e["kind"] for e in events] == ["loss spike", "rollback", "hardware fault"], events
     fault = events[2]
-    assert fault["ranks"] == [1] and fault["skipped_steps"] == 0
-    assert events[0]["first_step"] == flip_at + 1
-    assert events[1]["resumed_from_step"] == flip_at - CHECKPOINT_EVERY
+    assert fault["ranks"] == [1] and fault["skipped_steps"] == 0, fault
+    assert events[0]["first_step"] == first
+    # Back past the update before the first flagged loss (that of step 40, a checkpoint step).
+    assert events[1]["resumed_from_step"] == 40 - CHECKPOINT_EVERY
     assert got[0]["skips"] == [] and not os.path.exists(tmp_path / "run" / "run.json")
-
     # The re-run is the trajectory: the same as a run in which no bit flipped.
-    ref = run_gloo(_train, 2, [*args, f"checkpoint.path={tmp_path / 'reference'}"])
-    assert ref[0]["events"] == []
-    assert got[0]["seen"] == ref[0]["seen"]
+    assert got[0]["seen"] == clean_two_ranks["seen"]
 
 
 @pytest.mark.slow

@@ -208,3 +208,19 @@ def test_no_other_module_imports_private_torch():
                  for p in sorted((REPO / folder).rglob("*.py"))
                  if p != door and (hits := _private_torch_imports(p))]
     assert not offenders, "import them from elastic_gpt.torch_internals:\n" + "\n".join(offenders)
+
+
+def test_fsdp_reduce_scatter_can_be_replaced_by_a_subclass_of_its_default():
+    """parallel/gradient_checksum.py subclasses FSDP2's default reduce-scatter and installs it
+    with the public setter; FSDP calls it with these arguments (the two-rank health test checks
+    that it sees every gradient)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from elastic_gpt.torch_internals import DefaultReduceScatter
+
+    comm = DefaultReduceScatter()
+    assert {"output_tensor", "input_tensor", "group", "op", "async_op"} <= params(comm.__call__), \
+        changed("DefaultReduceScatter.__call__'s arguments")
+    assert callable(getattr(comm, "allocate", None)), changed("DefaultReduceScatter.allocate")
+    assert "comm" in params(FSDPModule.set_custom_reduce_scatter), changed(
+        "FSDPModule.set_custom_reduce_scatter")

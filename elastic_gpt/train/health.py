@@ -18,9 +18,11 @@ automates in part, as one loop the Trainer calls after every committed step:
    are trained again on the same samples, with no checkpoint saved. Training is deterministic on
    the same ranks (C3 bit-identical resume), so the same losses mean the data caused the spike;
    different ones mean the hardware did. Each rank keeps an exact checksum of its parameter
-   shard at every step; the rank whose checksum differs first between the two runs held the
-   corrupted memory, and its node is drained (Ray re-places the group without it and the
-   autoscaler replaces it). Nothing is skipped: the re-run is the trajectory from then on.
+   shard at every step, and of the gradients it computed in each step before FSDP's
+   reduce-scatter spreads them over every shard (parallel/gradient_checksum.py); the rank whose
+   checksum differs first between the two runs did the faulty work, and its node is drained
+   (Ray re-places the group without it and the autoscaler replaces it). Nothing is skipped: the
+   re-run is the trajectory from then on.
 4. **Skip the data** (a reproduced spike): roll back to the checkpoint again and leave out the
    flagged steps' batches and `health.skip_steps_before` before them (the loss at step t is
    computed on weights that step t-1's batch updated). The skip is written to the run record
@@ -57,6 +59,8 @@ from elastic_gpt.config import HealthSection
 from elastic_gpt.console import say
 from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.errors import FatalTrainingError
+from elastic_gpt.parallel import gradient_checksum
+from elastic_gpt.parallel.gradient_checksum import bit_sum, flip_top_exponent_bit
 from elastic_gpt.tracking import metric_names as mn
 
 MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal distribution times this is its sigma
@@ -64,7 +68,8 @@ RUN_INFO_SKIPS = "data_skips"  # the run record's key (checkpoint/store.py's run
 # Tests inject a hardware fault through this: "rank:step" flips the top exponent bit of the first
 # value of that rank's parameter shard after that many steps (as a faulty update would, before
 # the step's checkpoint is written), once per process; "rank:step:bit" flips that bit (a low
-# mantissa bit: silent data corruption, no spike).
+# mantissa bit: silent data corruption, no spike); "rank:step:grad" flips the top exponent bit
+# of a gradient that rank computes in that step, before the reduce-scatter (a faulty backward).
 FLIP_BIT_ENV = "ELASTIC_GPT_TEST_FLIP_BIT"
 
 
@@ -146,12 +151,9 @@ def shard_checksum(model: torch.nn.Module) -> torch.Tensor:
         t = (p.to_local() if isinstance(p, DTensor) else p).detach()
         if t.numel() == 0:
             continue
-        s = t.reshape(-1).view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+        s = bit_sum(t)
         total = s if total is None else total + s
     return total if total is not None else torch.zeros((), dtype=torch.int64)
-
-
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -188,6 +190,12 @@ class TrainingHealth:
                                       cfg.spike_steps, cfg.spike_min_history)
         self.keep_steps = max(keep_steps, cfg.spike_steps + 1)
         self.checksums: dict[int, torch.Tensor] = {}  # step -> this rank's shard checksum
+        # step -> the checksum of the gradients this rank computed in that step, before the
+        # reduce-scatter (parallel/gradient_checksum.py); None until the model is seen.
+        self.grad_checksums: dict[int, torch.Tensor] = {}
+        self._rerun_grad_checksums: dict[int, torch.Tensor] = {}
+        self._gradients: gradient_checksum.GradientChecksum | None = None
+        self._gradients_installed = False
         self.step_seconds: dict[int, float] = {}
         self.rerun: _Rerun | None = None
         self._rerun_checksums: dict[int, torch.Tensor] = {}
@@ -242,7 +250,7 @@ class TrainingHealth:
                     checksum: bool = False) -> torch.Tensor | None:
         """Before the forward of the step after `step` steps: this rank's shard checksum when the
         re-run attribution keeps one, or `checksum` asks (train/replica_check.py); else None."""
-        keep = self.action == "rollback" and self.cfg.rerun
+        keep = self.keeps_checksums
         if not (keep or checksum):
             return None
         value = shard_checksum(model)
@@ -250,12 +258,25 @@ class TrainingHealth:
             book = self._rerun_checksums if self.rerun else self.checksums
             book[step] = value
             _trim(book, step - self.keep_steps)
+            if not self._gradients_installed:
+                self._gradients_installed = True
+                self._gradients = gradient_checksum.install(model)
+            if self._gradients is not None:
+                self._gradients.take()  # an attempt not committed left its sums: this one's own
+                if self._flip is not None and self._flip == (step + 1, "grad"):
+                    self._flip = None
+                    self._gradients.corrupt_next()
         return value
+
+    @property
+    def keeps_checksums(self) -> bool:
+        """The re-run attribution keeps each rank's checksums (its parameters', its gradients')."""
+        return self.action == "rollback" and self.cfg.rerun
 
     def inject_fault(self, model: torch.nn.Module, step: int) -> None:
         """FLIP_BIT_ENV's fault, once, as the update of step `step` would have made it: after the
         optimizer step, before that step's checkpoint is written."""
-        if self._flip is not None and self._flip[0] == step:
+        if self._flip is not None and self._flip[0] == step and self._flip[1] != "grad":
             _flip_one_bit(model, self._flip[1])
             self._flip = None
 
@@ -266,6 +287,12 @@ class TrainingHealth:
         make."""
         if self.action == "off":
             return None
+        if self._gradients is not None:
+            value = self._gradients.take()
+            if value is not None:
+                book = self._rerun_grad_checksums if self.rerun else self.grad_checksums
+                book[step] = value
+                _trim(book, step - self.keep_steps)
         if nonfinite:
             loss = math.nan
         elif not math.isfinite(loss):  # skipped, and tolerated by train.nan_patience
@@ -315,7 +342,7 @@ class TrainingHealth:
             say(f"[elastic-gpt] {spike.describe()}: {action}")
         if rerun:
             self.rerun = _Rerun(spike, target.step)
-            self._rerun_checksums = {}
+            self._rerun_checksums, self._rerun_grad_checksums = {}, {}
             return self._rollback(target, ledger, spike.last, "spike")
         return self._skip_and_roll_back(spike, target, ledger)
 
@@ -433,16 +460,21 @@ class TrainingHealth:
                 "train.warmup_steps")
 
     def _first_diverged_ranks(self, start: int, end: int) -> list[int]:
-        """Collective: the ranks whose shard checksum (of the weights after steps start..end)
-        differs between the first run and the re-run at the earliest step any does, unless every
-        rank's does (then no single one)."""
-        never = end + 1
+        """Collective: the ranks whose own work first differs between the first run and the
+        re-run, unless every rank's does at once (then no single one). In the order things
+        happen: the weights after step s (s = start..end), then the gradients each rank
+        computed in step s + 1 from them, before the reduce-scatter spreads them over every
+        shard, then the weights after s + 1: a fault in a rank's weights or its update is seen
+        on it first, a fault in its forward or backward on its gradients first."""
+        books = ((self.checksums, self._rerun_checksums, 0, end),
+                 (self.grad_checksums, self._rerun_grad_checksums, -1, end + 1))
+        never = 2 * (end + 1)
         mine = never
-        for s in range(start, end + 1):
-            a, b = self.checksums.get(s), self._rerun_checksums.get(s)
-            if a is not None and b is not None and int(a) != int(b):
-                mine = s
-                break
+        for s in range(start, end + 2):
+            for first_run, rerun, offset, last in books:
+                a, b = (first_run.get(s), rerun.get(s)) if s <= last else (None, None)
+                if a is not None and b is not None and int(a) != int(b):
+                    mine = min(mine, 2 * s + offset)
         first = torch.full((self.world_size,), 0, dtype=torch.int64)
         first[self.rank] = mine
         if dist.is_initialized() and self.world_size > 1:
@@ -451,8 +483,9 @@ class TrainingHealth:
             dist.all_reduce(first)
         first = first.tolist()
         # The re-run's checksums are the trajectory's now.
-        self.checksums.update(self._rerun_checksums)
-        self._rerun_checksums = {}
+        for first_run, rerun, _, _ in books:
+            first_run.update(rerun)
+            rerun.clear()
         earliest = min(first)
         culprits = [r for r, s in enumerate(first) if s == earliest]
         return [] if earliest == never or len(culprits) == self.world_size else culprits
@@ -501,14 +534,15 @@ def _same_loss(a: float, b: float, tolerance: float) -> bool:
     return abs(a - b) <= tolerance * max(abs(a), abs(b))
 
 
-def _parse_flip(spec: str | None, rank: int) -> tuple[int, int | None] | None:
-    """(step, bit or None) of FLIP_BIT_ENV's "rank:step[:bit]" when it names this rank."""
+def _parse_flip(spec: str | None, rank: int) -> tuple[int, int | str | None] | None:
+    """(step, bit, "grad" or None) of FLIP_BIT_ENV's "rank:step[:bit|:grad]" when it names this
+    rank."""
     if not spec:
         return None
-    parts = [int(x) for x in spec.split(":")]
-    if parts[0] != rank:
+    rank_, step, *rest = spec.split(":")
+    if int(rank_) != rank:
         return None
-    return parts[1], parts[2] if len(parts) > 2 else None
+    return int(step), (rest[0] if rest[0] == "grad" else int(rest[0])) if rest else None
 
 
 def _flip_one_bit(model: torch.nn.Module, bit: int | None = None) -> None:
@@ -517,7 +551,5 @@ def _flip_one_bit(model: torch.nn.Module, bit: int | None = None) -> None:
     for p in model.parameters():
         t = (p.to_local() if isinstance(p, DTensor) else p).detach()
         if t.numel():
-            bits = t.reshape(-1).view(_BITS[t.element_size()])
-            with torch.no_grad():
-                bits[0] ^= 1 << (8 * t.element_size() - 2 if bit is None else bit)
+            flip_top_exponent_bit(t, bit)
             return
