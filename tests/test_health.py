@@ -189,6 +189,68 @@ def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
     assert got[0]["seen"] == clean_two_ranks["seen"]
 
 
+def _train_until_restart(rank: int, world: int, overrides: list[str]) -> dict:
+    """`_train` on ranks of two nodes, to the end or to a planned restart (its reason)."""
+    from elastic_gpt.config import load_config
+    from elastic_gpt.errors import ElasticRestart
+    from elastic_gpt.testing.step_recorder import StepRecorder
+    from elastic_gpt.train.trainer import Trainer
+
+    trainer = Trainer(load_config("jobs/configs/mini.yaml", overrides), rank=rank,
+                      world_size=world, mlflow_run_id=None, metrics=StepRecorder(),
+                      rank_nodes=["node-a", "node-b"][:world])
+    try:
+        trainer.train()
+        restart = None
+    except ElasticRestart as e:
+        restart = {"reason": e.reason, "step": e.step}
+    return {"events": trainer.ledger.events, "restart": restart,
+            "skips": trainer.health.skips.to_list()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("found_by", ["probe", "spike", "replicas"])
+def test_a_device_that_computes_wrong_is_found_by_its_known_answer_and_left_out(
+        found_by, stdlib_dataset, tmp_path, monkeypatch):
+    """Rank 1's device computes wrong from step 40 on (a persistent fault): its probe's known
+    answer changes. Found by the periodic probe (every 10 steps), or, with no periodic probe, by
+    the probe a reproduced spike asks for before it blames the data (the fault flips the same bit
+    of rank 1's weights at every pass over step 40, so the re-run reproduces the spike, as bad
+    data would), or by the probe HSDP's two replicas ask for when they disagree with no
+    majority (before, they rolled back to the same fault for ever). Each way: rank 1 named, its
+    node drained, the group back at the step-30 checkpoint (the last one from before the fault,
+    the later ones deleted) and restarting without it; nothing skipped."""
+    from elastic_gpt.checkpoint.store import CheckpointStore
+    from elastic_gpt.testing.gloo import run_gloo
+    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.train.stragglers import FAULTY_DEVICE_ENV
+
+    monkeypatch.setenv(FAULTY_DEVICE_ENV, "1:40")
+    # FSDP over the two ranks (no replicas to compare), or HSDP's two replicas, which the
+    # fault makes disagree with no majority.
+    extra = {"probe": ["health.straggler_every_steps=10", "parallel.hsdp=off"],
+             "spike": ["health.straggler_every_steps=1000", "parallel.hsdp=off"],
+             "replicas": ["health.straggler_every_steps=1000", "parallel.hsdp=on"]}[found_by]
+    if found_by != "probe":
+        monkeypatch.setenv(FLIP_BIT_ENV, "1:40:persistent")
+    root = tmp_path / "run"
+    got = run_gloo(_train_until_restart, 2, [*ARGS, f"data.path={stdlib_dataset}",
+                                             "scaling.min_workers=1", f"checkpoint.path={root}",
+                                             *extra])[0]
+    kinds = [e["kind"] for e in got["events"]]
+    expected = {"probe": ["hardware fault", "rollback"],
+                "spike": ["loss spike", "rollback", "hardware fault", "rollback"],
+                "replicas": ["silent data corruption", "hardware fault", "rollback"]}[found_by]
+    assert kinds == expected, got["events"]
+    fault = next(e for e in got["events"] if e["kind"] == "hardware fault")
+    assert fault["ranks"] == [1] and fault["nodes"] == ["node-b"], fault
+    assert fault["action"] == "node drained" and "known answer" in fault["detail"]
+    assert got["restart"]["reason"].startswith("preemption: rank(s) [1] compute wrong")
+    assert got["restart"]["step"] == 30 == got["events"][-1]["resumed_from_step"]
+    assert CheckpointStore(str(root)).latest().step == 30
+    assert got["skips"] == [] and not os.path.exists(root / "run.json")
+
+
 @pytest.mark.slow
 def test_the_skip_budget_stops_a_run_that_keeps_diverging(garbage_data, tmp_path):
     from elastic_gpt.testing.gloo import run_gloo

@@ -69,7 +69,9 @@ RUN_INFO_SKIPS = "data_skips"  # the run record's key (checkpoint/store.py's run
 # value of that rank's parameter shard after that many steps (as a faulty update would, before
 # the step's checkpoint is written), once per process; "rank:step:bit" flips that bit (a low
 # mantissa bit: silent data corruption, no spike); "rank:step:grad" flips the top exponent bit
-# of a gradient that rank computes in that step, before the reduce-scatter (a faulty backward).
+# of a gradient that rank computes in that step, before the reduce-scatter (a faulty backward);
+# "rank:step:persistent" flips the top exponent bit again each time that step is trained (a
+# device that computes wrong every time: with stragglers.FAULTY_DEVICE_ENV for its probe).
 FLIP_BIT_ENV = "ELASTIC_GPT_TEST_FLIP_BIT"
 
 
@@ -169,6 +171,9 @@ class Rollback:
 
     to_step: int
     url: str
+    restart: str | None = None
+    """Restart the worker group from that checkpoint, for this reason, instead of training on:
+    a node was drained for a device that computes wrong, and must not take part again."""
 
 
 class TrainingHealth:
@@ -201,6 +206,10 @@ class TrainingHealth:
         self._rerun_checksums: dict[int, torch.Tensor] = {}
         self.totals = {"spikes": 0, "rollbacks": 0, "hardware_faults": 0}
         self._flip = _parse_flip(os.environ.get(FLIP_BIT_ENV), rank)
+        self.check_devices: Callable[[int, object], tuple[list[int], bool]] | None = None
+        """Collective: every rank's device probed for its known answer (train/stragglers.py):
+        (the ranks computing wrong, whether their nodes are drained). Asked before a reproduced
+        spike is blamed on the data."""
 
     @property
     def rolls_back(self) -> bool:
@@ -277,8 +286,9 @@ class TrainingHealth:
         """FLIP_BIT_ENV's fault, once, as the update of step `step` would have made it: after the
         optimizer step, before that step's checkpoint is written."""
         if self._flip is not None and self._flip[0] == step and self._flip[1] != "grad":
-            _flip_one_bit(model, self._flip[1])
-            self._flip = None
+            _flip_one_bit(model, None if self._flip[1] == "persistent" else self._flip[1])
+            if self._flip[1] != "persistent":  # a faulty device does it at every pass
+                self._flip = None
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
                    ledger) -> Rollback | None:
@@ -318,7 +328,7 @@ class TrainingHealth:
     # ---- decisions ---------------------------------------------------------------------------
 
     def _roll_back_for(self, spike: Spike, ledger) -> Rollback:
-        self._check_rollback_budget(ledger, spike)
+        self._check_rollback_budget(ledger, spike.describe())
         # The first flagged loss was computed on the weights of step first - 1, which that
         # step's update made: from a bad batch (skip_steps_before) or faulty hardware, and a
         # checkpoint of that step holds it. The state to trust is from before that update.
@@ -361,6 +371,18 @@ class TrainingHealth:
         shown = ", ".join(f"step {s}: {first[s]:.6g} then {rerun.losses.get(s, math.nan):.6g}"
                           for s in sorted(first))
         if same:
+            # A fault that reproduces itself (a device that computes wrong every time) looks like
+            # bad data to a re-run: the devices' known answer tells them apart.
+            wrong, drained = self.check_devices(step, ledger) if self.check_devices \
+                else ([], False)
+            if wrong:
+                if self.speaks():
+                    say(f"[elastic-gpt] the re-run reproduced the spike ({shown}), but rank(s) "
+                        f"{wrong} compute a wrong known answer: a persistent hardware fault, "
+                        "not the data; nothing skipped")
+                # The losses before the spike were right: its checkpoint is trusted.
+                return self.device_fault(wrong, drained, rerun.checkpoint, step, ledger,
+                                         roll_back=True)
             if self.speaks():
                 say(f"[elastic-gpt] the re-run reproduced the spike ({shown}): the data caused "
                     "it")
@@ -431,9 +453,36 @@ class TrainingHealth:
         self._log_totals(last)
         return Rollback(target.step, target.url)
 
+    def device_fault(self, ranks: list[int], drained: bool, trusted: int, step: int, ledger,
+                     roll_back: bool = False) -> Rollback | None:
+        """Collective: `ranks`' devices compute wrong (train/stragglers.py's known answer).
+        Drained, the group restarts without their nodes from the newest checkpoint at or before
+        `trusted`, the last step known good (a checkpoint since may hold their work: the last
+        probe every answer was right at, the replicas' last agreement, the checkpoint before a
+        spike), nothing skipped. Not drained (reported): None, or with `roll_back` (the state is
+        known to be corrupt) a rollback to that checkpoint, on the same devices."""
+        self.totals["hardware_faults"] += 1
+        if not (drained or roll_back):
+            self._log_totals(step)
+            return None
+        target = self._checkpoint_at_or_before(trusted)
+        if target is None:
+            raise TrainingDiverged(
+                f"rank(s) {ranks} compute wrong since step {trusted} and no committed checkpoint "
+                "is from before: run again from the start without their node(s)")
+        rollback = self._rollback(target, ledger, step, "a device that computes wrong")
+        if not drained:
+            return rollback
+        return Rollback(rollback.to_step, rollback.url, restart=(
+            f"preemption: rank(s) {ranks} compute wrong (the device probe's known answer); "
+            f"their node(s) drained, restarting from step {target.step}"))
+
     def roll_back_to_newest(self, step: int, ledger, why: str) -> Rollback:
         """Collective: back to the newest committed checkpoint at or before `step`, for a fault
-        found outside the loss (replicas that disagree with no majority to heal from)."""
+        found outside the loss (replicas that disagree with no majority to heal from), within
+        the rollback budget (a fault that recurs would roll back for ever)."""
+        self._check_rollback_budget(ledger, why, "a device keeps corrupting the state: the "
+                                    "events name the ranks and nodes; run without them")
         target = self._checkpoint_at_or_before(step)
         if target is None:
             raise TrainingDiverged(f"{why}, and no committed checkpoint to roll back to; run "
@@ -447,17 +496,18 @@ class TrainingHealth:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _check_rollback_budget(self, ledger, spike: Spike) -> None:
+    def _check_rollback_budget(self, ledger, what: str,
+                               advice: str = "the run keeps diverging: lower train.lr or raise "
+                                             "train.warmup_steps") -> None:
         hour_ago = time.time() - 3600
         recent = [e for e in ledger.events if e.get("kind") == "rollback"
                   and e.get("at", 0) > hour_ago]
         # Each spike costs one rollback, or two when its re-run blames the data.
         if len(recent) + 1 > self.cfg.max_rollbacks_per_hour * (2 if self.cfg.rerun else 1):
             raise TrainingDiverged(
-                f"{spike.describe()}: {len(recent)} rollback(s) in the last hour already, the "
-                f"budget of health.max_rollbacks_per_hour={self.cfg.max_rollbacks_per_hour:g} "
-                "spikes is spent; the run keeps diverging: lower train.lr or raise "
-                "train.warmup_steps")
+                f"{what}: {len(recent)} rollback(s) in the last hour already, the budget of "
+                f"health.max_rollbacks_per_hour={self.cfg.max_rollbacks_per_hour:g} spikes is "
+                f"spent; {advice}")
 
     def _first_diverged_ranks(self, start: int, end: int) -> list[int]:
         """Collective: the ranks whose own work first differs between the first run and the
@@ -542,7 +592,8 @@ def _parse_flip(spec: str | None, rank: int) -> tuple[int, int | str | None] | N
     rank_, step, *rest = spec.split(":")
     if int(rank_) != rank:
         return None
-    return int(step), (rest[0] if rest[0] == "grad" else int(rest[0])) if rest else None
+    return int(step), (rest[0] if rest[0] in ("grad", "persistent") else int(rest[0])) \
+        if rest else None
 
 
 def _flip_one_bit(model: torch.nn.Module, bit: int | None = None) -> None:

@@ -52,6 +52,8 @@ class HealthChecks:
         record = os.path.join(run_log_dir(cfg), probes) if cfg.run.storage_path else None
         self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics,
                                          record_path=record, **common)
+        self.spikes.check_devices = lambda step, ledger: self.stragglers.wrong_answers(
+            step, ledger, "before blaming a spike on the data")
 
     def state_dict(self) -> dict:
         """The run's health state (train/health.py `TrainingHealth.state_dict`): in every
@@ -96,16 +98,27 @@ class HealthChecks:
             self.spikes.before_step(model, step)  # the healed state's checksum
             delete_checkpoints_after(trusted, self.store, self.rank, self.settle_saves)
         elif verdict == "no majority":
+            # Which replica is wrong? A device that computes wrong says so by its known answer.
+            wrong, drained = self.stragglers.wrong_answers(step, ledger,
+                                                            "replicas disagree with no majority")
+            if wrong:
+                return self.spikes.device_fault(wrong, drained, trusted, step, ledger,
+                                                roll_back=True)
             return self.spikes.roll_back_to_newest(trusted, ledger,
                                                    "replicas disagree with no majority")
         return None
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
                    ledger, model: torch.nn.Module) -> Rollback | None:
-        """After committed step `step`, before its checkpoint: the rollback a spike asks for,
-        else None (a straggler is probed for, and evicted, here)."""
+        """After committed step `step`, before its checkpoint: the rollback a spike asks for, or a
+        device that computes wrong (a restart without it), else None (a straggler is probed
+        for, and evicted, here)."""
         self.spikes.inject_fault(model, step)
         rollback = self.spikes.after_step(step, loss, nonfinite, seconds, ledger)
         if rollback is None:
             self.stragglers.after_step(step, ledger)
+            wrong = self.stragglers.take_wrong_answers()
+            if wrong:  # a device computes wrong: restart without it from before its work
+                rollback = self.spikes.device_fault(*wrong, self.stragglers.last_right_step,
+                                                    step, ledger)
         return rollback

@@ -14,6 +14,19 @@ autoscaler replaces the node). With replica groups the drain takes its group out
 the same way, and the others train on. A node that hosts every rank of the group is not drained
 (there would be nothing to train on): the straggler is reported.
 
+The same probe is a known-answer test of each device, as fleets screen for silent data
+corruption (Dixit et al., "Silent Data Corruptions at Scale", Meta 2021; Hochschild et al., "Cores
+that don't count", HotOS 2021): its result is a fixed function of a fixed input, the same bits on
+every healthy device of a kind and on one device over time. The probe's checksum rides in the same
+all-reduce as its time; a rank whose answer differs from its own first one, or from a strict
+majority of the ranks' (a group runs on one kind of device), computes wrong: a `hardware fault`,
+its node drained as a straggler's is (`health.straggler_action`). A persistent fault is what a
+re-run cannot tell from bad data (it reproduces itself), and that two replicas cannot settle
+(they differ with no majority): before a spike is blamed on the data, and before such replicas
+roll back, every rank runs the probe once more (`wrong_answers`, train/health_checks.py). Found,
+the group restarts without the drained node from the last state known good (train/health.py
+`device_fault`).
+
 Each probe's slowest rank and its ratio to the median are `system/health/*` metrics, and every
 rank's time is a line of `<run log dir>/probes.jsonl` (one file per replica group:
 `probes-g<G>.jsonl`), written by rank 0: a line naming each rank's node at every start of the
@@ -23,6 +36,7 @@ time is not (the FSDP argument above).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
@@ -33,7 +47,13 @@ import torch.distributed as dist
 
 from elastic_gpt.config import HealthSection
 from elastic_gpt.console import say
+from elastic_gpt.parallel.gradient_checksum import bit_sum
 from elastic_gpt.tracking import metric_names as mn
+
+# Tests make a rank's device compute wrong from a step on (a persistent fault): "rank:step".
+FAULTY_DEVICE_ENV = "ELASTIC_GPT_TEST_FAULTY_DEVICE"
+# The answer's checksum travels in float64 with the times: its residue below 2**52 is exact.
+ANSWER_MODULUS = 1 << 52
 
 # The probe's work: n square matmuls of this size. On a GPU about a millisecond of an H100's
 # bf16 tensor cores; on a CPU thread tens of milliseconds, longer than a scheduler's time slice,
@@ -59,6 +79,16 @@ class StragglerWatch:
         gen = torch.Generator(device="cpu").manual_seed(0)
         self._a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
         self._reps = reps
+        self.first_answers: list[int] | None = None
+        """Every rank's answer at this attempt's first probe: what each must keep computing."""
+        self.faulty: set[int] = set()
+        self._drained: set[int] = set()
+        self.last_right_step = 0
+        """The step of the last probe at which every rank's answer was right (0: none yet)."""
+        self.pending: tuple[list[int], bool] | None = None
+        """Wrong answers a probe found and not yet acted on: (the ranks, their nodes drained)."""
+        fault = os.environ.get(FAULTY_DEVICE_ENV, "").split(":")
+        self._faulty_from = int(fault[1]) if len(fault) == 2 and int(fault[0]) == rank else None
         self.record_path = record_path if rank == 0 and self.active else None
         if self.record_path:
             try:
@@ -72,8 +102,9 @@ class StragglerWatch:
         return (self.cfg.straggler_action != "off" and self.cfg.straggler_every_steps > 0
                 and self.world_size > 1)
 
-    def probe_s(self) -> float:
-        """Seconds this rank takes for the fixed matmuls (the device drained first)."""
+    def probe(self, step: int) -> tuple[float, int]:
+        """Seconds this rank takes for the fixed matmuls (the device drained first), and the
+        checksum of their result: the known answer."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -82,19 +113,64 @@ class StragglerWatch:
             x = torch.mm(self._a, x)
             x = x / x.abs().amax().clamp_min(1)  # bounded: no overflow, same work every time
         sync()
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        answer = int(bit_sum(x)) % ANSWER_MODULUS
+        if self._faulty_from is not None and step >= self._faulty_from:
+            answer ^= 1  # the injected fault: one wrong bit in the result
+        return seconds, answer
+
+    def _probe_all(self, step: int) -> tuple[list[float], list[int]]:
+        """Collective: every rank's probe time and answer, in one all-reduce."""
+        values = torch.zeros(2 * self.world_size, dtype=torch.float64)
+        values[self.rank], values[self.world_size + self.rank] = self.probe(step)
+        if dist.is_initialized() and self.world_size > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values)
+        values = values.tolist()
+        return values[:self.world_size], [int(a) for a in values[self.world_size:]]
+
+    def wrong_answers(self, step: int, ledger, why: str) -> tuple[list[int], bool]:
+        """Collective: every rank probes now. The ranks whose device computes wrong (those not
+        named before are named, and their nodes drained: `_act`), and whether they were."""
+        _, answers = self._probe_all(step)
+        self._check_answers(answers, step, ledger, why)
+        found, self.pending = self.pending or ([], False), None
+        return found
+
+    def take_wrong_answers(self) -> tuple[list[int], bool] | None:
+        """Once, after a periodic probe found a device computing wrong: (its ranks, whether
+        their nodes were drained)."""
+        found, self.pending = self.pending, None
+        return found
+
+    def _check_answers(self, answers: list[int], step: int, ledger, why: str) -> None:
+        if self.first_answers is None:
+            self.first_answers = answers
+        value, count = collections.Counter(answers).most_common(1)[0]
+        majority = value if 2 * count > len(answers) else None
+        wrong = [r for r, a in enumerate(answers)
+                 if a != self.first_answers[r] or (majority is not None and a != majority)]
+        if not wrong:
+            self.last_right_step = step
+            return
+        new = [r for r in wrong if r not in self.faulty]
+        if new and self._act("hardware fault", new, step, ledger,
+                             f"rank(s) {new} computed a wrong known answer in the device probe "
+                             f"({why}): a device that computes wrong"):
+            self._drained.update(new)
+        self.faulty.update(new)
+        self.pending = (wrong, any(r in self._drained for r in wrong))
 
     def after_step(self, step: int, ledger) -> list[int]:
         """Collective every `straggler_every_steps` steps: the ranks found straggling at this
-        probe (their nodes drained by rank 0 when `straggler_action=evict`)."""
+        probe, or computing wrong (their nodes drained by rank 0 when
+        `straggler_action=evict`)."""
+        if self.first_answers is None:  # the known answers, at this attempt's first step
+            self._check_answers(self._probe_all(step)[1], step, ledger, "the first probe")
         if not self.active or step % self.cfg.straggler_every_steps:
             return []
-        times = torch.zeros(self.world_size, dtype=torch.float64)
-        times[self.rank] = self.probe_s()
-        if dist.is_initialized():
-            times = times.to(self.device)
-            dist.all_reduce(times)
-        times = times.tolist()
+        times, answers = self._probe_all(step)
+        self._check_answers(answers, step, ledger, f"step {step}")
         median = statistics.median_low(times)
         ratios = [t / median for t in times]
         for r, ratio in enumerate(ratios):
@@ -110,7 +186,12 @@ class StragglerWatch:
         found = [r for r in range(self.world_size)
                  if self.slow_streak[r] >= self.cfg.straggler_checks and r not in self.evicted]
         if found:
-            self._act(found, ratios, median, step, ledger)
+            self.evicted.update(found)
+            self._act("straggler", found, step, ledger,
+                      f"rank(s) {found} computed "
+                      f"{', '.join(f'{ratios[r]:.2f}x' for r in found)} the median "
+                      f"({median * 1e3:.1f} ms) at {self.cfg.straggler_checks} probes in a row",
+                      ratios=[ratios[r] for r in found])
         return found
 
     def _record(self, line: dict) -> None:
@@ -125,25 +206,23 @@ class StragglerWatch:
             say(f"[elastic-gpt] the straggler probe's per-rank times are not kept: {e}")
             self.record_path = None
 
-    def _act(self, ranks: list[int], ratios: list[float], median: float, step: int,
-             ledger) -> None:
-        self.evicted.update(ranks)
+    def _act(self, kind: str, ranks: list[int], step: int, ledger, detail: str,
+             **extra) -> bool:
+        """The event, and the drain of the ranks' nodes where `straggler_action=evict` and the
+        group keeps a node to train on; whether they are drained."""
         nodes = sorted({self.rank_nodes[r] for r in ranks}) if self.rank_nodes else []
         # Draining a node that hosts every rank would leave the group nowhere to train.
         drainable = [n for n in nodes if self.rank_nodes.count(n) < len(self.rank_nodes)]
         evict = self.cfg.straggler_action == "evict" and bool(drainable)
-        detail = (f"rank(s) {ranks} computed {', '.join(f'{ratios[r]:.2f}x' for r in ranks)} "
-                  f"the median ({median * 1e3:.1f} ms) at {self.cfg.straggler_checks} probes in a "
-                  f"row")
-        ledger.events.append({"at": time.time(), "kind": "straggler", "step": step,
-                              "detail": detail, "ranks": ranks, "nodes": nodes,
-                              "ratios": [ratios[r] for r in ranks],
+        ledger.events.append({"at": time.time(), "kind": kind, "step": step, "detail": detail,
+                              "ranks": ranks, "nodes": nodes, **extra,
                               "action": "node drained" if evict else "reported"})
         if self.rank != 0:
-            return
+            return evict
         where = f" on node {', '.join(n[:12] for n in nodes)}" if nodes else ""
-        say(f"[elastic-gpt] straggler at step {step}: {detail}{where}; "
+        say(f"[elastic-gpt] {kind} at step {step}: {detail}{where}; "
             + ("draining its node" if evict else "reported"))
         if evict and self.membership is not None:
             for node in drainable:
-                self.membership.drain_node(node, f"straggler: {detail}")
+                self.membership.drain_node(node, f"{kind}: {detail}")
+        return evict

@@ -606,6 +606,9 @@ class Trainer:
         load_sharded(rollback.url, self.model, self.optimizer)
         self.step = rollback.to_step
         self.fault_tolerance.on_rollback(self.step)
+        if rollback.restart:  # without a drained node: from this checkpoint, nothing saved
+            self.membership.record_restart(rollback.restart, self.step)
+            raise ElasticRestart(rollback.restart, self.step)
         self._nonfinite_streak = 0
         return self._open_stream()
 
