@@ -205,6 +205,7 @@ class ReplicaGroups:
         self.compares_copies = member.groups > 1
         self._verdict: CopiesVerdict | None = None
         self._hand_over: Callable[[], None] = lambda: None
+        self._store_sent: Callable[[float], bool] = lambda timeout_s: True
 
     def metric_sink(self, sink: MetricLogger) -> LeaderMetrics:
         """The metric sink of this group's rank 0 in a tracked run: each committed step's
@@ -212,7 +213,7 @@ class ReplicaGroups:
         group is lost before it stored them, from the group leading after it (C5 one MLflow
         run)."""
         metrics = LeaderMetrics(sink, self)
-        self._hand_over = metrics.hand_over
+        self._hand_over, self._store_sent = metrics.hand_over, metrics.flush
         return metrics
 
     @property
@@ -295,6 +296,10 @@ class ReplicaGroups:
         if change is None:
             return None
         before, after = change
+        if after > before:
+            # A group joined: the steps this group logged before it are in no other group's
+            # hands (the joiner never held them), so they are stored before the run goes on.
+            self._store_sent(LeaderMetrics.HAND_OVER_S)
         return QuorumChange(before, after, self.member.groups, self.member.quorum_s)
 
     def close(self) -> None:
@@ -318,6 +323,11 @@ class LeaderMetrics:
     each held step that the store does not have yet (`MetricLogger.log_missing`, keyed by step).
     A record's values are this group's (its own step time), but for any step only one record is
     stored.
+
+    Steps a group committed while no other group was live are held by nobody else: when a group
+    joins, every group stores what its sink was given before going on (`quorum_change`; at most
+    `HAND_OVER_S`, a join is rare and already waits for the heal), so a leader lost after that
+    takes none of them with it.
 
     Nothing logs a step twice as long as nothing of the old leader lands after the new one has
     looked: a killed process sends nothing, and a group that leaves (a drain, an error, the end)
