@@ -29,7 +29,7 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(_BITS[t.element_size()]).sum(dtype=torch.int64)
 
 
-def flip_top_exponent_bit(t: torch.Tensor, bit: int | None = None) -> None:
+def flip_bit(t: torch.Tensor, bit: int | None = None) -> None:
     """The injected hardware fault of the tests: one bit (None: the top exponent bit) of a
     tensor's first value, in place."""
     bits = t.reshape(-1).view(_BITS[t.element_size()])
@@ -50,7 +50,7 @@ class GradientChecksum(DefaultReduceScatter):
                  async_op: bool = False):
         if self._flip:
             self._flip = False
-            flip_top_exponent_bit(input_tensor)
+            flip_bit(input_tensor)
         value = bit_sum(input_tensor)
         self._total = value if self._total is None else self._total + value
         return super().__call__(output_tensor, input_tensor, group, op, async_op)

@@ -60,7 +60,7 @@ from elastic_gpt.console import say
 from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.errors import FatalTrainingError
 from elastic_gpt.parallel import gradient_checksum
-from elastic_gpt.parallel.gradient_checksum import bit_sum, flip_top_exponent_bit
+from elastic_gpt.parallel.gradient_checksum import bit_sum, flip_bit
 from elastic_gpt.tracking import metric_names as mn
 
 MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal distribution times this is its sigma
@@ -506,8 +506,8 @@ class TrainingHealth:
         if len(recent) + 1 > self.cfg.max_rollbacks_per_hour * (2 if self.cfg.rerun else 1):
             raise TrainingDiverged(
                 f"{what}: {len(recent)} rollback(s) in the last hour already, the budget of "
-                f"health.max_rollbacks_per_hour={self.cfg.max_rollbacks_per_hour:g} spikes is "
-                f"spent; {advice}")
+                f"health.max_rollbacks_per_hour={self.cfg.max_rollbacks_per_hour:g} is spent; "
+                f"{advice}")
 
     def _first_diverged_ranks(self, start: int, end: int) -> list[int]:
         """Collective: the ranks whose own work first differs between the first run and the
@@ -585,8 +585,8 @@ def _same_loss(a: float, b: float, tolerance: float) -> bool:
 
 
 def _parse_flip(spec: str | None, rank: int) -> tuple[int, int | str | None] | None:
-    """(step, bit, "grad" or None) of FLIP_BIT_ENV's "rank:step[:bit|:grad]" when it names this
-    rank."""
+    """(step, a bit, "grad", "persistent" or None) of FLIP_BIT_ENV's
+    "rank:step[:bit|:grad|:persistent]" when it names this rank."""
     if not spec:
         return None
     rank_, step, *rest = spec.split(":")
@@ -602,5 +602,5 @@ def _flip_one_bit(model: torch.nn.Module, bit: int | None = None) -> None:
     for p in model.parameters():
         t = (p.to_local() if isinstance(p, DTensor) else p).detach()
         if t.numel():
-            flip_top_exponent_bit(t, bit)
+            flip_bit(t, bit)
             return

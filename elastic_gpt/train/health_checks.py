@@ -54,6 +54,8 @@ class HealthChecks:
                                          record_path=record, **common)
         self.spikes.check_devices = lambda step, ledger: self.stragglers.wrong_answers(
             step, ledger, "before blaming a spike on the data")
+        # Where the known answer may be asked for, each rank's first one is what it must keep.
+        self.stragglers.baseline |= self.spikes.keeps_checksums or bool(self.replicas.sets)
 
     def state_dict(self) -> dict:
         """The run's health state (train/health.py `TrainingHealth.state_dict`): in every

@@ -81,6 +81,9 @@ class StragglerWatch:
         self._reps = reps
         self.first_answers: list[int] | None = None
         """Every rank's answer at this attempt's first probe: what each must keep computing."""
+        self.baseline = self.active
+        """Probe at this attempt's first step even when no periodic probe is due there: set
+        where the known answer may be asked for (train/health_checks.py)."""
         self.faulty: set[int] = set()
         self._drained: set[int] = set()
         self.last_right_step = 0
@@ -131,19 +134,19 @@ class StragglerWatch:
 
     def wrong_answers(self, step: int, ledger, why: str) -> tuple[list[int], bool]:
         """Collective: every rank probes now. The ranks whose device computes wrong (those not
-        named before are named, and their nodes drained: `_act`), and whether they were."""
-        _, answers = self._probe_all(step)
-        self._check_answers(answers, step, ledger, why)
-        found, self.pending = self.pending or ([], False), None
-        return found
+        named before are named, and their nodes drained: `_act`), and whether they are."""
+        wrong = self._check_answers(self._probe_all(step)[1], step, ledger, why)
+        self.pending = None
+        return wrong, any(r in self._drained for r in wrong)
 
     def take_wrong_answers(self) -> tuple[list[int], bool] | None:
-        """Once, after a periodic probe found a device computing wrong: (its ranks, whether
+        """Once, after a periodic probe named a device computing wrong: (its ranks, whether
         their nodes were drained)."""
         found, self.pending = self.pending, None
         return found
 
-    def _check_answers(self, answers: list[int], step: int, ledger, why: str) -> None:
+    def _check_answers(self, answers: list[int], step: int, ledger, why: str) -> list[int]:
+        """The ranks computing wrong; those not named before are named (`pending`)."""
         if self.first_answers is None:
             self.first_answers = answers
         value, count = collections.Counter(answers).most_common(1)[0]
@@ -152,22 +155,25 @@ class StragglerWatch:
                  if a != self.first_answers[r] or (majority is not None and a != majority)]
         if not wrong:
             self.last_right_step = step
-            return
         new = [r for r in wrong if r not in self.faulty]
-        if new and self._act("hardware fault", new, step, ledger,
-                             f"rank(s) {new} computed a wrong known answer in the device probe "
-                             f"({why}): a device that computes wrong"):
-            self._drained.update(new)
-        self.faulty.update(new)
-        self.pending = (wrong, any(r in self._drained for r in wrong))
+        if new:
+            self.faulty.update(new)
+            if self._act("hardware fault", new, step, ledger,
+                         f"rank(s) {new} computed a wrong known answer in the device probe "
+                         f"({why}): a device that computes wrong"):
+                self._drained.update(new)
+            self.pending = (new, any(r in self._drained for r in new))
+        return wrong
 
     def after_step(self, step: int, ledger) -> list[int]:
         """Collective every `straggler_every_steps` steps: the ranks found straggling at this
         probe, or computing wrong (their nodes drained by rank 0 when
         `straggler_action=evict`)."""
-        if self.first_answers is None:  # the known answers, at this attempt's first step
+        due = self.active and step % self.cfg.straggler_every_steps == 0
+        if self.first_answers is None and self.baseline and not due:
+            # the known answers, at this attempt's first step
             self._check_answers(self._probe_all(step)[1], step, ledger, "the first probe")
-        if not self.active or step % self.cfg.straggler_every_steps:
+        if not due:
             return []
         times, answers = self._probe_all(step)
         self._check_answers(answers, step, ledger, f"step {step}")

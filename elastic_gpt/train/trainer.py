@@ -603,12 +603,12 @@ class Trainer:
         self.checkpointer.wait()  # an in-flight save of the abandoned trajectory lands first
         if self.rank == 0:  # of replica groups, every group's (a save in flight is its own)
             self.store.discard_after(rollback.to_step)
+        if rollback.restart:  # without a drained node: the restart reads it, nothing is saved
+            self.membership.record_restart(rollback.restart, rollback.to_step)
+            raise ElasticRestart(rollback.restart, rollback.to_step)
         load_sharded(rollback.url, self.model, self.optimizer)
         self.step = rollback.to_step
         self.fault_tolerance.on_rollback(self.step)
-        if rollback.restart:  # without a drained node: from this checkpoint, nothing saved
-            self.membership.record_restart(rollback.restart, self.step)
-            raise ElasticRestart(rollback.restart, self.step)
         self._nonfinite_streak = 0
         return self._open_stream()
 
