@@ -6,7 +6,12 @@ code 2."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import signal
+import threading
+import time
 
 import pytest
 import yaml
@@ -30,6 +35,7 @@ from elastic_gpt.planner.tune_candidates import (
     tp_choices,
     what_would_fit,
 )
+from elastic_gpt.testing.cluster import process_alive, training_workers
 from elastic_gpt.train.model_config import model_config_for
 
 
@@ -317,6 +323,49 @@ def test_tune_measures_tp_next_to_fsdp_and_writes_the_winners_layout(
     written = load_config(str(out))
     assert written.parallel.tp == winner["tp"] and written.parallel.hsdp == "auto"
     assert written.train.micro_batch_size == 4
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_measurement_costs_a_re_measurement_not_the_tune(
+        stdlib_dataset, ray_cluster, tmp_path, capsys):
+    """SIGKILL one of tune's two workers while it measures (a spot node reclaimed): a fresh group
+    measures every candidate again and tune ends with the whole table, exit 0."""
+    killed = {}
+
+    def measured(pid: int) -> bool:
+        """Whether the worker's own log (Ray's, under RAY_TMPDIR) shows a candidate measured."""
+        for path in glob.glob(os.path.join(os.environ["RAY_TMPDIR"], "*", "session_latest",
+                                           "logs", f"worker-*-{pid}.out")):
+            with open(path, errors="replace") as f:
+                if "[elastic-gpt tune] 1/" in f.read():
+                    return True
+        return False
+
+    def kill_one_once_measuring():
+        # Once a candidate is measured the group is inside tune's loop (a death while Ray Train
+        # starts the group is retried by Ray Train itself, whatever the failure budget).
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            workers = training_workers()
+            if len(workers) == 2 and any(measured(w.pid) for w in workers):
+                os.kill(workers[0].pid, signal.SIGKILL)
+                killed["pid"] = workers[0].pid
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=kill_one_once_measuring, daemon=True)
+    t.start()
+    table = tmp_path / "table.json"
+    rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "1", "--micro-batch-sizes", "4",
+                 "--tp", "1", "--json", str(table))
+    t.join(5)
+    printed = capsys.readouterr().out
+    assert killed, "the kill never happened"
+    assert not process_alive(killed["pid"])
+    assert rc == 0, printed
+    rows = json.loads(table.read_text())["rows"]
+    assert {r["activation_checkpointing"] for r in rows} == {False, True}
+    assert all(r["fits"] and r["step_s"] > 0 for r in rows), rows
 
 
 @pytest.mark.slow

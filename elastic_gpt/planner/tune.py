@@ -10,7 +10,8 @@ memory per worker. Pipelines (--pp) are measured only when asked for, at micro-b
 step gives every data-parallel rank at least pp micro-batches. A candidate that runs out of memory
 is recorded as "does not fit"; one whose tp the workers' node layout cannot hold is recorded as
 refused. compile is only tried on CUDA (on CPU compiling costs minutes, so it is skipped and the
-output says so).
+output says so). A worker lost mid-measurement (its node gone, its process killed) costs one
+re-measurement on a fresh group, not the tune.
 """
 
 # The docstring above is `elastic-gpt tune --help`'s description (elastic_gpt/cli.py reads it).
@@ -38,6 +39,8 @@ from elastic_gpt.planner.tune_candidates import (
     what_would_fit,
 )
 from elastic_gpt.planner.tune_worker import TABLE_FILE, MiB, tune_loop_per_worker
+
+TUNE_RETRIES = 1  # fresh worker groups after one is lost mid-measurement
 
 
 def format_table(rows: list[dict], predicted: list[float], winner: dict | None) -> str:
@@ -227,7 +230,11 @@ def run_tune(args) -> int:
                                          accelerator_type=s.accelerator_type),
             run_config=RunConfig(name=f"tune-{cfg.run.name}-{int(time.time())}",
                                  storage_path=cfg.run.storage_path,
-                                 failure_config=FailureConfig(max_failures=0),
+                                 # A measurement holds no state worth keeping: a lost worker
+                                 # (a spot node reclaimed, a process killed) re-measures every
+                                 # candidate on a fresh group, once; a candidate that kills
+                                 # its worker every time still fails the tune.
+                                 failure_config=FailureConfig(max_failures=TUNE_RETRIES),
                                  worker_runtime_env={"env_vars": env}),
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=300))
         result = trainer.fit()
