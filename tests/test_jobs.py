@@ -140,15 +140,19 @@ class RayNodes:
 
     def stop(self) -> None:
         """SIGTERM to each `ray start --block` and, with it, every process of its node (they
-        share the process group it was started in), then SIGKILL what is left after 10 s."""
+        share the process group it was started in), then SIGKILL what is left after a short grace
+        for all of them (a test cluster has nothing to save; `ray start --block` took over 10 s
+        to exit on its SIGTERM, for each node)."""
         for proc in self.procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.time() + 3
         for proc in self.procs:
             try:
-                proc.wait(10)
+                proc.wait(max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 pass
+        for proc in self.procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
