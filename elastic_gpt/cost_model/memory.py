@@ -40,6 +40,18 @@ LOSS_CHUNK_LOGITS logits (the upcast, its log-softmax and softmax)."""
 
 
 @dataclass(frozen=True)
+class PartialGather:
+    """ZeRO-3 as DeepSpeed runs it: parameters gathered module by module, at most `live_params`
+    of them at once (its `stage3_max_live_parameters`), and gradients reduce-scattered in buckets
+    of `reduce_bucket_params` (its `reduce_bucket_size`), where FSDP2 (this trainer) gathers and
+    reduces a whole block at once. Only the memory held is modelled; the more, smaller
+    collectives are not."""
+
+    live_params: float
+    reduce_bucket_params: float
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the planner needs from a GPTConfig, all derived from model/gpt.py's arithmetic."""
 
@@ -53,6 +65,8 @@ class ModelShape:
     """Training FLOPs per token (fwd + bwd) without recomputation: what MFU counts."""
     block_fwd_flops_per_token: float
     head_fwd_flops_per_token: float
+    partial_gather: PartialGather | None = None
+    """None: ZeRO-3 gathers and reduces one block at a time (FSDP2's unit, this trainer's)."""
 
     # What tensor parallelism leaves whole on every TP rank (the rest is split tp ways): in a
     # block, ln_1 and ln_2 (SequenceParallel replicates them), c_attn's bias (parallel/tensor.py
@@ -213,8 +227,13 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     # Blocks: current + prefetched params (ZeRO-3) or all L of them (kept gathered), plus in
     # backward one block's grads in compute dtype and their fp32 copy in the reduce-scatter buffer.
     held_blocks = min(2, L) if reshard_after_forward else L
+    block = shape.block_local(tp)
+    held_params, reduced_params = held_blocks * block, block
+    if reshard_after_forward and shape.partial_gather is not None:
+        held_params = min(held_params, shape.partial_gather.live_params)
+        reduced_params = min(block, shape.partial_gather.reduce_bucket_params)
     gathered = (shape.root_local(tp) * (pb + pb + FP32)
-                + shape.block_local(tp) * (held_blocks * pb + pb + FP32))
+                + held_params * pb + reduced_params * (pb + FP32))
     accumulated = (FP32 * shape.local_params(tp)
                    if grad_sync == "step" and micro_batches_per_rank > 1 else 0.0)
     per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=flash,

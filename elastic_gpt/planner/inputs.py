@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_gpt.cost_model.memory import CONTEXT_GIB, FRAGMENTATION, MEMORY_MARGIN
+from elastic_gpt.cost_model.memory import (
+    CONTEXT_GIB,
+    FRAGMENTATION,
+    MEMORY_MARGIN,
+    PartialGather,
+)
 from elastic_gpt.hardware import GPU, GPUS
 from elastic_gpt.model.gpt import GPTConfig, preset_config
 
@@ -71,6 +76,9 @@ class PlanInputs:
     """always: ZeRO-3, blocks re-gathered in backward and every micro-batch; never: every block
     stays gathered for the whole step (one all-gather per block per step, L blocks in memory);
     auto: the faster that fits."""
+    partial_gather: PartialGather | None = None
+    """ZeRO-3 gathering module by module, as DeepSpeed does (the published runs it ran): None,
+    this trainer's FSDP2, a block at a time."""
     tp: int | None = None
     """Tensor-parallel degree (1, 2, 4 or 8; inside one node). None: the fastest that fits."""
     hsdp: str = "auto"

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from elastic_gpt.cost_model.memory import model_shape, training_flops_per_token
+from elastic_gpt.cost_model.memory import PartialGather, model_shape, training_flops_per_token
 from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
 from elastic_gpt.hardware import GPUS, GiB
 from elastic_gpt.model.gpt import GPTConfig
@@ -52,6 +52,11 @@ SELENE_NIC_GBPS = 8 * 200 / 8 * 0.8
 SELENE_NVLINK_GBPS = 300 * 0.65
 """NVLink3 inside a Selene node, GB/s: 300 per direction at the 0.65 Calculon's A100-80GB
 system file measures for collectives (systems/a100_80g.json)."""
+DEEPSPEED_ZERO3 = PartialGather(live_params=1e9, reduce_bucket_params=5e8)
+"""How SC21's ZeRO-3 runs held parameters: DeepSpeed gathers them module by module, at most
+`stage3_max_live_parameters` at once, and reduces gradients in buckets of `reduce_bucket_size`
+(the defaults of DeepSpeed's configuration reference, deepspeed.ai/docs/config-json; SC21 gives
+no settings)."""
 VOCAB, SEQ = 51200, 2048
 DROPOUT = 0.1
 """Megatron-LM's default hidden and attention dropout."""
@@ -179,6 +184,7 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         activation_checkpointing=None if run.model_flops else True, tp=run.tp, pp=run.pp,
         pp_stages_per_rank=stages_per_rank, hsdp="off",
         reshard_after_forward="always" if run.zero3 else "auto",
+        partial_gather=DEEPSPEED_ZERO3 if run.zero3 else None,
         grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
         market="on-demand",
         tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype,

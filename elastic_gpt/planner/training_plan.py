@@ -135,7 +135,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
     name, cfg = resolve_model(p.model, p.seq_len, p.vocab_size)
     if p.market not in ("spot", "on-demand"):
         raise PlanError(f"--market={p.market!r} must be spot or on-demand")
-    shape = model_shape(cfg)
+    shape = dataclasses.replace(model_shape(cfg), partial_gather=p.partial_gather)
     gpu = get_gpu(p.gpu, p.hardware)
     net = _network(p, gpu)
     if p.dtype == "float8":
