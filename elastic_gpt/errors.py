@@ -36,8 +36,9 @@ class CheckpointMismatchError(FatalTrainingError, ValueError):
 
 class FailureBudgetSpent(Exception):
     """The run failed more often within an hour than `elastic.max_failures_per_hour` allows, and
-    stopped; its newest checkpoint is intact. Not bad input and not a bug: the CLI prints this one
-    line and exits 1 (the failures' own errors are in the log above it)."""
+    stopped; its newest checkpoint is intact (or `tune` lost workers more often than its
+    retries allow). Not bad input and not a bug: the CLI prints this one line and exits 1 (the
+    failures' own errors are in the log above it)."""
 
 
 class ElasticRestart(Exception):

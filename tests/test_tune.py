@@ -326,10 +326,15 @@ def test_tune_measures_tp_next_to_fsdp_and_writes_the_winners_layout(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("retries", [1, 0])
 def test_a_worker_killed_mid_measurement_costs_a_re_measurement_not_the_tune(
-        stdlib_dataset, ray_cluster, tmp_path, capsys):
+        stdlib_dataset, ray_cluster, tmp_path, capsys, monkeypatch, retries):
     """SIGKILL one of tune's two workers while it measures (a spot node reclaimed): a fresh group
-    measures every candidate again and tune ends with the whole table, exit 0."""
+    measures every candidate again and tune ends with the whole table, exit 0. With no retry
+    left, tune stops with one line and exit 1, not a traceback."""
+    from elastic_gpt.planner import tune as tune_module
+
+    monkeypatch.setattr(tune_module, "TUNE_RETRIES", retries)
     killed = {}
 
     def measured(pid: int) -> bool:
@@ -359,9 +364,17 @@ def test_a_worker_killed_mid_measurement_costs_a_re_measurement_not_the_tune(
     rc, _ = tune(tmp_path, stdlib_dataset, "--steps", "1", "--micro-batch-sizes", "4",
                  "--tp", "1", "--json", str(table))
     t.join(5)
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert killed, "the kill never happened"
     assert not process_alive(killed["pid"])
+    if not retries:
+        ours = [line for line in captured.err.splitlines() if line.startswith("elastic-gpt")]
+        assert rc == 1 and "Traceback" not in captured.err, captured.err[-3000:]
+        assert len(ours) == 1 and ours[0].startswith(
+            "elastic-gpt tune: failed: tune lost a worker 1 time(s)"), ours
+        assert not table.exists()
+        return
     assert rc == 0, printed
     rows = json.loads(table.read_text())["rows"]
     assert {r["activation_checkpointing"] for r in rows} == {False, True}

@@ -27,7 +27,8 @@ from dataclasses import asdict
 import yaml
 
 from elastic_gpt.config import Config, load_config, resolve_paths
-from elastic_gpt.console import say
+from elastic_gpt.console import first_line, say
+from elastic_gpt.errors import FailureBudgetSpent
 from elastic_gpt.hardware import GiB, get_gpu
 from elastic_gpt.planner.tune_candidates import (
     TrainSettings,
@@ -147,7 +148,7 @@ def tuned_config_dict(config_path: str, overrides: list[str], winner: dict,
 def run_tune(args) -> int:
     import ray
     import torch
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from elastic_gpt.cost_model.memory import model_shape
@@ -237,7 +238,13 @@ def run_tune(args) -> int:
                                  failure_config=FailureConfig(max_failures=TUNE_RETRIES),
                                  worker_runtime_env={"env_vars": env}),
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo", timeout_s=300))
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except TrainingFailedError as e:  # every retry spent: the cause is in Ray's log above
+            raise FailureBudgetSpent(
+                f"tune lost a worker {TUNE_RETRIES + 1} time(s) and measured nothing "
+                f"({first_line(e)}); see the error above, then run the same command again") \
+                from e
     finally:
         if started:
             ray.shutdown()
