@@ -24,7 +24,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for run in RUNS:
         mb = run.micro_batch or "plan's"
-        print(f"| {run.source} | {run.label} | {run.gpus} | tp={run.tp} pp={run.pp}, micro-batch "
+        print(f"| {run.source} | {run.label} | {run.gpus} x {run.gpu} | tp={run.tp} pp={run.pp}, micro-batch "
               f"{mb} | {run.published_tflops:.0f} | {cell(check(run, calibrated=False))} | "
               f"{cell(check(run))} |")
 

@@ -23,6 +23,14 @@ GPUs, batch and layout, and its throughput beside the published one.
   the nearest published kin of this trainer (FSDP2, SDPA, compile, torchao float8). Planned as
   the GPT of its width and depth; compared as model FLOP/s (torchtitan's count, 6 x the
   non-embedding parameters + 12 L h q T per token, against the plan's MFU).
+- MosaicML's llm-foundry benchmarks (scripts/train/benchmarking/README.md at 5e85bd62, January
+  2024): MPT models (GPT blocks without biases, ALiBi, flash attention, vocabulary 50,368,
+  sequence 2048) trained with FSDP and no tensor or pipeline parallelism, in tokens per second
+  per GPU: on 32 to 128 A100s (40 and 80 GB) with 8 x 200 Gb/s RoCE per node (SC21's
+  bandwidth), and on 128 to 512 H100s (their network unstated: the H100 row's). FULL_SHARD
+  (resharded after forward), micro-batch, accumulation and checkpointing as each row gives
+  them. Compared as model FLOP/s: their tokens per second x the plan's FLOPs per
+  token of the GPT of that width and depth (their MFU's count, 6 x the parameters + 12 L h T).
 
 The plan's figure is the same FLOPs over the planned step time, for what these runs ran: for
 Megatron-LM, its dropout of 0.1 and its kernels of 2021 (`kernel_set="megatron-2021"`,
@@ -79,14 +87,21 @@ class PublishedRun:
     micro_batch: int | None = None
     """None: the plan chooses (SC21 Table 1 does not give it)."""
     zero3: bool = False
-    """ZeRO-3 without model parallelism: FSDP over every GPU, resharded after forward."""
+    """DeepSpeed's ZeRO-3 without model parallelism: FSDP over every GPU, resharded after
+    forward, its parameters gathered module by module (`DEEPSPEED_ZERO3`)."""
+    fsdp: bool = False
+    """PyTorch FSDP's FULL_SHARD without model parallelism: over every GPU, resharded after
+    forward, gradients reduce-scattered after every micro-batch."""
+    activation_checkpointing: bool | None = True
+    """None: the plan chooses (the paper does not say)."""
     gpu: str = "A100-80GB"
     seq_len: int = SEQ
     vocab_size: int = VOCAB
     dropout: float = DROPOUT
     kernel_set: str = "megatron-2021"
     selene: bool = True
-    """SC21's network (Selene); False: the GPU row's."""
+    """SC21's network (Selene: NVLink3, 8 x 200 Gb/s per node), which MosaicML's A100 nodes
+    match; False: the GPU row's."""
     model_flops: bool = False
     """The published figure is MFU x peak: compare the plan's MFU."""
     dtype: str = "bfloat16"
@@ -112,6 +127,27 @@ SC21_T2 = "SC21 Table 2"
 KORTHIKANTI = "Korthikanti 2022 Table 5"
 LLAMA3 = "Llama 3 Table 4"
 TORCHTITAN = "torchtitan H100 benchmarks"
+MOSAICML = "llm-foundry MPT benchmarks"
+MPT_VOCAB = 50368
+MPT_SHAPES = {"7B": (32, 32, 4096), "13B": (40, 40, 5120), "30B": (48, 56, 7168),
+              "70B": (80, 64, 8192)}
+"""(layers, heads, width) of llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml."""
+
+
+def _mpt(label: str, gpus: int, gpu: str, micro_batch: int, accumulation: int,
+         tokens_per_s_per_gpu: float, checkpointing: bool) -> PublishedRun:
+    """A row of llm-foundry's benchmark tables: tokens per second per GPU at sequence 2048."""
+    n_layer, n_head, n_embd = MPT_SHAPES[label]
+    cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=SEQ,
+                    vocab_size=MPT_VOCAB, dropout=0.0)
+    tflops = tokens_per_s_per_gpu * model_shape(cfg).model_flops_per_token / 1e12
+    return PublishedRun(MOSAICML, f"MPT {label}", n_layer, n_head, n_embd, gpus,
+                        micro_batch * accumulation * gpus, 1, 1, tflops, micro_batch, gpu=gpu,
+                        vocab_size=MPT_VOCAB, dropout=0.0, kernel_set="trainer",
+                        selene=gpu.startswith("A100"), model_flops=True, stages_per_rank=None,
+                        fsdp=True, activation_checkpointing=checkpointing)
+
+
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21, "1.7B", 24, 24, 2304, 32, 512, 1, 1, 137),
     PublishedRun(SC21, "3.6B", 30, 32, 3072, 64, 512, 2, 1, 138),
@@ -147,14 +183,29 @@ RUNS: tuple[PublishedRun, ...] = (
     *(PublishedRun(LLAMA3, "405B", 126, 128, 16384, gpus, 2048, 8, 16, mfu * 989,
                    gpu="H100", seq_len=8192, vocab_size=128256, dropout=0.0,
                    kernel_set="trainer", selene=False, model_flops=True,
-                   stages_per_rank=None)
+                   stages_per_rank=None, activation_checkpointing=None)
       for gpus, mfu in ((8192, 0.43), (16384, 0.41))),
     *(PublishedRun(TORCHTITAN, f"8B {dtype}", 32, 32, 4096, gpus, 2 * gpus, 1, 1,
                    tps * LLAMA31_8B_FLOPS_PER_TOKEN / 1e12, 2, gpu=TORCHTITAN_H100.name,
                    seq_len=8192, vocab_size=128256, dropout=0.0, kernel_set="trainer",
-                   selene=False, model_flops=True, stages_per_rank=None, dtype=dtype)
+                   selene=False, model_flops=True, stages_per_rank=None, dtype=dtype,
+                   activation_checkpointing=None)
       for gpus, dtype, tps in ((8, "bfloat16", 6667), (8, "float8", 8532),
                                (128, "bfloat16", 6514), (128, "float8", 8380))),
+    # llm-foundry's tables at sequence 2048 on 32 GPUs or more: A100-80GB and A100-40GB on
+    # 1600 Gb/s RoCE, and its "H100 80GB BF16 (Large Scale)" table
+    _mpt("70B", 32, "A100-80GB", 2, 16, 373, True),
+    _mpt("70B", 64, "A100-80GB", 8, 4, 410, True),
+    _mpt("70B", 64, "A100-40GB", 2, 1, 276, True),
+    _mpt("70B", 128, "A100-40GB", 4, 1, 376, True),
+    _mpt("30B", 128, "A100-40GB", 6, 1, 865, True),
+    _mpt("13B", 128, "A100-40GB", 16, 1, 1972, True),
+    _mpt("7B", 128, "A100-40GB", 18, 1, 3623, True),
+    *(_mpt("70B", gpus, "H100", 8, 1, tps, True)
+      for gpus, tps in ((128, 1058), (256, 1035), (512, 1007))),
+    *(_mpt("13B", gpus, "H100", 16, 1, tps, True)
+      for gpus, tps in ((128, 5080), (256, 4989), (512, 4952))),
+    *(_mpt("7B", gpus, "H100", 6, 1, tps, False) for gpus, tps in ((128, 10475), (512, 9670))),
 )
 
 
@@ -181,11 +232,11 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
     return PlanInputs(
         model=run.config(), gpu=run.gpu, n_gpus=run.gpus, global_batch_size=run.batch,
         micro_batch_size=run.micro_batch,
-        activation_checkpointing=None if run.model_flops else True, tp=run.tp, pp=run.pp,
+        activation_checkpointing=run.activation_checkpointing, tp=run.tp, pp=run.pp,
         pp_stages_per_rank=stages_per_rank, hsdp="off",
-        reshard_after_forward="always" if run.zero3 else "auto",
+        reshard_after_forward="always" if run.zero3 or run.fsdp else "auto",
         partial_gather=DEEPSPEED_ZERO3 if run.zero3 else None,
-        grad_sync="microbatch" if run.zero3 else "auto", replica_groups="off",
+        grad_sync="microbatch" if run.zero3 or run.fsdp else "auto", replica_groups="off",
         market="on-demand",
         tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype,
         hardware={**GPUS, TORCHTITAN_H100.name: TORCHTITAN_H100},
