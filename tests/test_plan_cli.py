@@ -155,3 +155,28 @@ def test_a_market_whose_goodput_is_zero_is_named_not_priced(capsys):
     assert main(["plan", *argv, "--market", "spot"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "on spot capacity this run never ends" in err[0], err
+
+
+@pytest.mark.parametrize("forced, named, fix", [
+    (("--micro-batch-size", "64"), "at --micro-batch-size 64 does", ("--micro-batch-size",)),
+    (("--micro-batch-size", "16", "--activation-checkpointing", "off"),
+     "at --micro-batch-size 16 with --activation-checkpointing off does",
+     ("--micro-batch-size", "--activation-checkpointing")),
+])
+def test_a_forced_micro_batch_that_does_not_fit_is_named_with_one_that_does(forced, named, fix,
+                                                                            capsys):
+    """The model fits these 8 GPUs; the forced setting does not. The line names the setting, not
+    the model's floor (micro-batch 1 with checkpointing, which fits), and offers what fits."""
+    base = ("--model", "gpt3-13b", "--gpu", "A100-80GB", "--gpus", "8", "--tp", "1", "--pp", "1")
+    assert main(["plan", *base, *forced]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("elastic-gpt plan: error: "), err
+    assert named in err and "at least" not in err and "even at micro-batch 1" not in err, err
+    offered = err.split("; use ")[1].split(" or ")
+    assert [o.split()[0] for o in offered] == list(fix), offered
+    for option in offered:  # each one offered fits, the other forced settings kept
+        words = option.split()
+        changed = dict(zip(words[::2], words[1::2]))
+        argv = dict(zip(forced[::2], forced[1::2])) | changed
+        assert main(["plan", *base, *(x for kv in argv.items() for x in kv)]) == 0, argv
+        capsys.readouterr()

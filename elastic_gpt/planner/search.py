@@ -272,6 +272,41 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
     return p.n_gpus
 
 
+def forced_batch_problem(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, net: Network,
+                         meshes: list[Mesh], G: int, usable: float,
+                         candidates: list[LayoutCandidate]) -> str | None:
+    """When nothing fits only because of a forced --micro-batch-size or --activation-checkpointing
+    off: one line naming them and the setting that fits instead. None when the model fits at no
+    micro-batch here either (`what_would_fit` then says what would)."""
+    forced = ([f"--micro-batch-size {p.micro_batch_size}"] if p.micro_batch_size else []) + (
+        ["--activation-checkpointing off"] if p.activation_checkpointing is False else [])
+    if not forced or not candidates:
+        return None
+    freed = dataclasses.replace(p, micro_batch_size=None, activation_checkpointing=None)
+    fits = [c for c in layout_candidates(freed, shape, gpu, net, meshes, G)
+            if c.memory.total <= usable]
+    if not fits:
+        return None
+    options = []
+    if p.micro_batch_size:
+        same = [c.micro_batch for c in fits
+                if p.activation_checkpointing is None
+                or c.activation_checkpointing == p.activation_checkpointing]
+        if same:
+            options.append(f"--micro-batch-size {max(same)}")
+    if p.activation_checkpointing is False and any(
+            c.activation_checkpointing and c.micro_batch == (p.micro_batch_size or c.micro_batch)
+            for c in fits):
+        options.append("--activation-checkpointing on")
+    if not options:  # neither alone: both (every fitting layout checkpoints)
+        options.append(f"--micro-batch-size {max(c.micro_batch for c in fits)} "
+                       "--activation-checkpointing on")
+    need = min(c.memory.total for c in candidates)
+    return (f"{name} at {' with '.join(forced)} does not fit on {p.n_gpus} x {gpu.name} (needs "
+            f"{need / GiB:.1f} GiB per GPU, {usable / GiB:.1f} GiB usable); use "
+            + " or ".join(options))
+
+
 def what_would_fit(p: PlanInputs, name: str, shape: ModelShape, gpu: GPU, net: Network,
                     G: int) -> str:
     usable = gpu.memory_bytes * (1 - p.memory_margin)

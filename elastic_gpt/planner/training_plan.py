@@ -48,6 +48,7 @@ from elastic_gpt.planner.replica_group_model import (
 )
 from elastic_gpt.planner.restart_cost import RestartCost, checkpoint_io_s
 from elastic_gpt.planner.search import (
+    forced_batch_problem,
     layout_candidates,
     mesh_choices,
     mesh_floor_memory,
@@ -162,7 +163,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
     candidates = layout_candidates(p, shape, gpu, net, meshes, G)
     fitting = [c for c in candidates if c.memory.total <= usable]
     if not fitting:
-        raise PlanError(what_would_fit(p, name, shape, gpu, net, G))
+        raise PlanError(forced_batch_problem(p, name, shape, gpu, net, meshes, G, usable, candidates)
+                        or what_would_fit(p, name, shape, gpu, net, G))
     chosen = min(fitting, key=choice_key)
     if p.achieved_flops_per_gpu:  # measured throughput: in the modelled-fastest mesh, the
         # largest micro-batch that fits (then the modelled-faster grad sync and resharding: the
