@@ -194,3 +194,30 @@ def test_fsdp_runs_of_flash_attention_stacks_are_planned_too_fast_but_scale_as_m
         measured = large.run.published_tflops / small.run.published_tflops
         planned = large.planned_tflops / small.planned_tflops
         assert 0.9 < measured < 1.0 and planned == pytest.approx(measured, abs=0.05)
+
+
+def test_memory_model_counts_every_run_mosaicml_ran_within_its_gpus_memory():
+    """MosaicML ran each of its FSDP runs, the one-node ones at the largest micro-batch their
+    memory allowed: the plan's count of each (sharded state, gathered blocks, activations,
+    logits, workspace) must be within the GPU's memory. Three of them are above the planner's
+    default 10% margin, which would refuse them: the margin is headroom, not the model."""
+    import dataclasses
+
+    from elastic_gpt.hardware import GiB
+    from elastic_gpt.planner.inputs import MEMORY_MARGIN
+    from elastic_gpt.planner.training_plan import plan_training
+
+    runs = [r for r in RUNS if r.source == published_runs.MOSAICML]
+    runs += published_runs.MPT_ON_ONE_NODE
+    above_margin = []
+    for run in runs:
+        plan = plan_training(dataclasses.replace(published_runs.plan_inputs(run),
+                                                 memory_margin=0.0))
+        c = plan.chosen
+        assert (c.micro_batch, c.activation_checkpointing) == (run.micro_batch,
+                                                               run.activation_checkpointing)
+        assert c.memory.total <= plan.gpu.memory_gib * GiB, (run, c.memory.total / GiB)
+        if c.memory.total > plan.gpu.memory_gib * GiB * (1 - MEMORY_MARGIN):
+            above_margin.append((run.label, run.gpus, run.gpu))
+    assert sorted(above_margin) == [("MPT 13B", 8, "A100-40GB"), ("MPT 30B", 8, "A100-80GB"),
+                                    ("MPT 7B", 8, "A100-80GB")], above_margin
