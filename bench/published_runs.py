@@ -1,7 +1,8 @@
 """The planner against published runs: each run of planner/published_runs.py planned with its
 own settings by the one-figure (`--efficiency 0.6`) and the calibrated (default) step-time
-model, beside the published TFLOP/s
-per GPU, as the Markdown table docs/planner.md shows.
+model, beside the published TFLOP/s per GPU, as the Markdown table docs/planner.md shows; then
+GPT-3 175B on 1024 A100s left to choose its layout, with this trainer's kernels and with SC21's
+software.
 
     .venv/bin/python bench/published_runs.py
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import common  # noqa: F401  (puts the repository on sys.path)
 
-from elastic_gpt.planner.published_runs import RUNS, check
+from elastic_gpt.planner.published_runs import RUNS, check, gpt3_175b_on_1024
+from elastic_gpt.planner.training_plan import plan_training
 
 
 def cell(checked) -> str:
@@ -27,6 +29,16 @@ def main() -> None:
         print(f"| {run.source} | {run.label} | {run.gpus} x {run.gpu} | tp={run.tp} pp={run.pp}, micro-batch "
               f"{mb} | {run.published_tflops:.0f} | {cell(check(run, calibrated=False))} | "
               f"{cell(check(run))} |")
+    print()
+    print("GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch, left to choose "
+          "(Megatron-LM: 34 days):")
+    for sc21, software in ((False, "this trainer's kernels"),
+                           (True, "SC21's software (Megatron-LM 2021 kernels, recomputation)")):
+        plan = plan_training(gpt3_175b_on_1024(sc21))
+        c = plan.chosen
+        print(f"- {software}: {c.mesh.short()}, micro-batch {c.micro_batch}, recomputation "
+              f"{'on' if c.activation_checkpointing else 'off'}: "
+              f"{plan.time_to_train_s / 86400:.1f} days, MFU {plan.mfu:.1%}")
 
 
 if __name__ == "__main__":

@@ -254,6 +254,20 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 
 
+def gpt3_175b_on_1024(sc21_software: bool) -> PlanInputs:
+    """GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch (1536), left to
+    choose its layout: with this trainer's kernels, or with the software SC21 ran (Megatron-LM's
+    2021 kernels, dropout 0.1, every block recomputed). Megatron-LM took 34 days (SC21 sec.
+    5.1)."""
+    run = PublishedRun(SC21, "175B", 96, 96, 12288, 1024, 1536, 1, 1, 140)
+    cfg = run.config() if sc21_software else dataclasses.replace(run.config(), dropout=0.0)
+    return PlanInputs(model=cfg, gpu=run.gpu, n_gpus=run.gpus, global_batch_size=run.batch,
+                      activation_checkpointing=True if sc21_software else None,
+                      kernel_set=run.kernel_set if sc21_software else "trainer",
+                      replica_groups="off", market="on-demand", tokens=300e9,
+                      intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
+
+
 def check(run: PublishedRun, calibrated: bool = True) -> Checked:
     """The plan's throughput for `run`: the fastest of the schedules it weighs."""
     plans, refusal = [], ""
