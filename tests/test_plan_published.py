@@ -239,3 +239,24 @@ def test_175b_on_1024_a100s_left_to_choose_with_sc21s_software_is_fsdp_across_no
     assert mine.chosen.mesh.pp > 1 and not mine.chosen.activation_checkpointing
     assert mine.time_to_train_s < sc21.time_to_train_s
     assert 1.24 * sc21.time_to_train_s / day < 0.85 * 34
+
+
+def test_an_fsdp_plan_says_how_far_the_published_fsdp_runs_were_from_its_model():
+    """A plan whose step is the calibrated model's for an FSDP-only layout of this trainer's
+    kernels says, in a note, how much faster than they ran the model plans the published FSDP
+    runs on the same GPU family, from those checks; a measured figure (--achieved-tflops), the
+    one-figure model or a pipelined layout gets no such note."""
+    from elastic_gpt.planner.inputs import PlanInputs
+    from elastic_gpt.planner.report import format_report
+    from elastic_gpt.planner.training_plan import plan_training
+
+    kw = dict(model="gpt3-13b", gpu="A100-80GB", n_gpus=128)
+    report = format_report(plan_training(PlanInputs(**kw, tp=1, pp=1)))
+    note = next(line for line in report.splitlines() if line.startswith("note: step time:"))
+    a100 = [check(r).ratio for r in RUNS if r.source in (published_runs.MOSAICML,
+                                                        published_runs.TORCHTITAN)
+            and r.gpu.startswith("A100")]
+    assert len(a100) == 7 and f"on A100s {min(a100):.2f}-{max(a100):.2f}x faster" in note, note
+    for other in (dict(tp=1, pp=1, achieved_flops_per_gpu=150e12),
+                  dict(tp=1, pp=1, efficiency=0.6), dict(tp=1, pp=2)):
+        assert "note: step time:" not in format_report(plan_training(PlanInputs(**kw, **other)))

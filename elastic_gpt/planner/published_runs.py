@@ -40,6 +40,7 @@ cost_model/kernels.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from elastic_gpt.cost_model.memory import PartialGather, model_shape, training_flops_per_token
@@ -292,3 +293,15 @@ def check(run: PublishedRun, calibrated: bool = True) -> Checked:
 def check_all(calibrated: bool = True) -> list[Checked]:
     return [check(r, calibrated) for r in RUNS]
 
+
+
+@functools.cache
+def fsdp_runs_planned_too_fast(gpu_family: str) -> tuple[float, float, bool]:
+    """(least, most) planned over published throughput of the FSDP-only runs of flash-attention
+    stacks (torchtitan's and MosaicML's) on GPUs of `gpu_family` ("A100", "H100"), or on any GPU
+    when none ran on that family, and whether they were that family's: how much faster than
+    they ran the calibrated model plans such runs."""
+    fsdp = [r for r in RUNS if r.source in (TORCHTITAN, MOSAICML)]
+    same = [r for r in fsdp if r.gpu.split("-")[0] == gpu_family]
+    ratios = [check(r).ratio for r in same or fsdp]
+    return min(ratios), max(ratios), bool(same)

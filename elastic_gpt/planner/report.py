@@ -186,8 +186,27 @@ def format_report(plan: Plan) -> str:
         "",
         f"elastic floor: the chosen layout fits down to {plan.min_workers} worker(s)",
     ]
-    lines += [f"note: {n}" for n in plan.notes]
+    lines += [f"note: {n}" for n in plan.notes + _fsdp_step_notes(plan)]
     return "\n".join(lines)
+
+
+def _fsdp_step_notes(plan: Plan) -> list[str]:
+    """An FSDP-only layout's step, as the calibrated model plans it for this trainer's kernels:
+    how much faster than they ran it plans the published FSDP runs of flash-attention stacks on
+    the same GPU family (planner/published_runs.py), so that the reader knows which way it
+    errs and what measures it instead."""
+    c = plan.chosen
+    if not plan.calibrated_trainer_step or c.mesh.pp > 1 or c.tp > 1:
+        return []
+    from elastic_gpt.planner.published_runs import fsdp_runs_planned_too_fast
+
+    family = plan.gpu.name.split("-")[0]
+    least, most, same = fsdp_runs_planned_too_fast(family)
+    return [f"step time: this model plans the published FSDP runs of flash-attention stacks "
+            f"(torchtitan's, MosaicML's){f' on {family}s' if same else ''} {least:.2f}-"
+            f"{most:.2f}x faster than they ran (docs/planner.md, checked against published "
+            "runs): read this step as a lower bound; `elastic-gpt tune` measures it on your "
+            "workers, and --achieved-tflops plans from a measured figure"]
 
 
 def _cost_line(plan: Plan, label: str, spot: bool) -> str:

@@ -89,6 +89,9 @@ class Plan:
     dtype: str
     market: str
     achieved_flops_per_gpu: float | None = None
+    calibrated_trainer_step: bool = False
+    """The step time is the calibrated model's (no --efficiency, no --achieved-tflops) for this
+    trainer's kernels: what the published FSDP runs check (report.py says how it fared)."""
     restart_cost: RestartCost | None = None
     """What one restart of the whole run costs, term by term (`recovery_s` of both markets)."""
     notes: list[str] = field(default_factory=list)
@@ -285,6 +288,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
         warmup_steps=max(1, min(math.ceil(375e6 / tokens_per_step), max_steps // 10)),
         min_workers=p.min_workers or min_workers(p, shape, chosen, usable, G, net),
         dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
+        calibrated_trainer_step=(p.efficiency is None and not p.achieved_flops_per_gpu
+                                 and p.kernel_set == "trainer"),
         restart_cost=restart_cost,
         notes=notes, layouts=layouts, fault_tolerance_by_market=fault_tolerance,
         replica_heartbeat_timeout_s=p.replica_heartbeat_timeout_s)
