@@ -26,8 +26,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for run in RUNS:
         mb = run.micro_batch or "plan's"
-        print(f"| {run.source} | {run.label} | {run.gpus} x {run.gpu} | tp={run.tp} pp={run.pp}, micro-batch "
-              f"{mb} | {run.published_tflops:.0f} | {cell(check(run, calibrated=False))} | "
+        print(f"| {run.source} | {run.label} | {run.gpus} x {run.gpu} | tp={run.tp} pp={run.pp}, "
+              f"micro-batch {mb} | {run.published_tflops:.0f} | "
+              f"{cell(check(run, calibrated=False))} | "
               f"{cell(check(run))} |")
     print()
     print("GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch, left to choose "

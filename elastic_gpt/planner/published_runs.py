@@ -294,7 +294,6 @@ def check_all(calibrated: bool = True) -> list[Checked]:
     return [check(r, calibrated) for r in RUNS]
 
 
-
 @functools.cache
 def fsdp_runs_planned_too_fast(gpu_family: str) -> tuple[float, float, bool]:
     """(least, most) planned over published throughput of the FSDP-only runs of flash-attention
