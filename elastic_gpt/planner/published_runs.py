@@ -260,11 +260,11 @@ def gpt3_175b_on_1024(sc21_software: bool) -> PlanInputs:
     choose its layout: with this trainer's kernels, or with the software SC21 ran (Megatron-LM's
     2021 kernels, dropout 0.1, every block recomputed). Megatron-LM took 34 days (SC21 sec.
     5.1)."""
-    run = PublishedRun(SC21, "175B", 96, 96, 12288, 1024, 1536, 1, 1, 140)
-    cfg = run.config() if sc21_software else dataclasses.replace(run.config(), dropout=0.0)
-    return PlanInputs(model=cfg, gpu=run.gpu, n_gpus=run.gpus, global_batch_size=run.batch,
+    cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=SEQ, vocab_size=VOCAB,
+                    dropout=DROPOUT if sc21_software else 0.0)
+    return PlanInputs(model=cfg, gpu="A100-80GB", n_gpus=1024, global_batch_size=1536,
                       activation_checkpointing=True if sc21_software else None,
-                      kernel_set=run.kernel_set if sc21_software else "trainer",
+                      kernel_set="megatron-2021" if sc21_software else "trainer",
                       replica_groups="off", market="on-demand", tokens=300e9,
                       intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
 

@@ -14,6 +14,7 @@ from elastic_gpt.cost_model.step_time import LayoutCandidate
 from elastic_gpt.hardware import GB, PRICES_AS_OF, GiB
 from elastic_gpt.model.gpt import PRESETS, preset_config
 from elastic_gpt.planner.inputs import DAY, HOUR
+from elastic_gpt.planner.published_runs import fsdp_runs_planned_too_fast
 from elastic_gpt.planner.replica_group_model import COLLECTIVE_TIMEOUT_S, FaultTolerance
 from elastic_gpt.planner.training_plan import Plan, trainer_parallel_keys
 
@@ -198,8 +199,6 @@ def _fsdp_step_notes(plan: Plan) -> list[str]:
     c = plan.chosen
     if not plan.calibrated_trainer_step or c.mesh.pp > 1 or c.tp > 1:
         return []
-    from elastic_gpt.planner.published_runs import fsdp_runs_planned_too_fast
-
     family = plan.gpu.name.split("-")[0]
     least, most, same = fsdp_runs_planned_too_fast(family)
     return [f"step time: this model plans the published FSDP runs of flash-attention stacks "
