@@ -1,9 +1,10 @@
 """Real gloo process groups on loopback for tests and benchmarks, without Ray.
 
-`run_gloo(fn, world, *args)` starts `world` fresh processes, joins them into one gloo group,
+`run_gloo(fn, world, *args)` starts `world` processes (forked from a server that has imported
+torch and the trainer's modules, and nothing else), joins them into one gloo group,
 runs `fn(rank, world, *args)` in each and returns what each rank returned; a rank that raises
 (or dies) makes it raise. `gloo_group()` makes this process a group of one for a with-block.
-Nothing here knows about the Trainer or the model.
+Nothing here uses the Trainer or the model: it only names their modules, to import them ahead.
 """
 
 from __future__ import annotations
@@ -17,25 +18,39 @@ from typing import Any
 
 from elastic_gpt.testing.ports import free_port
 
+# Imported once, by the fork server, before it forks any rank: each rank then starts in a fraction
+# of a second instead of importing torch and the trainer anew, which on a small CI machine is most
+# of a short multi-process test. (A module that fails to import here is imported by the rank.)
+PRELOADED = ("numpy", "torch", "torch.distributed", "torch.distributed.fsdp",
+             "torch.distributed.tensor", "torch.distributed.pipelining",
+             "torch.distributed.checkpoint", "elastic_gpt.config", "elastic_gpt.model.gpt",
+             "elastic_gpt.train.trainer")
+
 
 def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """fn(rank, world, *args) on `world` spawned ranks of one gloo group; their return values,
+    """fn(rank, world, *args) on `world` ranks of one gloo group; their return values,
     by rank. fn and its arguments must pickle (a module-level function of an importable module),
     and so must what it returns (tensors included: it travels through torch.save)."""
     import torch
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gloo-") as out:
-        # Spawn, not fork: a forked child inherits this process's torch threads and locks.
-        # start_processes joins every rank, and if one fails it stops the others and raises.
-        mp.start_processes(_rank_main, args=(fn, world, free_port(), out, args), nprocs=world,
-                           start_method="spawn")
+        # A fork server, not a fork of this process: a forked child would inherit this process's
+        # torch threads and locks; the server is a fresh process that has only imported modules.
+        # It was started with the environment of its first use, so each rank is handed this
+        # process's environment as it is now. start_processes joins every rank, and if one fails
+        # it stops the others and raises.
+        mp.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
+        mp.start_processes(_rank_main, args=(fn, world, free_port(), out, args, dict(os.environ)),
+                           nprocs=world, start_method="forkserver")
         return [torch.load(os.path.join(out, f"{rank}.pt"), weights_only=False)
                 for rank in range(world)]
 
 
 def _rank_main(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,
-               args: tuple) -> None:
+               args: tuple, environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
