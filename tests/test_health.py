@@ -381,23 +381,22 @@ def _replica_groups_run(groups: int, overrides: list[str], flipped: dict[int, st
                         tmp: str) -> list:
     """`groups` groups trained side by side at a real Lighthouse (every group in every quorum:
     min_replicas is all of them); what each saved, or None for a group that died."""
-    import multiprocessing
-
     import torch
 
     from elastic_gpt.elastic.lighthouse import LighthouseServer
+    from elastic_gpt.testing import preloaded
     from elastic_gpt.testing.ports import free_port
 
     server = LighthouseServer(min_replicas=groups, join_timeout_ms=60_000, quorum_tick_ms=10,
                               heartbeat_timeout_ms=10_000)
     outs = [os.path.join(tmp, f"group{g}.pt") for g in range(groups)]
-    spawn = multiprocessing.get_context("spawn")
-    processes = [spawn.Process(target=_group_main, args=(
-        g, groups, server.address(), [*overrides, f"elastic.replica_groups={groups}"],
-        flipped.get(g), free_port(), outs[g])) for g in range(groups)]
+    processes = []
     try:
-        for p in processes:
-            p.start()
+        for g in range(groups):
+            processes.append(preloaded.start(
+                _group_main, g, groups, server.address(),
+                [*overrides, f"elastic.replica_groups={groups}"], flipped.get(g), free_port(),
+                outs[g], daemon=False))
         for p in processes:
             p.join(timeout=300)
     finally:

@@ -1,10 +1,9 @@
 """Real gloo process groups on loopback for tests and benchmarks, without Ray.
 
-`run_gloo(fn, world, *args)` starts `world` processes (forked from a server that has imported
-torch and the trainer's modules, and nothing else), joins them into one gloo group,
+`run_gloo(fn, world, *args)` starts `world` processes (`preloaded.py`: forked from a server that
+has imported torch and the trainer's modules), joins them into one gloo group,
 runs `fn(rank, world, *args)` in each and returns what each rank returned; a rank that raises
 (or dies) makes it raise. `gloo_group()` makes this process a group of one for a with-block.
-Nothing here uses the Trainer or the model: it only names their modules, to import them ahead.
 """
 
 from __future__ import annotations
@@ -16,15 +15,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from elastic_gpt.testing import preloaded
 from elastic_gpt.testing.ports import free_port
-
-# Imported once, by the fork server, before it forks any rank: each rank then starts in a fraction
-# of a second instead of importing torch and the trainer anew, which on a small CI machine is most
-# of a short multi-process test. (A module that fails to import here is imported by the rank.)
-PRELOADED = ("numpy", "torch", "torch.distributed", "torch.distributed.fsdp",
-             "torch.distributed.tensor", "torch.distributed.pipelining",
-             "torch.distributed.checkpoint", "elastic_gpt.config", "elastic_gpt.model.gpt",
-             "elastic_gpt.train.trainer")
 
 
 def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
@@ -35,22 +27,18 @@ def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="gloo-") as out:
-        # A fork server, not a fork of this process: a forked child would inherit this process's
-        # torch threads and locks; the server is a fresh process that has only imported modules.
-        # It was started with the environment of its first use, so each rank is handed this
-        # process's environment as it is now. start_processes joins every rank, and if one fails
-        # it stops the others and raises.
-        mp.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
-        mp.start_processes(_rank_main, args=(fn, world, free_port(), out, args, dict(os.environ)),
+        # start_processes joins every rank, and if one fails it stops the others and raises.
+        preloaded.context()
+        mp.start_processes(_rank_main,
+                           args=(fn, world, free_port(), out, args, preloaded.caller()),
                            nprocs=world, start_method="forkserver")
         return [torch.load(os.path.join(out, f"{rank}.pt"), weights_only=False)
                 for rank in range(world)]
 
 
 def _rank_main(rank: int, fn: Callable[..., Any], world: int, port: int, out: str,
-               args: tuple, environ: dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
+               args: tuple, caller: tuple) -> None:
+    preloaded.adopt(caller)
     import torch
     import torch.distributed as dist
 

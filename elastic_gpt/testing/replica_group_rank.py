@@ -2,7 +2,7 @@
 torchft `Manager`, gloo) over a tiny linear model, stepping the Trainer's sequence of calls (the
 quorum, the group's own gradient all-reduce, the cross-group one, the stats, the commit vote).
 
-`start_rank(lighthouse, group, rank, size, port, out)` spawns one; ranks of one group share `port`
+`start_rank(lighthouse, group, rank, size, port, out)` starts one; ranks of one group share `port`
 (their process group's store, which the Manager uses too). Each step attempt is a line of JSON
 appended to `out` (`t`, `group`, `rank`, `step`, `groups`, `committed`); a rank that fails writes
 `error` with the exception's type and message, says `Leave` (as the Trainer's exit does) and
@@ -14,21 +14,18 @@ stops itself (SIGSTOP) between two steps: after its last collective of one, befo
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import time
 
+from elastic_gpt.testing import preloaded
+
 
 def start_rank(lighthouse: str, group: int, rank: int, size: int, port: int, out: str, *,
                steps: int, timeout_s: float, stop_after: int | None = None):
-    """A spawned process (its pid is the one to kill or stop)."""
-    process = multiprocessing.get_context("spawn").Process(
-        target=_rank_main,
-        args=(lighthouse, group, rank, size, port, out, steps, timeout_s, stop_after),
-        daemon=True)
-    process.start()
-    return process
+    """A started process (`preloaded.py`; its pid is the one to kill or stop)."""
+    return preloaded.start(_rank_main, lighthouse, group, rank, size, port, out, steps, timeout_s,
+                           stop_after)
 
 
 def _rank_main(lighthouse: str, group: int, rank: int, size: int, port: int, out: str,

@@ -2,7 +2,7 @@
 (its Rust `ManagerServer`, gloo) that steps a quorum, an all-reduce and a commit vote in a loop and
 reports each step attempt. No model, no Ray: what is under test is the quorum service.
 
-`start_member(lighthouse, name, out)` spawns one; each step attempt is a line of JSON appended to
+`start_member(lighthouse, name, out)` starts one; each step attempt is a line of JSON appended to
 `out` (`t`, `step`, `participants`, `committed`, `quorum_s`). `leave_when=PATH`: after the first
 step committed once that file exists, the member says `Leave` and then idles with its manager
 (and its heartbeats) still running.
@@ -11,19 +11,17 @@ step committed once that file exists, the member says `Leave` and then idles wit
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
+
+from elastic_gpt.testing import preloaded
 
 
 def start_member(lighthouse: str, name: str, out: str, *, steps: int = 10_000,
                  leave_when: str | None = None, heartbeat_timeout_s: float = 5.0):
-    """A spawned process (its pid is the one to kill or stop)."""
-    process = multiprocessing.get_context("spawn").Process(
-        target=_member_main, args=(lighthouse, name, out, steps, leave_when, heartbeat_timeout_s),
-        daemon=True)
-    process.start()
-    return process
+    """A started process (`preloaded.py`; its pid is the one to kill or stop)."""
+    return preloaded.start(_member_main, lighthouse, name, out, steps, leave_when,
+                           heartbeat_timeout_s)
 
 
 def read_steps(out: str) -> list[dict]:
