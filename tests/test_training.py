@@ -79,21 +79,28 @@ def test_reference_run_trains_checkpoints_to_s3_and_logs_every_metric(env, refer
     assert "plots/loss_curve.png" in artifacts
 
 
-@pytest.mark.parametrize("first,second", [(2, 1), (1, 2), (2, 3)])
-def test_resume_at_another_world_size_continues_the_same_run(env, reference, first, second):
-    """Stop after the step-4 checkpoint at W=first, resume at W=second: resharded load, the same
-    samples per step (C2 data order), the same losses up to float reduction order (C3 bit-identical
-    resume), one MLflow run (C5 one MLflow run)."""
-    name = f"resize-{first}-{second}"
-    a, _ = train(env, name, "run.stop_at_step=4", workers=first)
-    assert a["step"] == 4
-    b, _ = train(env, name, workers=second)
-    assert b["step"] == STEPS and b["run_id"] == a["run_id"]
-    loss = metric_by_step(env["uri"], b["run_id"], mn.TRAIN_LOSS)
-    fp = metric_by_step(env["uri"], b["run_id"], mn.DATA_FINGERPRINT)
-    ws = metric_by_step(env["uri"], b["run_id"], mn.TRAIN_WORLD_SIZE)
+# One run stopped and resumed at another size each time: the sizes shrink, grow and shrink
+# again, and each resume reads what a resumed run wrote.
+SIZES = (2, 1, 3, 2)
+
+
+def test_resume_at_another_world_size_continues_the_same_run(env, reference):
+    """Stop after every second step, resume at the next of SIZES: resharded load, the same
+    samples per step (C2 data order), the same losses up to float reduction order (C3
+    bit-identical resume), one MLflow run (C5 one MLflow run)."""
+    per_session = STEPS // len(SIZES)
+    runs = []
+    for i, workers in enumerate(SIZES):
+        stop = [f"run.stop_at_step={(i + 1) * per_session}"] if i + 1 < len(SIZES) else []
+        summary, _ = train(env, "resize", *stop, workers=workers)
+        assert summary["step"] == (i + 1) * per_session
+        runs.append(summary["run_id"])
+    assert set(runs) == {runs[0]}
+    loss = metric_by_step(env["uri"], runs[0], mn.TRAIN_LOSS)
+    fp = metric_by_step(env["uri"], runs[0], mn.DATA_FINGERPRINT)
+    ws = metric_by_step(env["uri"], runs[0], mn.TRAIN_WORLD_SIZE)
     assert fp == reference["fp"]
-    assert [ws[s] for s in range(1, STEPS + 1)] == [first] * 4 + [second] * 4
+    assert [ws[s] for s in range(1, STEPS + 1)] == [w for w in SIZES for _ in range(per_session)]
     for step in range(1, STEPS + 1):
         assert loss[step] == pytest.approx(reference["loss"][step], rel=2e-5, abs=2e-5), step
 
