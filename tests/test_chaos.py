@@ -299,7 +299,10 @@ def test_a_group_that_lost_a_node_gives_back_its_placement_group_while_it_waits(
         cluster.nodes.append(cluster.add_node())
 
 
-BURST_STEPS = 100
+# Enough that the run is still going once the burst has been gathered and the group regrown, with
+# room to spare: the test prints the steps taken at each size after the loss (W=1 while the
+# settle and the restart last, then W=3 to the end, of which the assertions need only one).
+BURST_STEPS = 60
 
 
 def test_a_burst_of_returning_nodes_is_one_restart_to_the_full_size(cluster):
