@@ -1,6 +1,7 @@
 """Processes started from the fork server (testing/preloaded.py) run as if started by the caller
 as it is at the start, not as it was when the server started: its environment (tests set
-variables the code reads), working directory and import path."""
+variables the code reads), working directory and import path; and with the server's modules
+already imported."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ VARIABLE = "ELASTIC_GPT_PRELOADED_TEST"
 
 
 def _seen(rank: int, world: int) -> tuple:
-    return os.environ.get(VARIABLE), os.getcwd(), sys.path[0], "torch" in sys.modules
+    # The trainer is imported by the server only: neither a rank's start nor this module imports
+    # it, so a spawned rank would not have it.
+    return (os.environ.get(VARIABLE), os.getcwd(), sys.path[0],
+            "elastic_gpt.train.trainer" in sys.modules)
 
 
 def test_a_rank_takes_the_callers_environment_directory_and_path_as_they_are_now(

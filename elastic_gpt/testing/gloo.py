@@ -28,7 +28,7 @@ def run_gloo(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
 
     with tempfile.TemporaryDirectory(prefix="gloo-") as out:
         # start_processes joins every rank, and if one fails it stops the others and raises.
-        preloaded.context()
+        preloaded.context()  # the fork server start_processes forks from, with its preload
         mp.start_processes(_rank_main,
                            args=(fn, world, free_port(), out, args, preloaded.caller()),
                            nprocs=world, start_method="forkserver")
