@@ -1,8 +1,8 @@
 """The planner against published runs: each run of planner/published_runs.py planned with its
 own settings by the one-figure (`--efficiency 0.6`) and the calibrated (default) step-time
 model, beside the published TFLOP/s per GPU, as the Markdown table docs/planner.md shows; then
-GPT-3 175B on 1024 A100s left to choose its layout, with this trainer's kernels and with SC21's
-software.
+GPT-3 175B on 1024 A100s left to choose its layout, with this trainer's kernels, with SC21's
+software, and with SC21's software in the layouts Megatron-LM ran then.
 
     .venv/bin/python bench/published_runs.py
 """
@@ -33,9 +33,12 @@ def main() -> None:
     print()
     print("GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch, left to choose "
           "(Megatron-LM: 34 days):")
-    for sc21, software in ((False, "this trainer's kernels"),
-                           (True, "SC21's software (Megatron-LM 2021 kernels, recomputation)")):
-        plan = plan_training(gpt3_175b_on_1024(sc21))
+    for sc21, megatron, software in (
+            (False, False, "this trainer's kernels"),
+            (True, False, "SC21's software (Megatron-LM 2021 kernels, recomputation)"),
+            (True, True, "SC21's software in Megatron-LM's 2021 layouts (tp=8, replicated data "
+                         "parallelism)")):
+        plan = plan_training(gpt3_175b_on_1024(sc21, megatron))
         c = plan.chosen
         print(f"- {software}: {c.mesh.short()}, micro-batch {c.micro_batch}, recomputation "
               f"{'on' if c.activation_checkpointing else 'off'}: "

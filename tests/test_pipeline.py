@@ -9,12 +9,20 @@ import itertools
 import pytest
 import torch
 
+from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
 from elastic_gpt.cost_model.pipeline import (
+    KEPT_GATHERED,
     PipelineLayoutError,
+    in_flight,
+    pipelined_memory,
+    pipelined_step_time,
+    rank_shapes,
     rank_stages,
     stage_costs,
     stage_layers,
 )
+from elastic_gpt.cost_model.step_time import Network, make_mesh, step_time
+from elastic_gpt.hardware import get_gpu
 from elastic_gpt.model.gpt import GPT, GPTConfig
 from elastic_gpt.testing.gloo import run_gloo
 
@@ -42,6 +50,49 @@ def test_stages_balance_the_blocks_and_the_output_layer():
                for c in itertools.combinations(range(1, 12), 3))
     assert max(costs) == best
     assert rank_stages(1, 2, 2) == [1, 3]
+
+
+def test_the_planner_paces_a_pipeline_by_the_rank_with_the_most_blocks():
+    """GPT-3 175B's 96 blocks on 64 stages: the first rank holds one block, the last one and the
+    output layer, and the ranks between hold two. The step is a two-block rank's, about twice
+    the first rank's compute, and the peak memory is the first two-block rank's (it keeps 33
+    micro-batches of two blocks against the first rank's 64 of one). Timing only the first and
+    the last rank once planned this pipeline faster than 32 stages of three blocks for the same
+    batch."""
+    cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=51200)
+    shape = model_shape(cfg)
+    parts = rank_shapes(shape, 64)
+    assert parts[0].cfg.n_layer == 1 and parts[63].cfg.n_layer == 1
+    middle = min(r for r, s in parts.items() if s.cfg.n_layer == 2)
+    assert 0 < middle < 63 and max(s.cfg.n_layer for s in parts.values()) == 2
+    # only the first and the last rank hold the embedding; only the last the output layer
+    assert parts[middle].root_params == 0 and parts[middle].head_fwd_flops_per_token == 0
+    assert parts[0].root_params == parts[63].root_params == shape.root_params
+
+    gpu, net, m = get_gpu("A100-80GB"), Network(8, 195, 160), 96
+    kw = dict(activation_checkpointing=True)
+    mesh = make_mesh(1024, 8, False, 8, 64, 1)
+    st = pipelined_step_time(shape, gpu, net, mesh, 1, m, **kw)
+
+    def rank_step(r):
+        return step_time(parts[r], gpu, net, mesh.stage_world, 1, m, tp=8, **kw, **KEPT_GATHERED)
+
+    assert st.compute_s == pytest.approx(rank_step(middle).compute_s)
+    assert st.compute_s > 1.9 * rank_step(0).compute_s
+    # The same batch on 32 stages of 3 blocks: half the micro-batches per pipeline (twice the
+    # data-parallel degree), so a rank runs 3 m / 2 blocks' worth (and the last the output
+    # layer) against the 2 m of a 64-stage rank: 64 stages are the slower.
+    three = pipelined_step_time(shape, gpu, net, make_mesh(1024, 8, False, 8, 32, 1), 1, m // 2,
+                                **kw)
+    assert 1.1 < st.compute_s / three.compute_s < 4 / 3
+
+    mem = dict(activation_checkpointing=True, micro_batches_per_rank=m, **KEPT_GATHERED)
+    peak = pipelined_memory(shape, mesh, 1, m, **mem)
+    first_two = memory_per_gpu(parts[middle], mesh.stage_world, 1, tp=8, loss="none",
+                               in_flight=in_flight(64, m, 1, pp_rank=middle), **mem)
+    first = memory_per_gpu(parts[0], mesh.stage_world, 1, tp=8, loss="none",
+                           in_flight=in_flight(64, m, 1), **mem)
+    assert peak.total == first_two.total > first.total
 
 
 def test_a_pipeline_the_model_cannot_hold_is_one_clear_line():

@@ -227,24 +227,31 @@ def test_175b_on_1024_a100s_left_to_choose_with_sc21s_software_is_fsdp_across_no
         calibrated_model):
     """GPT-3 175B on 1024 A100s (Megatron-LM: 34 days) given SC21's software too (Megatron-LM's
     2021 kernels, dropout, every block recomputed) and left to choose: FSDP over 512 GPUs, a
-    layout Megatron-LM ran in 2021 only as DeepSpeed's ZeRO-3; with this trainer's kernels,
-    pipelines without recomputation, faster. Slowed by the most MosaicML's checkpointed A100 FSDP
-    runs were planned too fast (but the one run nearest its memory), it is still not within 15%
-    of 34 days; slowed by that one run's, it would be. Pinned, as docs/planner.md says."""
+    layout Megatron-LM ran in 2021 only as DeepSpeed's ZeRO-3; with this trainer's kernels, the
+    same layout, faster. Slowed by the most MosaicML's checkpointed A100 FSDP runs were planned
+    too fast (but the one run nearest its memory), it is still not within 15% of 34 days; slowed
+    by that one run's, it would be. Kept to the layouts Megatron-LM ran (tp=8, replicas), it is
+    a pipeline, slower, and still short of 34 days by more than 15%: SC21's Table 1 runs are
+    planned 1.05-1.15x fast, and its layout is not one SC21 measured. Pinned, as
+    docs/planner.md says."""
     from elastic_gpt.planner.inputs import DAY
     from elastic_gpt.planner.training_plan import plan_training
 
     sc21 = plan_training(published_runs.gpt3_175b_on_1024(sc21_software=True))
     mine = plan_training(published_runs.gpt3_175b_on_1024(sc21_software=False))
+    megatron = plan_training(published_runs.gpt3_175b_on_1024(True, megatron_layouts=True))
     assert sc21.chosen.activation_checkpointing and sc21.chosen.mesh.pp == 1
     assert sc21.chosen.mesh.dp >= 512 and 20 < sc21.time_to_train_s / DAY < 23
-    assert mine.chosen.mesh.pp > 1 and not mine.chosen.activation_checkpointing
+    assert mine.chosen.mesh.pp == 1 and mine.chosen.mesh.dp >= 512
     assert mine.time_to_train_s < sc21.time_to_train_s
     a100 = {(c.run.label, c.run.gpus, c.run.gpu): c.ratio for k, c in calibrated_model.items()
             if k[0] == published_runs.MOSAICML and c.run.gpu.startswith("A100")}
     tightest = a100.pop(("MPT 70B", 64, "A100-40GB"))
     days = sc21.time_to_train_s / DAY
     assert max(a100.values()) * days < 0.85 * 34 < tightest * days < 1.15 * 34
+    m = megatron.chosen.mesh
+    assert (m.tp, m.dp_shard) == (8, 1) and m.pp > 1  # each replica a tp x pp part, whole
+    assert sc21.time_to_train_s < megatron.time_to_train_s < 34 / 1.15 * DAY
 
 
 def test_an_fsdp_plan_says_how_far_the_published_fsdp_runs_were_from_its_model():

@@ -100,7 +100,7 @@ class ModelShape:
         return (self.block_params - rep) / tp + rep
 
     def root_local(self, tp: int = 1) -> float:
-        rep = self.root_replicated_params
+        rep = min(self.root_replicated_params, self.root_params)  # a middle pipeline rank: none
         return (self.root_params - rep) / tp + rep
 
     def local_params(self, tp: int = 1) -> float:

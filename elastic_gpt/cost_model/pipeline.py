@@ -145,21 +145,30 @@ def p2p_bytes(pp: int, micro_batches: int, *, micro_batch: int, seq_len: int, n_
 
 
 def rank_shapes(shape: ModelShape, pp: int, stages_per_rank: int = 1,
-                ) -> dict[str, ModelShape]:
-    """The model as the first and the last pipeline rank hold it ("first", "last"): their blocks
-    (as parallel/pipeline.py's `stage_layers` cuts them, stages r, r + pp, ...), the embedding
-    root on both (the tied wte is on each: the memory of the whole root is counted), and the
-    output layer's FLOPs on the last only."""
+                ) -> dict[int, ModelShape]:
+    """The model as the pipeline ranks that can be the costliest hold it, by rank: for each
+    number of blocks a rank holds, the first rank that holds that many (under 1F1B it keeps the
+    most micro-batches in flight of those), and the last rank (the output layer and the loss).
+    Their blocks are as parallel/pipeline.py's `stage_layers` cuts them (stages r, r + pp, ...);
+    the embedding root is on the first and the last (each holds the tied wte: the memory of the
+    whole root is counted on both), on no rank between, and the output layer's FLOPs are on the
+    last only. When the blocks do not divide evenly a middle rank holds more than the first or
+    the last, and it sets the pace."""
     layers = stage_layers(shape.cfg, pp * stages_per_rank)
 
-    def held(rank: int, head: bool) -> ModelShape:
+    def held(rank: int) -> ModelShape:
         n = sum(len(layers[i]) for i in rank_stages(rank, pp, stages_per_rank))
+        root = shape.root_params if rank in (0, pp - 1) else 0
         return dataclasses.replace(
-            shape, cfg=dataclasses.replace(shape.cfg, n_layer=n),
-            params=shape.root_params + n * shape.block_params,
-            head_fwd_flops_per_token=shape.head_fwd_flops_per_token if head else 0.0)
+            shape, cfg=dataclasses.replace(shape.cfg, n_layer=n), root_params=root,
+            params=root + n * shape.block_params,
+            head_fwd_flops_per_token=shape.head_fwd_flops_per_token if rank == pp - 1 else 0.0)
 
-    return {"first": held(0, pp == 1), "last": held(pp - 1, True)}
+    first_with: dict[int, int] = {}
+    for rank in range(pp):
+        blocks = sum(len(layers[i]) for i in rank_stages(rank, pp, stages_per_rank))
+        first_with.setdefault(blocks, rank)
+    return {r: held(r) for r in sorted({*first_with.values(), pp - 1})}
 
 
 KEPT_GATHERED = dict(reshard_after_forward=False, grad_sync="step")
@@ -172,20 +181,18 @@ gradients accumulate unsharded, in the reduce dtype: blocks kept gathered, one s
 def pipelined_memory(shape: ModelShape, mesh: Mesh, micro_batch: int, micro_batches: int,
                      **kw) -> Memory:
     """The peak of the pipeline ranks' memory: the first rank keeps the most micro-batches in
-    flight, the last the loss on whole logits (`memory_per_gpu`'s other settings in `kw`; the
-    resharding and the gradient sync are the schedules', `KEPT_GATHERED`)."""
+    flight, a middle rank may hold more blocks, the last the loss on whole logits
+    (`memory_per_gpu`'s other settings in `kw`; the resharding and the gradient sync are the
+    schedules', `KEPT_GATHERED`)."""
     kw = {**kw, **KEPT_GATHERED}
-    shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
-    first = memory_per_gpu(shapes["first"], mesh.stage_world, micro_batch,
-                           tp=mesh.tp, dp_shard=mesh.dp_shard,
-                           in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank),
-                           loss="none", **kw)
-    last = memory_per_gpu(shapes["last"], mesh.stage_world, micro_batch,
-                          tp=mesh.tp, dp_shard=mesh.dp_shard,
-                          in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank,
-                                              pp_rank=mesh.pp - 1),
-                          loss="whole", **kw)
-    return max(first, last, key=lambda m: m.total)
+    last = mesh.pp - 1
+    return max((memory_per_gpu(s, mesh.stage_world, micro_batch, tp=mesh.tp,
+                               dp_shard=mesh.dp_shard,
+                               in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank,
+                                                   pp_rank=r),
+                               loss="whole" if r == last else "none", **kw)
+                for r, s in rank_shapes(shape, mesh.pp, mesh.stages_per_rank).items()),
+               key=lambda m: m.total)
 
 
 def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, micro_batch: int,

@@ -255,18 +255,23 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 
 
-def gpt3_175b_on_1024(sc21_software: bool) -> PlanInputs:
+def gpt3_175b_on_1024(sc21_software: bool, megatron_layouts: bool = False) -> PlanInputs:
     """GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch (1536), left to
     choose its layout: with this trainer's kernels, or with the software SC21 ran (Megatron-LM's
     2021 kernels, dropout 0.1, every block recomputed). Megatron-LM took 34 days (SC21 sec.
-    5.1)."""
+    5.1). `megatron_layouts`: only the layouts Megatron-LM ran at this scale, tp=8 (SC21's runs
+    from 18B up) and data parallelism by replicas, each holding its tp x pp part of the model
+    state whole (SC21 sec. 2; sharding came to Megatron-LM later): HSDP at tp=8 is exactly that,
+    FSDP over the one GPU of each node that holds a TP rank's part."""
     cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=SEQ, vocab_size=VOCAB,
                     dropout=DROPOUT if sc21_software else 0.0)
+    layouts = dict(tp=8, hsdp="on") if megatron_layouts else {}
     return PlanInputs(model=cfg, gpu="A100-80GB", n_gpus=1024, global_batch_size=1536,
                       activation_checkpointing=True if sc21_software else None,
                       kernel_set="megatron-2021" if sc21_software else "trainer",
                       replica_groups="off", market="on-demand", tokens=300e9,
-                      intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
+                      intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS,
+                      **layouts)
 
 
 def check(run: PublishedRun, calibrated: bool = True) -> Checked:

@@ -134,8 +134,9 @@ def format_report(plan: Plan) -> str:
     if c.mesh.pp > 1:
         lines.append(f"  pipeline: {st.p2p_bytes / GB:.3f} GB of hidden states and their "
                      f"gradients sent = {st.p2p_s:.3f} s; bubble {st.bubble_s:.3f} s ((pp - 1) / "
-                     f"(stages per rank x micro-batches) of the compute); memory is the fuller "
-                     f"of the first stage (pp micro-batches in flight) and the last (the loss)")
+                     f"(stages per rank x micro-batches) of the compute); the step and the "
+                     f"memory are the fullest rank's: the first (pp micro-batches in flight), one "
+                     f"with more blocks than the first, or the last (the output layer and loss)")
     lines += [
         "",
         "throughput",
