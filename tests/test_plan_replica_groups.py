@@ -289,8 +289,8 @@ def test_forced_replica_groups_are_written_and_bad_ones_refused(tmp_path, capsys
 def test_groups_of_whole_pipelines_are_planned_and_written(tmp_path):
     """Replica groups may hold pipelines (the trainer runs them: test_replica_groups_pipeline.py):
     each group's mesh is searched with pipeline stages, its cross-group all-reduce and heal are a
-    pipeline rank's part of the model (the larger of the first and last ranks'), and the written
-    config carries both and loads."""
+    pipeline rank's part of the model (the largest rank's), and the written config carries both
+    and loads."""
     from elastic_gpt.cost_model.pipeline import rank_shapes
     from elastic_gpt.elastic.replica_groups import group_size
 

@@ -480,8 +480,8 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
 
 
 def _rank_shape(shape: ModelShape, mesh: Mesh) -> ModelShape:
-    """What one rank of `mesh` holds: the model, or under pipeline parallelism the larger of the
-    first and last pipeline ranks' parts (cost_model/pipeline.py `rank_shapes`)."""
+    """What one rank of `mesh` holds: the model, or under pipeline parallelism the largest
+    pipeline rank's part (cost_model/pipeline.py `rank_shapes`)."""
     if mesh.pp == 1:
         return shape
     return max(rank_shapes(shape, mesh.pp, mesh.stages_per_rank).values(),
