@@ -92,7 +92,8 @@ class ModelShape:
 
     @property
     def root_replicated_params(self) -> int:
-        return 2 * self.cfg.n_embd  # ln_f, whose gradient is a partial sum like ln_1's
+        # ln_f, whose gradient is a partial sum like ln_1's; a middle pipeline rank has no root
+        return 2 * self.cfg.n_embd if self.root_params else 0
 
     def block_local(self, tp: int = 1) -> float:
         """Parameters of one block on one TP rank: what FSDP2 shards, gathers and reduces."""
@@ -100,7 +101,7 @@ class ModelShape:
         return (self.block_params - rep) / tp + rep
 
     def root_local(self, tp: int = 1) -> float:
-        rep = min(self.root_replicated_params, self.root_params)  # a middle pipeline rank: none
+        rep = self.root_replicated_params
         return (self.root_params - rep) / tp + rep
 
     def local_params(self, tp: int = 1) -> float:

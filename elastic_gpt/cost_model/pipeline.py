@@ -155,19 +155,18 @@ def rank_shapes(shape: ModelShape, pp: int, stages_per_rank: int = 1,
     last only. When the blocks do not divide evenly a middle rank holds more than the first or
     the last, and it sets the pace."""
     layers = stage_layers(shape.cfg, pp * stages_per_rank)
+    blocks = [sum(len(layers[i]) for i in rank_stages(r, pp, stages_per_rank)) for r in range(pp)]
+    first_with: dict[int, int] = {}
+    for rank, n in enumerate(blocks):
+        first_with.setdefault(n, rank)
 
     def held(rank: int) -> ModelShape:
-        n = sum(len(layers[i]) for i in rank_stages(rank, pp, stages_per_rank))
         root = shape.root_params if rank in (0, pp - 1) else 0
         return dataclasses.replace(
-            shape, cfg=dataclasses.replace(shape.cfg, n_layer=n), root_params=root,
-            params=root + n * shape.block_params,
+            shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks[rank]), root_params=root,
+            params=root + blocks[rank] * shape.block_params,
             head_fwd_flops_per_token=shape.head_fwd_flops_per_token if rank == pp - 1 else 0.0)
 
-    first_with: dict[int, int] = {}
-    for rank in range(pp):
-        blocks = sum(len(layers[i]) for i in rank_stages(rank, pp, stages_per_rank))
-        first_with.setdefault(blocks, rank)
     return {r: held(r) for r in sorted({*first_with.values(), pp - 1})}
 
 
