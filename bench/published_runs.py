@@ -2,16 +2,24 @@
 own settings by the one-figure (`--efficiency 0.6`) and the calibrated (default) step-time
 model, beside the published TFLOP/s per GPU, as the Markdown table docs/planner.md shows; then
 GPT-3 175B on 1024 A100s left to choose its layout, with this trainer's kernels, with SC21's
-software, and with SC21's software in the layouts Megatron-LM ran then.
+software, with SC21's software in the layouts Megatron-LM 2021 could run, and in the one its
+34 days were measured in (Megatron-LM's GPT-3 example script).
 
     .venv/bin/python bench/published_runs.py
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import common  # noqa: F401  (puts the repository on sys.path)
 
-from elastic_gpt.planner.published_runs import RUNS, check, gpt3_175b_on_1024
+from elastic_gpt.planner.published_runs import (
+    MEGATRON_GPT3_EXAMPLE,
+    RUNS,
+    check,
+    gpt3_175b_on_1024,
+)
 from elastic_gpt.planner.training_plan import plan_training
 
 
@@ -33,12 +41,15 @@ def main() -> None:
     print()
     print("GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch, left to choose "
           "(Megatron-LM: 34 days):")
-    for sc21, megatron, software in (
-            (False, False, "this trainer's kernels"),
-            (True, False, "SC21's software (Megatron-LM 2021 kernels, recomputation)"),
-            (True, True, "SC21's software in Megatron-LM's 2021 layouts (tp=8, replicated data "
-                         "parallelism)")):
-        plan = plan_training(gpt3_175b_on_1024(sc21, megatron))
+    megatron = gpt3_175b_on_1024(True, megatron_layouts=True)
+    for inputs, software in (
+            (gpt3_175b_on_1024(False), "this trainer's kernels"),
+            (gpt3_175b_on_1024(True), "SC21's software (Megatron-LM 2021 kernels, recomputation)"),
+            (megatron, "SC21's software in Megatron-LM's 2021 layouts (tp=8, its replicas and "
+                       "pipelines)"),
+            (dataclasses.replace(megatron, **MEGATRON_GPT3_EXAMPLE),
+             "not left to choose: the layout of the 34 days (Megatron-LM's GPT-3 example)")):
+        plan = plan_training(inputs)
         c = plan.chosen
         print(f"- {software}: {c.mesh.short()}, micro-batch {c.micro_batch}, recomputation "
               f"{'on' if c.activation_checkpointing else 'off'}: "

@@ -9,6 +9,7 @@ import pytest
 from planner_helpers import within
 
 from elastic_gpt.config import ElasticSection
+from elastic_gpt.cost_model.kernels import Kernels
 from elastic_gpt.cost_model.memory import (
     activation_bytes_per_layer,
     memory_per_gpu,
@@ -399,6 +400,42 @@ def test_hsdp_gathers_in_the_node_and_all_reduces_across_nodes():
     assert mem.sharded_state == pytest.approx(16 * local / 4)
     # one node: HSDP is FSDP
     assert make_mesh(8, 2, True, 8) == make_mesh(8, 2, False, 8)
+
+
+def test_megatron_2021_replicas_all_reduce_their_16_bit_grads_after_backward():
+    """Megatron-LM 2021's data parallelism (`data_parallel="megatron-2021"`): each rank holds its
+    tp part whole (16-bit params and grads, fp32 master and Adam), no FSDP collective runs, and
+    the step's one all-reduce of the 16-bit gradients is on the critical path, where FSDP2's
+    reduce-scatter of the same layout hides under the backward; the 16-bit gradients accumulate
+    in place after each micro-batch."""
+    shape = model_shape(preset_config("gpt3-13b"))
+    gpu, net = get_gpu("A100-80GB"), Network(8, 195, 160)
+    kw = dict(activation_checkpointing=True, grad_sync="step", tp=8)
+    mesh = make_mesh(128, 8, False, 8, data_parallel="megatron-2021")
+    assert (mesh.tp, mesh.dp_shard, mesh.dp_replicate, mesh.replicated) == (8, 1, 16, True)
+    assert not mesh.hsdp and mesh.short() == "tp=8 DDP 16"
+    ddp = step_time(shape, gpu, net, 128, 1, 4, data_parallel="megatron-2021", **kw)
+    fsdp = step_time(shape, gpu, net, 128, 1, 4, **kw)
+    local = shape.local_params(8)
+    assert ddp.all_gather_bytes == ddp.reduce_scatter_bytes == 0
+    assert ddp.all_reduce_bytes == pytest.approx(2 * ring_bytes(2 * local, 16))
+    # one ring per TP position, one member per node, the 8 of a node through its NICs
+    expected = net.ring_s(ddp.all_reduce_bytes, ranks=16, per_node=1, nic_sharing=8,
+                          all_reduce=True)
+    assert ddp.comm_s == ddp.exposed_comm_s == pytest.approx(expected)
+    assert expected > 8 * ddp.all_reduce_bytes / (160 * 1e9)
+    assert fsdp.exposed_comm_s < fsdp.comm_s  # FSDP2 hides some of its collectives
+    one = step_time(shape, gpu, net, 128, 1, 1, data_parallel="megatron-2021", **kw)
+    assert ddp.compute_s - 4 * one.compute_s == pytest.approx(
+        3 * Kernels(gpu, 2).memory_s(6 * local))  # not FSDP2's fp32 sum, 10 B a parameter
+    assert ddp.compute_s < fsdp.compute_s
+    assert ddp.optimizer_s == pytest.approx(16 * fsdp.optimizer_s, rel=1e-6)  # whole, not 1/16
+    mem = memory_per_gpu(shape, 128, 1, activation_checkpointing=True, tp=8, dp_shard=1,
+                         grad_sync="step", micro_batches_per_rank=4, replicated=True)
+    assert mem.sharded_state == pytest.approx(12 * local)
+    assert mem.gathered_params == pytest.approx(4 * local) and mem.accumulated_grads == 0
+    with pytest.raises(ValueError, match="data_parallel="):
+        step_time(shape, gpu, net, 128, 1, 4, data_parallel="ddp", **kw)
 
 
 def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():

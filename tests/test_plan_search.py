@@ -280,3 +280,35 @@ def test_a_pipelined_plan_writes_a_config_the_trainer_takes(tmp_path):
     assert (cfg.parallel.pp, cfg.parallel.tp) == (mesh.pp, mesh.tp)
     summary = plan_summary(plan)
     assert summary["pp"] == mesh.pp and summary["bubble_s"] > 0 and summary["p2p_bytes"] > 0
+
+
+def test_megatron_2021_pipelines_are_cut_only_as_megatron_lm_2021_could():
+    """Under `data_parallel="megatron-2021"` (the published Megatron-LM runs) a pipeline has the
+    same blocks on every stage and interleaves only past 2 stages, each rank's blocks split
+    evenly over its chunks, with a multiple of pp micro-batches (Megatron-LM at a8d172b3); the
+    trainer's FSDP2 balances uneven cuts. One line for each rule broken."""
+    from elastic_gpt.planner import published_runs
+    from elastic_gpt.planner.search import mesh_choices
+
+    p = published_runs.gpt3_175b_on_1024(True, megatron_layouts=True)
+    net = Network(8, published_runs.SELENE_NVLINK_GBPS, published_runs.SELENE_NIC_GBPS)
+    megatron = mesh_choices(p, p.model, net, 1024)
+    fsdp = mesh_choices(dataclasses.replace(p, data_parallel="fsdp2"), p.model, net, 1024)
+    cuts = {(m.pp, m.stages_per_rank) for m in megatron}
+    assert all(m.replicated and m.dp_shard == 1 and not m.hsdp for m in megatron)
+    assert {(8, 4), (16, 2), (32, 1)} <= cuts  # 96 blocks: 12, 6 and 3 on each rank
+    assert not cuts & {(8, 8), (16, 4), (32, 2), (64, 1)}
+    assert {(8, 8), (64, 1)} <= {(m.pp, m.stages_per_rank) for m in fsdp}
+    plan = plan_training(p)
+    c = plan.chosen
+    assert c.mesh.replicated and c.mesh.stages_per_rank > 1
+    assert c.micro_batches_per_rank % c.mesh.pp == 0
+    for forced, message in ((dict(pp=64), "Megatron-LM 2021 needs --pp=64 to divide the "
+                                          "model's 96 blocks"),
+                            (dict(pp=8, pp_stages_per_rank=8), "split evenly into "
+                                                               "--pp-stages-per-rank=8"),
+                            (dict(pp=2, pp_stages_per_rank=2), "more than 2 stages")):
+        with pytest.raises(PlanError, match=message):
+            plan_training(dataclasses.replace(p, **forced))
+    with pytest.raises(PlanError, match="data_parallel='ddp' must be one of fsdp2, megatron"):
+        plan_training(dataclasses.replace(p, data_parallel="ddp"))

@@ -18,6 +18,10 @@ from elastic_gpt.model.gpt import LOSS_CHUNK_LOGITS, GPTConfig, count_params, fl
 FP32 = 4
 OPTIMIZER_BYTES_PER_PARAM = 16
 """fp32 sharded master params (4) + fp32 grads (4, reduce_dtype) + Adam m and v (4 + 4)."""
+MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM = 12
+"""Megatron-LM 2021's mixed-precision optimizer (`Float16OptimizerWithFloat16Params`): fp32
+main params (4) + Adam m and v (4 + 4) beside the 16-bit params and grads. The fp32 copy of the
+grads it makes for the step lives only in the step, after the activations are freed."""
 CHECKPOINT_BYTES_PER_PARAM = 12
 """A checkpoint holds fp32 params and both Adam moments; gradients are not saved."""
 MEMORY_MARGIN = 0.10
@@ -180,11 +184,13 @@ class Memory:
 
     sharded_state: float
     """fp32 params + fp32 grads + Adam m, v: 16 bytes per parameter of this TP rank / the FSDP
-    shard degree (all data-parallel ranks; under HSDP only those of one node)."""
+    shard degree (all data-parallel ranks; under HSDP only those of one node). Megatron-LM 2021's
+    replicas: fp32 params + Adam m, v, 12 bytes per parameter of the rank's part."""
     gathered_params: float
     """Unsharded compute-dtype params (root + current and prefetched block with ZeRO-3; root +
     every block when blocks stay gathered) and one block's unsharded grads + fp32 reduce-scatter
-    buffer, each the TP rank's part."""
+    buffer, each the TP rank's part. Megatron-LM 2021's replicas: the part's 16-bit params and
+    grads."""
     accumulated_grads: float
     """Unsharded fp32 grads kept across micro-batches when reducing once per step (no_sync)."""
     activations: float
@@ -204,7 +210,8 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                    reshard_after_forward: bool = True,
                    context_bytes: float = CONTEXT_GIB * GiB, fragmentation: float = FRAGMENTATION,
                    flash: bool = True, tp: int = 1, dp_shard: int | None = None,
-                   in_flight: float = 1.0, loss: str = "chunked") -> Memory:
+                   in_flight: float = 1.0, loss: str = "chunked",
+                   replicated: bool = False) -> Memory:
     """Peak memory of one rank: FSDP2 (one unit per block, then the root) over the data-parallel
     ranks, on top of tensor parallelism of degree tp (Megatron-style with sequence parallelism).
 
@@ -218,6 +225,10 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     of them keep their activations at once, and `loss` says where the loss is: "chunked" (the
     whole model's, from the last hidden states: model/gpt.py), "whole" (the last stage's, on whole
     logits), "none" (not on this rank). Under tensor parallelism the loss is on whole logits.
+
+    replicated: Megatron-LM 2021's data parallelism (step_time.py `DATA_PARALLEL`): the rank
+    holds its part whole, 16-bit params and grads and the optimizer's
+    `MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM`, and nothing gathered or accumulated apart.
     """
     cfg, pb = shape.cfg, dtype_bytes(dtype)
     s, b, h, L = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_layer
@@ -237,6 +248,9 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                 + held_params * pb + reduced_params * (pb + FP32))
     accumulated = (FP32 * shape.local_params(tp)
                    if grad_sync == "step" and micro_batches_per_rank > 1 else 0.0)
+    if replicated:
+        sharded = MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM * shape.local_params(tp)
+        gathered, accumulated = 2 * pb * shape.local_params(tp), 0.0
     per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=flash,
                                            dropout=cfg.dropout > 0, tp=tp)
     if activation_checkpointing:

@@ -189,7 +189,8 @@ def pipelined_memory(shape: ModelShape, mesh: Mesh, micro_batch: int, micro_batc
                                dp_shard=mesh.dp_shard,
                                in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank,
                                                    pp_rank=r),
-                               loss="whole" if r == last else "none", **kw)
+                               loss="whole" if r == last else "none",
+                               replicated=mesh.replicated, **kw)
                 for r, s in rank_shapes(shape, mesh.pp, mesh.stages_per_rank).items()),
                key=lambda m: m.total)
 
@@ -203,7 +204,8 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
     kw = {**kw, **KEPT_GATHERED}
     shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
     one = {r: step_time(s, gpu, net, mesh.stage_world, micro_batch, micro_batches, dtype=dtype,
-                        tp=mesh.tp, hsdp=mesh.hsdp, **kw) for r, s in shapes.items()}
+                        tp=mesh.tp, hsdp=mesh.hsdp, data_parallel=mesh.data_parallel, **kw)
+           for r, s in shapes.items()}
     st = max(one.values(), key=lambda t: t.step_s)
     sent = p2p_bytes(mesh.pp, micro_batches, micro_batch=micro_batch,
                      seq_len=shape.cfg.seq_len, n_embd=shape.cfg.n_embd,

@@ -122,6 +122,10 @@ class Mesh:
     pp: int = 1
     stages_per_rank: int = 1
     """Pipeline stages each rank holds: 1 for 1F1B, more for the interleaved schedule."""
+    replicated: bool = False
+    """Megatron-LM 2021's data parallelism instead of FSDP2 (`DATA_PARALLEL`): every
+    data-parallel rank holds its tp x pp part of the model state whole (dp_shard = 1,
+    dp_replicate = dp) and all-reduces the gradients once the step's backward is done."""
 
     @property
     def dp(self) -> int:
@@ -137,21 +141,29 @@ class Mesh:
         return self.dp * self.tp
 
     @property
+    def data_parallel(self) -> str:
+        return "megatron-2021" if self.replicated else "fsdp2"
+
+    @property
     def hsdp(self) -> bool:
-        return self.dp_replicate > 1
+        return self.dp_replicate > 1 and not self.replicated
 
     @property
     def schedule(self) -> str:
         return "1f1b" if self.stages_per_rank == 1 else "interleaved_1f1b"
 
     def short(self) -> str:
-        dp = f"HSDP {self.dp_shard}x{self.dp_replicate}" if self.hsdp else f"FSDP {self.dp}"
+        dp = (f"DDP {self.dp}" if self.replicated
+              else f"HSDP {self.dp_shard}x{self.dp_replicate}" if self.hsdp else f"FSDP {self.dp}")
         pp = f" pp={self.pp}" + (f"x{self.stages_per_rank}" if self.stages_per_rank > 1
                                  else "") if self.pp > 1 else ""
         return f"tp={self.tp} {dp}{pp}"
 
     def label(self) -> str:
-        if self.hsdp:
+        if self.replicated:
+            dp = (f"replicated over {self.dp}, gradients all-reduced after backward "
+                  "as Megatron-LM 2021 did")
+        elif self.hsdp:
             dp = (f"HSDP: FSDP over {self.dp_shard} in each node x {self.dp_replicate} replicas "
                   "across nodes")
         else:
@@ -164,12 +176,22 @@ class Mesh:
         return f"tp={self.tp} x dp={self.dp} ({dp})"
 
 
+DATA_PARALLEL = ("fsdp2", "megatron-2021")
+"""How data-parallel ranks hold the model state and sync gradients: this trainer's FSDP2
+(sharded, its collectives overlapped with compute), or Megatron-LM's of 2021, which the
+published Megatron-LM runs ran (`Mesh.replicated`: its `DistributedDataParallel` with
+`--DDP-impl local`, the default, at a8d172b3, April 2021)."""
+
+
 def make_mesh(n_gpus: int, tp: int = 1, hsdp: bool = False, gpus_per_node: int = 8,
-              pp: int = 1, stages_per_rank: int = 1) -> Mesh:
+              pp: int = 1, stages_per_rank: int = 1, data_parallel: str = "fsdp2") -> Mesh:
     """The mesh the trainer builds for n_gpus workers; hsdp on one node is plain FSDP. Under
-    pipeline parallelism the data-parallel layout is one stage's (n_gpus / pp ranks)."""
+    pipeline parallelism the data-parallel layout is one stage's (n_gpus / pp ranks).
+    `data_parallel="megatron-2021"`: every data-parallel rank a replica (hsdp does not apply)."""
     stage = n_gpus // pp
     spans = stage > gpus_per_node
+    if data_parallel == "megatron-2021":
+        return Mesh(tp, 1, stage // tp, spans, pp, stages_per_rank, replicated=True)
     if hsdp and spans:
         return Mesh(tp, gpus_per_node // tp, stage // gpus_per_node, True, pp, stages_per_rank)
     return Mesh(tp, stage // tp, 1, spans, pp, stages_per_rank)
@@ -263,7 +285,8 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
               micro_batches_per_rank: int, *, activation_checkpointing: bool,
               dtype: str = "bfloat16", grad_sync: str = "microbatch",
               efficiency: float | None = None, kernel_set: str = "trainer",
-              reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False) -> StepTime:
+              reshard_after_forward: bool = True, tp: int = 1, hsdp: bool = False,
+              data_parallel: str = "fsdp2") -> StepTime:
     """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches).
 
     Overlap (FSDP2's prefetching): the all-gather of block i+1 runs during block i's forward; in
@@ -283,9 +306,19 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     they are on the critical path (none overlapped). hsdp: FSDP2's groups are the data-parallel
     ranks of one node, and each gradient sync adds an all-reduce of the reduce-scattered shard
     across nodes (every GPU of a node in its own replicate group: they share the NICs).
+
+    data_parallel="megatron-2021" (`DATA_PARALLEL`): no FSDP collectives; each rank holds its
+    part whole, accumulates its 16-bit gradients over the micro-batches, and after the step's
+    last backward all-reduces them over the data-parallel ranks in one collective that nothing
+    overlaps (Megatron-LM's `train_step` calls `allreduce_gradients` once `forward_backward_func`
+    returns; without `--accumulate-allreduce-grads-in-fp32`, which SC21's fp16 runs did not set,
+    in the parameters' dtype). Its optimizer updates the whole part on every rank.
     """
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel={data_parallel!r} must be one of "
+                         f"{', '.join(DATA_PARALLEL)}")
     cfg, pb, L, k = shape.cfg, dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
-    mesh = make_mesh(n_gpus, tp, hsdp, net.gpus_per_node)
+    mesh = make_mesh(n_gpus, tp, hsdp, net.gpus_per_node, data_parallel=data_parallel)
     kernels = Kernels(gpu, pb, float8=dtype == "float8")
     if efficiency is not None:  # every FLOP at one fraction of peak
         flops_s = gpu.peak_flops * efficiency
@@ -343,15 +376,28 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     nosync_comm, nosync_exposed = backward_exposed(False)
     comm_s = n_fwd_gathers * fwd_comm + n_sync * sync_comm + (k - n_sync) * nosync_comm
     exposed_s = n_fwd_gathers * fwd_exposed + n_sync * sync_exposed + (k - n_sync) * nosync_exposed
+    all_reduce_bytes = (n_sync * 2 * ring_bytes(FP32 * shape.local_params(tp) / mesh.dp_shard,
+                                                mesh.dp_replicate) if mesh.hsdp else 0.0)
+    if mesh.replicated:
+        # The DP group is the ranks of one TP position: gpus_per_node / tp of them in each node,
+        # and the tp groups of a node share its NICs.
+        all_reduce_bytes = 2 * ring_bytes(pb * shape.local_params(tp), mesh.dp)
+        comm_s = exposed_s = net.ring_s(
+            all_reduce_bytes, ranks=mesh.dp,
+            per_node=net.gpus_per_node // tp if mesh.spans_nodes else mesh.dp,
+            nic_sharing=tp, all_reduce=True)
 
     # FSDP2 accumulates unsharded grads in the reduce dtype (fp32) when it syncs once per step:
     # after every micro-batch's backward but the first, `unsharded_accumulated_grad +=` the new
     # bf16 gradient (FSDPParam.accumulate_unsharded_grad_if_needed): it reads both and writes
     # the fp32 sum, over every parameter this rank holds unsharded.
-    accumulated = grad_sync == "step" and k > 1
+    # Megatron-LM 2021's replicas accumulate in the 16-bit .grad (autograd's AccumulateGrad adds
+    # each micro-batch's gradient in place: it reads both and writes one).
+    accumulated = grad_sync == "step" and k > 1 and not mesh.replicated
     accumulate_s = 0.0
-    if accumulated and efficiency is None:
-        accumulate_s = (k - 1) * kernels.memory_s((pb + 2 * FP32) * shape.local_params(tp))
+    if efficiency is None and k > 1 and (accumulated or mesh.replicated):
+        per_param = 3 * pb if mesh.replicated else pb + 2 * FP32
+        accumulate_s = (k - 1) * kernels.memory_s(per_param * shape.local_params(tp))
     tpt = tp_traffic(shape, micro_batch, tp, activation_checkpointing=activation_checkpointing,
                      act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
     tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
@@ -368,13 +414,14 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
                    if efficiency is not None else kernels.memory_s(32 * local / mesh.dp_shard))
     gather_bytes = (n_fwd_gathers * (pb * root + blk_pb * L * blk)
                     + k * regathers * blk_pb * blk)
-    shard_bytes = FP32 * local / mesh.dp_shard
+    fsdp_syncs = n_sync
+    if mesh.replicated:  # none of FSDP's gathers and reduce-scatters
+        gather_bytes, fsdp_syncs = 0.0, 0
     return StepTime(compute_s=k * compute_mb + accumulate_s, comm_s=comm_s, exposed_comm_s=exposed_s,
                     optimizer_s=optimizer_s,
                     all_gather_bytes=ring_bytes(gather_bytes, mesh.dp_shard),
-                    reduce_scatter_bytes=n_sync * ring_bytes(FP32 * local, mesh.dp_shard),
-                    all_reduce_bytes=(n_sync * 2 * ring_bytes(shard_bytes, mesh.dp_replicate)
-                                      if mesh.hsdp else 0.0),
+                    reduce_scatter_bytes=fsdp_syncs * ring_bytes(FP32 * local, mesh.dp_shard),
+                    all_reduce_bytes=all_reduce_bytes,
                     tp_comm_s=tp_s, tp_bytes=tp_bytes)
 
 

@@ -84,6 +84,11 @@ class PlanInputs:
     hsdp: str = "auto"
     """on: FSDP2 shards within a node and replicates across nodes; off: shards over every
     data-parallel rank; auto: the faster that fits."""
+    data_parallel: str = "fsdp2"
+    """How data-parallel ranks hold the model state and sync gradients (cost_model/step_time.py
+    `DATA_PARALLEL`): this trainer's FSDP2, or Megatron-LM 2021's replicas for the published
+    runs it is checked against (hsdp does not apply; pipelines only as Megatron-LM 2021 could
+    cut them, `search.pp_problem`)."""
     pp: int | None = None
     """Pipeline-parallel degree (1 for none). None: the fastest that fits."""
     pp_stages_per_rank: int | None = None

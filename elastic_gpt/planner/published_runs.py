@@ -4,10 +4,13 @@ GPUs, batch and layout, and its throughput beside the published one.
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC21): Table 1 (GPT models from 1.7B to 1T parameters, tp x pp as given, weak
   scaling on up to 3072 A100-80GB) and Table 2 (GPT-3 175B and 530B: ZeRO-3 without model
-  parallelism against PTD-P, on 384 to 2240 GPUs). Vocabulary 51,200, sequence 2048,
-  activation recomputation on; throughput is their eq. (3) FLOPs, recomputation included, per
-  second per GPU. Their network (sec. 5): 8 A100s per node on NVLink/NVSwitch, 8 HDR InfiniBand
-  NICs of 200 Gb/s per node.
+  parallelism against PTD-P, on 384 to 2240 GPUs), and sec. 5.1's GPT-3 175B on 1024 GPUs
+  (140 TFLOP/s, its 34 days) in the layout of Megatron-LM's GPT-3 example script. Vocabulary
+  51,200, sequence 2048, activation recomputation on; throughput is their eq. (3) FLOPs,
+  recomputation included, per second per GPU. Their network (sec. 5): 8 A100s per node on
+  NVLink/NVSwitch, 8 HDR InfiniBand NICs of 200 Gb/s per node. Megatron-LM's runs are planned
+  with its data parallelism of 2021 (`data_parallel="megatron-2021"`), ZeRO-3's with FSDP2's
+  sharding.
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Table 5: seconds per iteration of 22B, 175B, 530B and 1T on the same machine, full
   recomputation, micro-batch 1 (22B: 4), one pipeline (data-parallel degree 1).
@@ -66,6 +69,8 @@ DEEPSPEED_ZERO3 = PartialGather(live_params=1e9, reduce_bucket_params=5e8)
 `stage3_max_live_parameters` at once, and reduces gradients in buckets of `reduce_bucket_size`
 (the defaults of DeepSpeed's configuration reference, deepspeed.ai/docs/config-json; SC21 gives
 no settings)."""
+ZERO3 = "fsdp2"
+"""SC21's ZeRO-3 rows shard as FSDP2 does (with DeepSpeed's partial gathers, `DEEPSPEED_ZERO3`)."""
 VOCAB, SEQ = 51200, 2048
 DROPOUT = 0.1
 """Megatron-LM's default hidden and attention dropout."""
@@ -106,6 +111,9 @@ class PublishedRun:
     model_flops: bool = False
     """The published figure is MFU x peak: compare the plan's MFU."""
     dtype: str = "bfloat16"
+    data_parallel: str = "megatron-2021"
+    """Megatron-LM's replicas, gradients all-reduced after backward (cost_model/step_time.py
+    `DATA_PARALLEL`), or "fsdp2" for the runs that sharded (ZeRO-3, FSDP)."""
     stages_per_rank: tuple[int, ...] | None = (1, 2)
     """The pipeline schedules the plan weighs (stages per rank). SC21 does not say which its
     runs used: 1F1B or its interleaved schedule with 2 stages per rank, SC21's own comparison
@@ -125,6 +133,7 @@ def _iteration_tflops(n_layer: int, n_embd: int, gpus: int, batch: int, seconds:
 
 SC21 = "SC21 Table 1"
 SC21_T2 = "SC21 Table 2"
+SC21_GPT3 = "SC21 sec. 5.1"
 KORTHIKANTI = "Korthikanti 2022 Table 5"
 LLAMA3 = "Llama 3 Table 4"
 TORCHTITAN = "torchtitan H100 benchmarks"
@@ -146,7 +155,7 @@ def _mpt(label: str, gpus: int, gpu: str, micro_batch: int, accumulation: int,
                         micro_batch * accumulation * gpus, 1, 1, tflops, micro_batch, gpu=gpu,
                         vocab_size=MPT_VOCAB, dropout=0.0, kernel_set="trainer",
                         selene=gpu.startswith("A100"), model_flops=True, stages_per_rank=None,
-                        fsdp=True, activation_checkpointing=checkpointing)
+                        fsdp=True, activation_checkpointing=checkpointing, data_parallel="fsdp2")
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -160,12 +169,23 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21, "310.1B", 96, 128, 16384, 1920, 2160, 8, 16, 155),
     PublishedRun(SC21, "529.6B", 105, 128, 20480, 2520, 2520, 8, 35, 163),
     PublishedRun(SC21, "1008.0B", 128, 160, 25600, 3072, 3072, 8, 64, 163),
-    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 384, 1536, 1, 1, 144, 4, True),
-    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 768, 1536, 1, 1, 88, 2, True),
-    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 1536, 1536, 1, 1, 44, 1, True),
-    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 640, 2560, 1, 1, 138, 4, True),
-    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 1120, 2240, 1, 1, 98, 2, True),
-    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 2240, 2240, 1, 1, 48, 1, True),
+    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 384, 1536, 1, 1, 144, 4, True,
+                 data_parallel=ZERO3),
+    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 768, 1536, 1, 1, 88, 2, True,
+                 data_parallel=ZERO3),
+    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 1536, 1536, 1, 1, 44, 1, True,
+                 data_parallel=ZERO3),
+    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 640, 2560, 1, 1, 138, 4, True,
+                 data_parallel=ZERO3),
+    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 1120, 2240, 1, 1, 98, 2, True,
+                 data_parallel=ZERO3),
+    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 2240, 2240, 1, 1, 48, 1, True,
+                 data_parallel=ZERO3),
+    # GPT-3 175B on 1024 GPUs at 140 TFLOP/s, the figure behind SC21's 34 days, in the layout
+    # of Megatron-LM's examples/pretrain_gpt3_175B.sh (1024 GPUs, tp 8, pp 16, micro-batch 1,
+    # no interleaving, fp16, recomputation)
+    PublishedRun(SC21_GPT3, "175B", 96, 96, 12288, 1024, 1536, 8, 16, 140, 1,
+                 stages_per_rank=(1,)),
     PublishedRun(SC21_T2, "175B PTD-P", 96, 96, 12288, 384, 1536, 8, 12, 153, 1),
     PublishedRun(SC21_T2, "175B PTD-P", 96, 96, 12288, 768, 1536, 8, 12, 149, 1),
     PublishedRun(SC21_T2, "175B PTD-P", 96, 96, 12288, 1536, 1536, 8, 12, 141, 1),
@@ -184,13 +204,13 @@ RUNS: tuple[PublishedRun, ...] = (
     *(PublishedRun(LLAMA3, "405B", 126, 128, 16384, gpus, 2048, 8, 16, mfu * 989,
                    gpu="H100", seq_len=8192, vocab_size=128256, dropout=0.0,
                    kernel_set="trainer", selene=False, model_flops=True,
-                   stages_per_rank=None, activation_checkpointing=None)
+                   stages_per_rank=None, activation_checkpointing=None, data_parallel="fsdp2")
       for gpus, mfu in ((8192, 0.43), (16384, 0.41))),
     *(PublishedRun(TORCHTITAN, f"8B {dtype}", 32, 32, 4096, gpus, 2 * gpus, 1, 1,
                    tps * LLAMA31_8B_FLOPS_PER_TOKEN / 1e12, 2, gpu=TORCHTITAN_H100.name,
                    seq_len=8192, vocab_size=128256, dropout=0.0, kernel_set="trainer",
                    selene=False, model_flops=True, stages_per_rank=None, dtype=dtype,
-                   activation_checkpointing=None)
+                   activation_checkpointing=None, data_parallel="fsdp2")
       for gpus, dtype, tps in ((8, "bfloat16", 6667), (8, "float8", 8532),
                                (128, "bfloat16", 6514), (128, "float8", 8380))),
     # llm-foundry's tables at sequence 2048 on 32 GPUs or more: A100-80GB and A100-40GB on
@@ -250,7 +270,7 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         partial_gather=DEEPSPEED_ZERO3 if run.zero3 else None,
         grad_sync="microbatch" if run.zero3 or run.fsdp else "auto", replica_groups="off",
         market="on-demand",
-        tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype,
+        tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype, data_parallel=run.data_parallel,
         hardware={**GPUS, TORCHTITAN_H100.name: TORCHTITAN_H100},
         efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 
@@ -259,19 +279,24 @@ def gpt3_175b_on_1024(sc21_software: bool, megatron_layouts: bool = False) -> Pl
     """GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch (1536), left to
     choose its layout: with this trainer's kernels, or with the software SC21 ran (Megatron-LM's
     2021 kernels, dropout 0.1, every block recomputed). Megatron-LM took 34 days (SC21 sec.
-    5.1). `megatron_layouts`: only the layouts Megatron-LM ran at this scale, tp=8 (SC21's runs
-    from 18B up) and data parallelism by replicas, each holding its tp x pp part of the model
-    state whole (SC21 sec. 2; sharding came to Megatron-LM later): HSDP at tp=8 is exactly that,
-    FSDP over the one GPU of each node that holds a TP rank's part."""
+    5.1). `megatron_layouts`: only the layouts Megatron-LM ran at this scale: tp=8 (SC21's runs
+    from 18B up), and Megatron-LM 2021's data parallelism and pipelines (`data_parallel=
+    "megatron-2021"`: replicas each holding its tp x pp part of the model state whole, gradients
+    all-reduced after backward; every stage the same number of blocks)."""
     cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=SEQ, vocab_size=VOCAB,
                     dropout=DROPOUT if sc21_software else 0.0)
-    layouts = dict(tp=8, hsdp="on") if megatron_layouts else {}
+    layouts = dict(tp=8, data_parallel="megatron-2021") if megatron_layouts else {}
     return PlanInputs(model=cfg, gpu="A100-80GB", n_gpus=1024, global_batch_size=1536,
                       activation_checkpointing=True if sc21_software else None,
                       kernel_set="megatron-2021" if sc21_software else "trainer",
                       replica_groups="off", market="on-demand", tokens=300e9,
                       intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS,
                       **layouts)
+
+
+MEGATRON_GPT3_EXAMPLE = dict(pp=16, pp_stages_per_rank=1, micro_batch_size=1)
+"""The rest of the layout of SC21's 34 days beside `gpt3_175b_on_1024(True, True)`'s tp=8:
+Megatron-LM's examples/pretrain_gpt3_175B.sh (at a8d172b3), pp=16, micro-batch 1, 1F1B."""
 
 
 def check(run: PublishedRun, calibrated: bool = True) -> Checked:

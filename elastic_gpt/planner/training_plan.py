@@ -253,6 +253,10 @@ def plan_training(inputs: PlanInputs) -> Plan:
                      f"intra-node link; only the gradient all-reduce crosses nodes "
                      f"({net.inter_node_gbps:.0f} GB/s per node, shared by its "
                      f"{net.gpus_per_node} GPUs)")
+    elif nodes > 1 and chosen.mesh.replicated:
+        notes.append(f"{nodes} nodes: the gradient all-reduce runs at the inter-node bandwidth "
+                     f"({net.inter_node_gbps:.0f} GB/s per node, shared by the node's "
+                     f"{chosen.tp} data-parallel groups)")
     elif nodes > 1:
         notes.append(f"{nodes} nodes: FSDP's collectives run at the inter-node bandwidth "
                      f"({net.inter_node_gbps:.0f} GB/s per node"
