@@ -69,8 +69,6 @@ DEEPSPEED_ZERO3 = PartialGather(live_params=1e9, reduce_bucket_params=5e8)
 `stage3_max_live_parameters` at once, and reduces gradients in buckets of `reduce_bucket_size`
 (the defaults of DeepSpeed's configuration reference, deepspeed.ai/docs/config-json; SC21 gives
 no settings)."""
-ZERO3 = "fsdp2"
-"""SC21's ZeRO-3 rows shard as FSDP2 does (with DeepSpeed's partial gathers, `DEEPSPEED_ZERO3`)."""
 VOCAB, SEQ = 51200, 2048
 DROPOUT = 0.1
 """Megatron-LM's default hidden and attention dropout."""
@@ -158,6 +156,14 @@ def _mpt(label: str, gpus: int, gpu: str, micro_batch: int, accumulation: int,
                         fsdp=True, activation_checkpointing=checkpointing, data_parallel="fsdp2")
 
 
+def _zero3(size: str, gpus: int, batch: int, tflops: float, micro_batch: int) -> PublishedRun:
+    """A ZeRO-3 row of SC21's Table 2: DeepSpeed without model parallelism, sharding as FSDP2
+    does (with DeepSpeed's partial gathers, `DEEPSPEED_ZERO3`)."""
+    n_layer, n_head, n_embd = {"175B": (96, 96, 12288), "530B": (105, 128, 20480)}[size]
+    return PublishedRun(SC21_T2, f"{size} ZeRO-3", n_layer, n_head, n_embd, gpus, batch, 1, 1,
+                        tflops, micro_batch, zero3=True, data_parallel="fsdp2")
+
+
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21, "1.7B", 24, 24, 2304, 32, 512, 1, 1, 137),
     PublishedRun(SC21, "3.6B", 30, 32, 3072, 64, 512, 2, 1, 138),
@@ -169,18 +175,10 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(SC21, "310.1B", 96, 128, 16384, 1920, 2160, 8, 16, 155),
     PublishedRun(SC21, "529.6B", 105, 128, 20480, 2520, 2520, 8, 35, 163),
     PublishedRun(SC21, "1008.0B", 128, 160, 25600, 3072, 3072, 8, 64, 163),
-    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 384, 1536, 1, 1, 144, 4, True,
-                 data_parallel=ZERO3),
-    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 768, 1536, 1, 1, 88, 2, True,
-                 data_parallel=ZERO3),
-    PublishedRun(SC21_T2, "175B ZeRO-3", 96, 96, 12288, 1536, 1536, 1, 1, 44, 1, True,
-                 data_parallel=ZERO3),
-    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 640, 2560, 1, 1, 138, 4, True,
-                 data_parallel=ZERO3),
-    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 1120, 2240, 1, 1, 98, 2, True,
-                 data_parallel=ZERO3),
-    PublishedRun(SC21_T2, "530B ZeRO-3", 105, 128, 20480, 2240, 2240, 1, 1, 48, 1, True,
-                 data_parallel=ZERO3),
+    *(_zero3("175B", gpus, batch, tflops, micro_batch) for gpus, batch, tflops, micro_batch in
+      ((384, 1536, 144, 4), (768, 1536, 88, 2), (1536, 1536, 44, 1))),
+    *(_zero3("530B", gpus, batch, tflops, micro_batch) for gpus, batch, tflops, micro_batch in
+      ((640, 2560, 138, 4), (1120, 2240, 98, 2), (2240, 2240, 48, 1))),
     # GPT-3 175B on 1024 GPUs at 140 TFLOP/s, the figure behind SC21's 34 days, in the layout
     # of Megatron-LM's examples/pretrain_gpt3_175B.sh (1024 GPUs, tp 8, pp 16, micro-batch 1,
     # no interleaving, fp16, recomputation)
