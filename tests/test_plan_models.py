@@ -343,6 +343,25 @@ def test_tp_traffic_counts_the_collectives_dtensor_runs():
                       grad_bytes=4).bytes_per_micro_batch == 0
 
 
+def test_megatron_2021_tp_all_reduces_whole_activations_and_recomputes_them():
+    """Megatron-LM 2021 (no sequence parallelism): per block 2 all-reduces forward, 2 backward
+    and 2 more in the recomputed forward; the root's embedding output and lm_head input gradient
+    and the loss's 3; no gradient sync. The bytes are the trainer's all-gather + reduce-scatter
+    pairs' (an all-reduce moves both), plus the one pair the trainer's early-stopping
+    recomputation skips, less its position-embedding and sequence-sharded terms."""
+    shape = model_shape(dataclasses.replace(preset_config("tiny"), n_layer=2))
+    cfg = shape.cfg
+    kw = dict(act_bytes=4, grad_bytes=4, kernel_set="megatron-2021")
+    off = tp_traffic(shape, 3, 2, activation_checkpointing=False, **kw)
+    on = tp_traffic(shape, 3, 2, activation_checkpointing=True, **kw)
+    assert (off.all_gathers, off.reduce_scatters, off.all_reduces) == (0, 0, 2 * 4 + 2 + 3)
+    assert on.all_reduces == 2 * 6 + 2 + 3
+    assert off.sync_collectives == on.sync_collectives == 0 and on.bytes_per_sync == 0
+    act = 3 * cfg.seq_len * cfg.n_embd * 4
+    loss = 3 * 2 * ring_bytes(4 * 3 * cfg.seq_len, 2)
+    assert on.bytes_per_micro_batch == pytest.approx((2 * 6 + 2) * 2 * ring_bytes(act, 2) + loss)
+
+
 def test_tp_splits_compute_and_puts_its_collectives_on_the_critical_path():
     shape = model_shape(preset_config("gpt3-13b"))
     gpu, net = get_gpu("H100"), Network(8, 370, 320)

@@ -216,7 +216,15 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
     per_gpu_gbps = (net.intra_node_gbps if one_node
                     else net.inter_node_gbps / min(net.gpus_per_node, mesh.stage_world))
     sends = micro_batches * (2 * mesh.stages_per_rank)
+    regather_s = 0.0
+    if mesh.tp > 1 and kw.get("kernel_set") == "megatron-2021":
+        # Megatron-LM 2021 keeps whole (s, b, h) tensors on every TP rank: each sends its 1/tp
+        # and the receiver all-gathers them over the node's link (p2p_communication.py's
+        # scatter/gather optimization, on by default, `gather_split_1d_tensor`).
+        whole = micro_batch * shape.cfg.seq_len * shape.cfg.n_embd * dtype_bytes(dtype)
+        regather_s = sends * net.ring_s(whole * (mesh.tp - 1) / mesh.tp, ranks=mesh.tp,
+                                        per_node=mesh.tp)
     return dataclasses.replace(
         st, bubble_s=bubble_fraction(mesh.pp, micro_batches, mesh.stages_per_rank) * st.compute_s,
         p2p_bytes=sent, p2p_s=sent / (per_gpu_gbps * GB)
-        + sends * net.send_latency_s(across_nodes=not one_node))
+        + sends * net.send_latency_s(across_nodes=not one_node) + regather_s)

@@ -248,7 +248,7 @@ class TPTraffic:
 
 
 def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_checkpointing: bool,
-               act_bytes: int, grad_bytes: int) -> TPTraffic:
+               act_bytes: int, grad_bytes: int, kernel_set: str = "trainer") -> TPTraffic:
     """Per block, forward: the attention's and the MLP's inputs are all-gathered over the sequence
     (Shard(1) -> Replicate) and their row-parallel outputs reduce-scattered back (Partial ->
     Shard(1)): 2 all-gathers + 2 reduce-scatters of a (b, s, h) tensor. Backward mirrors each (the
@@ -261,11 +261,26 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
     token (max, sum of exponentials, the target's logit); backward mirrors the three activations
     and the loss needs none. Per gradient sync, the LayerNorm gradients (partial sums over the
     sequence shards) are all-reduced and c_attn's bias gradient (this rank's heads) all-gathered,
-    one collective per tensor."""
+    one collective per tensor.
+
+    kernel_set="megatron-2021" (no sequence parallelism; Megatron-LM's mpu at a8d172b3): each
+    block all-reduces its attention's and its MLP's row-parallel outputs in forward
+    (`reduce_from_tensor_model_parallel_region`) and its column-parallel inputs' gradients in
+    backward (`copy_to_tensor_model_parallel_region`), and its checkpointed forward runs again
+    whole, both of its all-reduces with it; the root all-reduces the vocab-parallel embedding's
+    output (the position embedding is not split) and the lm_head input's gradient, and the loss
+    its three fp32 values per token. Every rank computes the layer norms and the biases after
+    the all-reduces on the same whole tensors: no gradient sync."""
     if tp <= 1:
         return TPTraffic(0, 0, 0, 0.0, 0, 0.0)
     cfg, L = shape.cfg, shape.cfg.n_layer
     act = micro_batch * cfg.seq_len * cfg.n_embd
+    loss_values = 3 * 2 * ring_bytes(FP32 * micro_batch * cfg.seq_len, tp)
+    if kernel_set == "megatron-2021":
+        ar_blk = 4 + (2 if activation_checkpointing else 0)
+        ar = L * ar_blk + 2
+        return TPTraffic(0, 0, ar + 3, ar * 2 * ring_bytes(act_bytes * act, tp) + loss_values,
+                         0, 0.0)
     pos = cfg.seq_len * cfg.n_embd
     ag_blk = 4 + (2 if activation_checkpointing else 0)
     rs_blk = 4 + (1 if activation_checkpointing else 0)
@@ -274,7 +289,7 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
     ar = 3
     moved = ((L * (ag_blk + rs_blk) + 4) * ring_bytes(act_bytes * act, tp)
              + 2 * ring_bytes(act_bytes * pos, tp)
-             + ar * 2 * ring_bytes(FP32 * micro_batch * cfg.seq_len, tp))
+             + loss_values)
     norms = L * shape.block_norm_params + shape.root_replicated_params
     sync = (2 * ring_bytes(grad_bytes * norms, tp)
             + ring_bytes(grad_bytes * L * shape.block_fused_bias_params, tp))
@@ -399,7 +414,7 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
         per_param = 3 * pb if mesh.replicated else pb + 2 * FP32
         accumulate_s = (k - 1) * kernels.memory_s(per_param * shape.local_params(tp))
     tpt = tp_traffic(shape, micro_batch, tp, activation_checkpointing=activation_checkpointing,
-                     act_bytes=pb, grad_bytes=FP32 if accumulated else pb)
+                     act_bytes=pb, grad_bytes=FP32 if accumulated else pb, kernel_set=kernel_set)
     tp_bytes = k * tpt.bytes_per_micro_batch + n_sync * tpt.bytes_per_sync
     tp_s = 0.0
     if tp > 1:  # one node's ring; the sync's collectives counted as all-reduces, the larger
