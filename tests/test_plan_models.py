@@ -442,7 +442,6 @@ def test_megatron_2021_replicas_all_reduce_their_16_bit_grads_after_backward():
     expected = net.ring_s(ddp.all_reduce_bytes, ranks=16, per_node=1, nic_sharing=8,
                           all_reduce=True)
     assert ddp.comm_s == ddp.exposed_comm_s == pytest.approx(expected)
-    assert expected > 8 * ddp.all_reduce_bytes / (160 * 1e9)
     assert fsdp.exposed_comm_s < fsdp.comm_s  # FSDP2 hides some of its collectives
     one = step_time(shape, gpu, net, 128, 1, 1, data_parallel="megatron-2021", **kw)
     assert ddp.compute_s - 4 * one.compute_s == pytest.approx(

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 
 from elastic_gpt.cost_model.memory import Memory, ModelShape, dtype_bytes, memory_per_gpu
-from elastic_gpt.cost_model.step_time import Mesh, Network, StepTime, step_time
+from elastic_gpt.cost_model.step_time import Mesh, Network, StepTime, ring_bytes, step_time
 from elastic_gpt.hardware import GB, GPU
 from elastic_gpt.model.gpt import GPTConfig
 
@@ -196,7 +196,8 @@ def pipelined_memory(shape: ModelShape, mesh: Mesh, micro_batch: int, micro_batc
 
 
 def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, micro_batch: int,
-                        micro_batches: int, *, dtype: str = "bfloat16", **kw) -> StepTime:
+                        micro_batches: int, *, dtype: str = "bfloat16",
+                        kernel_set: str = "trainer", **kw) -> StepTime:
     """One step of the slowest pipeline rank: its m micro-batches through its layers and the
     FSDP collectives of its stage's data-parallel group (`step_time`), the bubble of the
     schedule over that compute, and the hidden states it sends (across nodes when a pipeline
@@ -204,7 +205,8 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
     kw = {**kw, **KEPT_GATHERED}
     shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
     one = {r: step_time(s, gpu, net, mesh.stage_world, micro_batch, micro_batches, dtype=dtype,
-                        tp=mesh.tp, hsdp=mesh.hsdp, data_parallel=mesh.data_parallel, **kw)
+                        tp=mesh.tp, hsdp=mesh.hsdp, data_parallel=mesh.data_parallel,
+                        kernel_set=kernel_set, **kw)
            for r, s in shapes.items()}
     st = max(one.values(), key=lambda t: t.step_s)
     sent = p2p_bytes(mesh.pp, micro_batches, micro_batch=micro_batch,
@@ -217,12 +219,12 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
                     else net.inter_node_gbps / min(net.gpus_per_node, mesh.stage_world))
     sends = micro_batches * (2 * mesh.stages_per_rank)
     regather_s = 0.0
-    if mesh.tp > 1 and kw.get("kernel_set") == "megatron-2021":
+    if mesh.tp > 1 and kernel_set == "megatron-2021":
         # Megatron-LM 2021 keeps whole (s, b, h) tensors on every TP rank: each sends its 1/tp
         # and the receiver all-gathers them over the node's link (p2p_communication.py's
         # scatter/gather optimization, on by default, `gather_split_1d_tensor`).
         whole = micro_batch * shape.cfg.seq_len * shape.cfg.n_embd * dtype_bytes(dtype)
-        regather_s = sends * net.ring_s(whole * (mesh.tp - 1) / mesh.tp, ranks=mesh.tp,
+        regather_s = sends * net.ring_s(ring_bytes(whole, mesh.tp), ranks=mesh.tp,
                                         per_node=mesh.tp)
     return dataclasses.replace(
         st, bubble_s=bubble_fraction(mesh.pp, micro_batches, mesh.stages_per_rank) * st.compute_s,

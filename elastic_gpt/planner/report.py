@@ -87,20 +87,6 @@ def format_report(plan: Plan) -> str:
     tp_part = f"P/{c.tp} on this TP rank, " if c.tp > 1 else ""
     shard_part = (f"/ {c.mesh.dp_shard} in a node (HSDP)" if c.hsdp
                   else f"/ {c.mesh.dp_shard}")
-    memory_head = ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward"
-                   if c.reshard_after_forward else
-                   "memory per GPU (FSDP2, blocks kept gathered through the step")
-    state_rows = [(f"params+grads+Adam, sharded (16 B x {tp_part}{shard_part})",
-                   gib(m.sharded_state)),
-                  ("gathered blocks + root in flight" if c.reshard_after_forward else
-                   f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
-                  ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads))]
-    dp_line = (f"  FSDP: all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
-               f"{st.reduce_scatter_bytes / GB:.2f} GB"
-               + (f" + all-reduce across nodes {st.all_reduce_bytes / GB:.2f} GB" if c.hsdp
-                  else "")
-               + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
-               f"({100 * st.overlapped_fraction:.0f}% overlapped)")
     if c.mesh.replicated:
         memory_head = "memory per GPU (Megatron-LM 2021 replicas: the rank's part whole"
         state_rows = [(f"fp32 params + Adam (12 B x {tp_part}whole)", gib(m.sharded_state)),
@@ -108,6 +94,21 @@ def format_report(plan: Plan) -> str:
         dp_line = (f"  data parallel: all-reduce of the 16-bit gradients "
                    f"{st.all_reduce_bytes / GB:.2f} GB after the step's backward = "
                    f"{st.comm_s:.3f} s, on the critical path (not overlapped)")
+    else:
+        memory_head = ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward"
+                       if c.reshard_after_forward else
+                       "memory per GPU (FSDP2, blocks kept gathered through the step")
+        state_rows = [(f"params+grads+Adam, sharded (16 B x {tp_part}{shard_part})",
+                       gib(m.sharded_state)),
+                      ("gathered blocks + root in flight" if c.reshard_after_forward else
+                       f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
+                      ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads))]
+        dp_line = (f"  FSDP: all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
+                   f"{st.reduce_scatter_bytes / GB:.2f} GB"
+                   + (f" + all-reduce across nodes {st.all_reduce_bytes / GB:.2f} GB"
+                      if c.hsdp else "")
+                   + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
+                   f"({100 * st.overlapped_fraction:.0f}% overlapped)")
     lines = [
         f"model     {plan.model_name}: {plan.shape.params / 1e6:,.1f}M params, L={cfg.n_layer} "
         f"H={cfg.n_head} d={cfg.n_embd} T={cfg.seq_len} V={cfg.vocab_size}, "
