@@ -19,6 +19,7 @@ from elastic_gpt.planner.published_runs import (
     RUNS,
     check,
     gpt3_175b_on_1024,
+    zero3_2021_unoverlapped_tflops,
 )
 from elastic_gpt.planner.training_plan import plan_training
 
@@ -38,6 +39,14 @@ def main() -> None:
               f"micro-batch {mb} | {run.published_tflops:.0f} | "
               f"{cell(check(run, calibrated=False))} | "
               f"{cell(check(run))} |")
+    print()
+    print("SC21's ZeRO-3 rows with every collective of DeepSpeed 2021's ZeRO-3 after the plan's "
+          "compute, none overlapped (planner/zero3_2021.py):")
+    for run in RUNS:
+        if run.zero3:
+            tflops = zero3_2021_unoverlapped_tflops(run)
+            print(f"- {run.label} on {run.gpus}: {tflops:.0f} TFLOP/s against "
+                  f"{run.published_tflops:.0f} (x{tflops / run.published_tflops:.2f})")
     print()
     print("GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch, left to choose "
           "(Megatron-LM: 34 days):")

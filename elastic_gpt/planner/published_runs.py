@@ -47,11 +47,12 @@ import functools
 from dataclasses import dataclass
 
 from elastic_gpt.cost_model.memory import PartialGather, model_shape, training_flops_per_token
-from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
+from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY, Network
 from elastic_gpt.hardware import GPUS, GiB
 from elastic_gpt.model.gpt import GPTConfig
 from elastic_gpt.planner.inputs import PlanError, PlanInputs
 from elastic_gpt.planner.training_plan import plan_training
+from elastic_gpt.planner.zero3_2021 import collectives
 
 TORCHTITAN_H100 = dataclasses.replace(GPUS["H100"], name="H100-HBM2e-500W", hbm_gbps=2400,
                                       memory_gib=96e9 / GiB)
@@ -316,6 +317,22 @@ def check(run: PublishedRun, calibrated: bool = True) -> Checked:
         tflops = per_token * run.batch * run.seq_len / c.step.step_s / run.gpus / 1e12
     layout = f"{c.mesh.short()}, micro-batch {c.micro_batch}"
     return Checked(run, tflops, layout)
+
+
+def zero3_2021_unoverlapped_tflops(run: PublishedRun) -> float:
+    """A ZeRO-3 row's throughput if every collective DeepSpeed 2021's ZeRO-3 runs
+    (planner/zero3_2021.py) were added to the plan's compute, none overlapped: the slowest step
+    those collectives can make of it."""
+    if not run.zero3:
+        raise ValueError(f"{run.source} {run.label} is not a ZeRO-3 run")
+    p = plan_inputs(run)
+    plan = plan_training(p)
+    c = plan.chosen
+    net = Network(plan.gpu.gpus_per_node, p.intra_node_gbps, p.inter_node_gbps)
+    sent = collectives(run.config(), run.gpus, net, run.dtype, c.activation_checkpointing)
+    step_s = c.step.compute_s + c.step.optimizer_s + c.micro_batches_per_rank * sent.seconds
+    per_token = training_flops_per_token(model_shape(run.config()), True)
+    return per_token * run.batch * run.seq_len / step_s / run.gpus / 1e12
 
 
 def check_all(calibrated: bool = True) -> list[Checked]:
