@@ -176,6 +176,15 @@ class Mesh:
         return f"tp={self.tp} x dp={self.dp} ({dp})"
 
 
+MEGATRON_2021_OPTIMIZER_STEP_BYTES = 6 + 8 + 4 + 28 + 6
+"""Bytes a parameter Megatron-LM 2021's optimizer step reads and writes
+(`Float16OptimizerWithFloat16Params.step`, megatron/optimizer/optimizer.py at a8d172b3): the
+16-bit gradient copied into a new fp32 one (`_copy_model_grads_to_main_grads`), unscaled in
+place with the inf check (`_unscale_main_grads_and_check_for_nan`), read for the norm
+(`clip_grad_norm_fp32`; scaled as well only when the norm is clipped, not counted), apex's
+fused Adam (p, g, m, v in, p, m, v out), and the fp32 weights copied back into the 16-bit ones
+(`_copy_main_params_to_model_params`). FSDP2's step is the fused Adam and the norm's read, 32."""
+
 DATA_PARALLEL = ("fsdp2", "megatron-2021")
 """How data-parallel ranks hold the model state and sync gradients: this trainer's FSDP2
 (sharded, its collectives overlapped with compute), or Megatron-LM's of 2021, which the
@@ -425,8 +434,10 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
 
     # Fused AdamW streams p, g, m, v in and p, m, v out (28 B/param) + the grad-norm read (4 B).
     local = shape.local_params(tp)
-    optimizer_s = (32 * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
-                   if efficiency is not None else kernels.memory_s(32 * local / mesh.dp_shard))
+    per_param = MEGATRON_2021_OPTIMIZER_STEP_BYTES if mesh.replicated else 32
+    optimizer_s = (per_param * local / mesh.dp_shard / (0.7 * gpu.hbm_gbps * GB)
+                   if efficiency is not None
+                   else kernels.memory_s(per_param * local / mesh.dp_shard))
     gather_bytes = (n_fwd_gathers * (pb * root + blk_pb * L * blk)
                     + k * regathers * blk_pb * blk)
     fsdp_syncs = n_sync
