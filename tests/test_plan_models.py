@@ -318,6 +318,34 @@ def test_sequence_parallel_activations_are_korthikantis_plus_the_gathered_inputs
         assert got == pytest.approx(korthikanti + 2 * 2 * s * b * h * (1 - 1 / t)), t
 
 
+def test_megatron_2021_kernels_keep_whole_tensors_on_every_tp_rank():
+    """Korthikanti et al. 2022, section 4.2.1: tensor parallelism without sequence parallelism
+    (Megatron-LM 2021) stores sbh(10 + 24/t + 5as/(ht)) a layer: the LayerNorms' inputs, the
+    column-parallel inputs and the dropout masks whole on every TP rank. Its checkpoint keeps
+    each block's input whole on every TP rank too (no --distribute-checkpointed-activations),
+    where the trainer's sequence parallelism keeps 1/t of it."""
+    s, b, h, a = 2048, 1, 12288, 96
+    for t in (1, 2, 4, 8):
+        eq2 = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=False, dropout=True,
+                                         tp=t, sequence_parallel=False)
+        assert got == pytest.approx(eq2), t
+    cfg = dataclasses.replace(preset_config("gpt3-175b"), dropout=0.1)
+    shape, t, L, sbh = model_shape(cfg), 8, cfg.n_layer, cfg.seq_len * cfg.n_embd
+    kw = dict(activation_checkpointing=True, tp=t, dp_shard=1, replicated=True)
+    megatron = memory_per_gpu(shape, t, 1, kernel_set="megatron-2021", **kw)
+    trainer = memory_per_gpu(shape, t, 1, **kw)
+    recomputed = (activation_bytes_per_layer(cfg.seq_len, 1, cfg.n_embd, cfg.n_head, tp=t,
+                                             flash=False, dropout=True, sequence_parallel=False)
+                  - activation_bytes_per_layer(cfg.seq_len, 1, cfg.n_embd, cfg.n_head, tp=t,
+                                               dropout=True))
+    # every block's input and ln_f's, whole where the trainer keeps 1/t, and the recomputed
+    # layer's tensors and scores
+    assert megatron.activations - trainer.activations == pytest.approx(
+        (L + 1) * 2 * sbh * (1 - 1 / t) + recomputed)
+    assert megatron.sharded_state == trainer.sharded_state
+
+
 def test_tp_traffic_counts_the_collectives_dtensor_runs():
     """The counts CommDebugMode reports for the trainer's plan on a 2-layer model, forward +
     backward: 11 all-gathers, 11 reduce-scatters (4 per block each way, 3 at the root: wte, wpe,

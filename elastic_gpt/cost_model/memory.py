@@ -146,7 +146,8 @@ def zero_model_state_bytes(n_params: float, n_gpus: int, stage: int, k: int = 12
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_head: int, *,
                                act_bytes: int = 2, flash: bool = True,
-                               dropout: bool = False, tp: int = 1) -> float:
+                               dropout: bool = False, tp: int = 1,
+                               sequence_parallel: bool = True) -> float:
     """Activations one transformer layer saves for backward (Korthikanti et al. 2022, section 4.1).
 
     Their count for 16-bit activations, no tensor parallelism, is s*b*h*(34 + 5*a*s/h) bytes:
@@ -161,16 +162,23 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_he
     LayerNorm outputs all-gathered over the sequence, and autograd keeps the gathered tensor for
     the column-parallel weight's gradient (Megatron-LM keeps the shard and gathers it again in
     backward; DTensor's ColwiseParallel does not), so they stay whole.
+
+    Without sequence parallelism (Megatron-LM 2021, their section 4.2.1: sbh(10 + 24/t +
+    5as/(ht))) the LayerNorms' inputs and the two dropout masks are whole on every TP rank too.
     """
     s, b, h, a = seq_len, micro_batch, n_embd, n_head
     whole = 2  # c_attn's and c_fc's inputs (the gathered LayerNorm outputs under TP)
     split = (2 + 1  # attention: q and k, v ...
              + 1  # ... and c_proj's input
-             + 4 + 4  # MLP: GELU input, c_proj input
-             + 2)  # ln_1 and ln_2 inputs (the residual stream)
+             + 4 + 4)  # MLP: GELU input, c_proj input
+    norms = 2  # ln_1 and ln_2 inputs (the residual stream): sequence-sharded, or whole
+    if sequence_parallel:
+        split += norms
+    else:
+        whole += norms
     total = (whole + split / tp) * s * b * h * act_bytes
     if dropout:  # 1-byte masks after attention c_proj and after the MLP
-        total += 2 * s * b * h / tp
+        total += 2 * s * b * h / (tp if sequence_parallel else 1)
     if flash:
         total += (act_bytes * s * b * h + FP32 * a * s * b) / tp  # SDPA output + log-sum-exp
     else:
@@ -209,9 +217,9 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
                    grad_sync: str = "microbatch", micro_batches_per_rank: int = 1,
                    reshard_after_forward: bool = True,
                    context_bytes: float = CONTEXT_GIB * GiB, fragmentation: float = FRAGMENTATION,
-                   flash: bool = True, tp: int = 1, dp_shard: int | None = None,
+                   tp: int = 1, dp_shard: int | None = None,
                    in_flight: float = 1.0, loss: str = "chunked",
-                   replicated: bool = False) -> Memory:
+                   replicated: bool = False, kernel_set: str = "trainer") -> Memory:
     """Peak memory of one rank: FSDP2 (one unit per block, then the root) over the data-parallel
     ranks, on top of tensor parallelism of degree tp (Megatron-style with sequence parallelism).
 
@@ -229,6 +237,12 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     replicated: Megatron-LM 2021's data parallelism (step_time.py `DATA_PARALLEL`): the rank
     holds its part whole, 16-bit params and grads and the optimizer's
     `MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM`, and nothing gathered or accumulated apart.
+
+    kernel_set (cost_model/kernels.py `KERNEL_SETS`): this trainer's flash attention and sequence
+    parallelism, or Megatron-LM 2021's materialised scores and whole tensors on every TP rank:
+    its checkpoint keeps each block's input whole (mpu/random.py `CheckpointFunction` splits it
+    over the TP ranks only with `--distribute-checkpointed-activations`, off by default and in
+    the GPT-3 example script, at a8d172b3).
     """
     cfg, pb = shape.cfg, dtype_bytes(dtype)
     s, b, h, L = cfg.seq_len, micro_batch, cfg.n_embd, cfg.n_layer
@@ -251,19 +265,22 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     if replicated:
         sharded = MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM * shape.local_params(tp)
         gathered, accumulated = 2 * pb * shape.local_params(tp), 0.0
-    per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=flash,
-                                           dropout=cfg.dropout > 0, tp=tp)
+    trainer = kernel_set == "trainer"
+    per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=trainer,
+                                           dropout=cfg.dropout > 0, tp=tp,
+                                           sequence_parallel=trainer)
+    residual = pb * s * b * h / (tp if trainer else 1)  # a (b, s, h) of the residual stream
     if activation_checkpointing:
-        # Each block keeps only its input (sequence-sharded under TP); in backward one block at a
-        # time is recomputed.
-        acts = in_flight * L * pb * s * b * h / tp + per_layer
+        # Each block keeps only its input (sequence-sharded under the trainer's TP); in
+        # backward one block at a time is recomputed.
+        acts = in_flight * L * residual + per_layer
     else:
         acts = in_flight * L * per_layer
     if loss != "none":
-        # ln_f's input and the lm_head's input: under TP the first is sequence-sharded and the
-        # second the all-gathered whole, which the column-parallel lm_head keeps for its weight
-        # gradient.
-        acts += pb * s * b * h * (1 / tp + 1)
+        # ln_f's input and the lm_head's input: under TP the first is of the residual stream and
+        # the second the all-gathered whole, which the column-parallel lm_head keeps for its
+        # weight gradient.
+        acts += residual + pb * s * b * h
     if loss == "none":
         logits = 0.0
     elif tp > 1 or loss == "whole":  # the loss on whole fp32 logits: each TP rank its slice

@@ -50,7 +50,7 @@ from elastic_gpt.cost_model.memory import PartialGather, model_shape, training_f
 from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY, Network
 from elastic_gpt.hardware import GPUS, GiB
 from elastic_gpt.model.gpt import GPTConfig
-from elastic_gpt.planner.inputs import PlanError, PlanInputs
+from elastic_gpt.planner.inputs import MEMORY_MARGIN, PlanError, PlanInputs
 from elastic_gpt.planner.training_plan import plan_training
 from elastic_gpt.planner.zero3_2021 import collectives
 
@@ -257,7 +257,9 @@ class Checked:
 def plan_inputs(run: PublishedRun, calibrated: bool = True,
                 stages_per_rank: int | None = None) -> PlanInputs:
     """The plan of `run` on its network; `calibrated`: by the calibrated model (the default),
-    else by one efficiency for every FLOP (`--efficiency 0.6`)."""
+    else by one efficiency for every FLOP (`--efficiency 0.6`). A run that gives its
+    micro-batch and its checkpointing ran with them: its count must fit the GPU's memory, not
+    also the margin the planner keeps for what the count leaves out (`--memory-margin`)."""
     network = (dict(intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
                if run.selene else {})
     return PlanInputs(
@@ -270,6 +272,8 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         grad_sync="microbatch" if run.zero3 or run.fsdp else "auto", replica_groups="off",
         market="on-demand",
         tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype, data_parallel=run.data_parallel,
+        memory_margin=(0.0 if run.micro_batch and run.activation_checkpointing is not None
+                       else MEMORY_MARGIN),
         hardware={**GPUS, TORCHTITAN_H100.name: TORCHTITAN_H100},
         efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
 

@@ -189,7 +189,8 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
                                      reshard_after_forward=reshard,
                                      context_bytes=p.context_gib * GiB,
                                      fragmentation=p.fragmentation, tp=mesh.tp,
-                                     dp_shard=mesh.dp_shard, replicated=mesh.replicated)
+                                     dp_shard=mesh.dp_shard, replicated=mesh.replicated,
+                                     kernel_set=p.kernel_set)
                 st = step_time(shape, gpu, net, p.n_gpus, mb, k, activation_checkpointing=ckpt,
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
                                kernel_set=p.kernel_set,
@@ -221,7 +222,7 @@ def _pipelined_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh, mb: int, k: 
                       ckpt: bool) -> Memory:
     return pipelined_memory(shape, mesh, mb, k, dtype=p.dtype, micro_batches_per_rank=k,
                             activation_checkpointing=ckpt, context_bytes=p.context_gib * GiB,
-                            fragmentation=p.fragmentation)
+                            fragmentation=p.fragmentation, kernel_set=p.kernel_set)
 
 
 def _pipelined_candidate(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh,
@@ -251,11 +252,12 @@ def mesh_floor_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh) -> Memory:
                                 dtype=p.dtype, grad_sync="step", micro_batches_per_rank=mesh.pp,
                                 reshard_after_forward=p.reshard_after_forward != "never",
                                 context_bytes=p.context_gib * GiB,
-                                fragmentation=p.fragmentation)
+                                fragmentation=p.fragmentation, kernel_set=p.kernel_set)
     return memory_per_gpu(shape, mesh.world, 1, activation_checkpointing=True, dtype=p.dtype,
                           reshard_after_forward=p.reshard_after_forward != "never",
                           context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
-                          tp=mesh.tp, dp_shard=mesh.dp_shard, replicated=mesh.replicated)
+                          tp=mesh.tp, dp_shard=mesh.dp_shard, replicated=mesh.replicated,
+                          kernel_set=p.kernel_set)
 
 
 def _floor_memory(p: PlanInputs, shape: ModelShape, net: Network, n_gpus: int,
@@ -291,7 +293,7 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
                                    dtype=p.dtype, grad_sync=c.grad_sync, micro_batches_per_rank=k,
                                    reshard_after_forward=c.reshard_after_forward,
                                    context_bytes=p.context_gib * GiB,
-                                   fragmentation=p.fragmentation)
+                                   fragmentation=p.fragmentation, kernel_set=p.kernel_set)
             if mem.total <= usable:
                 return w
             continue
@@ -300,7 +302,8 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
                              grad_sync=c.grad_sync, micro_batches_per_rank=k,
                              reshard_after_forward=c.reshard_after_forward,
                              context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
-                             tp=c.tp, dp_shard=mesh.dp_shard, replicated=mesh.replicated)
+                             tp=c.tp, dp_shard=mesh.dp_shard, replicated=mesh.replicated,
+                             kernel_set=p.kernel_set)
         if mem.total <= usable:
             return w
     return p.n_gpus
@@ -548,7 +551,8 @@ def _group_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
             for ckpt, sync, reshard in itertools.product(ckpts, syncs, _reshard_choices(p)):
                 kw = dict(activation_checkpointing=ckpt, dtype=p.dtype, grad_sync=sync,
                           reshard_after_forward=reshard, context_bytes=p.context_gib * GiB,
-                          fragmentation=p.fragmentation, tp=mesh.tp, dp_shard=mesh.dp_shard)
+                          fragmentation=p.fragmentation, tp=mesh.tp, dp_shard=mesh.dp_shard,
+                          replicated=mesh.replicated, kernel_set=p.kernel_set)
                 mem = memory_per_gpu(shape, mesh.world, mb, micro_batches_per_rank=k, **kw)
                 if mem.total > usable or memory_per_gpu(
                         shape, mesh.world, mb, micro_batches_per_rank=k_away, **kw).total > usable:
@@ -556,7 +560,8 @@ def _group_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
                 st = step_time(shape, gpu, net, mesh.world, mb, k, activation_checkpointing=ckpt,
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
                                kernel_set=p.kernel_set,
-                               reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp)
+                               reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp,
+                               data_parallel=mesh.data_parallel)
                 yield LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh), k_away
 
 

@@ -186,13 +186,15 @@ def plan_training(inputs: PlanInputs) -> Plan:
     settings = dict(dtype=p.dtype, grad_sync=chosen.grad_sync,
                     micro_batches_per_rank=chosen.micro_batches_per_rank,
                     reshard_after_forward=chosen.reshard_after_forward,
-                    context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation)
+                    context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
+                    kernel_set=p.kernel_set)
     at_mb = {ckpt: (pipelined_memory(shape, chosen.mesh, chosen.micro_batch,
                                      chosen.micro_batches_per_rank, activation_checkpointing=ckpt,
                                      **settings) if chosen.mesh.pp > 1 else
                     memory_per_gpu(shape, p.n_gpus, chosen.micro_batch,
                                    activation_checkpointing=ckpt, tp=chosen.tp,
-                                   dp_shard=chosen.mesh.dp_shard, **settings))
+                                   dp_shard=chosen.mesh.dp_shard,
+                                   replicated=chosen.mesh.replicated, **settings))
              for ckpt in (False, True)}
 
     tokens_per_step = G * cfg.seq_len
