@@ -541,3 +541,17 @@ def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():
     without = replica_reliability(rep.layout, **market)
     assert with_spikes.goodput == pytest.approx(
         without.goodput * kept_fraction(with_spikes.spike_s, PALM_STEPS_PER_SPIKE * step))
+
+
+def test_a_report_says_whose_tensor_parallelism_its_memory_counts():
+    """The memory header names the TP the count is for: the trainer's sequence parallelism, or
+    Megatron-LM 2021's whole tensors on every rank (the published-run checks)."""
+    from elastic_gpt.planner.published_runs import gpt3_175b_on_1024
+    from elastic_gpt.planner.report import format_report
+
+    def header(inputs):
+        return next(line for line in format_report(plan_training(inputs)).splitlines()
+                    if line.startswith("memory per GPU"))
+
+    assert header(gpt3_175b_on_1024(False)).endswith("sequence parallel)")
+    assert "whole tensors on every rank" in header(gpt3_175b_on_1024(True, True))

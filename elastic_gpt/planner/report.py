@@ -87,6 +87,8 @@ def format_report(plan: Plan) -> str:
     tp_part = f"P/{c.tp} on this TP rank, " if c.tp > 1 else ""
     shard_part = (f"/ {c.mesh.dp_shard} in a node (HSDP)" if c.hsdp
                   else f"/ {c.mesh.dp_shard}")
+    tp_tensors = ("sequence parallel" if plan.kernel_set == "trainer"
+                  else "whole tensors on every rank, as Megatron-LM 2021")
     if c.mesh.replicated:
         memory_head = "memory per GPU (Megatron-LM 2021 replicas: the rank's part whole"
         state_rows = [(f"fp32 params + Adam (12 B x {tp_part}whole)", gib(m.sharded_state)),
@@ -122,7 +124,7 @@ def format_report(plan: Plan) -> str:
         f"grads reduced per {c.grad_sync}, reshard_after_forward={c.reshard_policy}",
         "",
         memory_head
-        + (f"; tensor parallel over {c.tp}, sequence parallel)" if c.tp > 1 else ")"),
+        + (f"; tensor parallel over {c.tp}, {tp_tensors})" if c.tp > 1 else ")"),
         *(f"  {label:<50s}{value}" for label, value in [
             *state_rows,
             ("activations, checkpointing off / on",

@@ -92,6 +92,9 @@ class Plan:
     calibrated_trainer_step: bool = False
     """The step time is the calibrated model's (no --efficiency, no --achieved-tflops) for this
     trainer's kernels: what the published FSDP runs check (report.py says how it fared)."""
+    kernel_set: str = "trainer"
+    """Whose kernels the step and the memory were counted for (cost_model/kernels.py
+    `KERNEL_SETS`): this trainer's, or Megatron-LM 2021's for the published-run checks."""
     restart_cost: RestartCost | None = None
     """What one restart of the whole run costs, term by term (`recovery_s` of both markets)."""
     notes: list[str] = field(default_factory=list)
@@ -296,7 +299,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
         dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
         calibrated_trainer_step=(p.efficiency is None and not p.achieved_flops_per_gpu
                                  and p.kernel_set == "trainer"),
-        restart_cost=restart_cost,
+        kernel_set=p.kernel_set, restart_cost=restart_cost,
         notes=notes, layouts=layouts, fault_tolerance_by_market=fault_tolerance,
         replica_heartbeat_timeout_s=p.replica_heartbeat_timeout_s)
     if plan.warmup_steps > max_steps:
