@@ -62,6 +62,12 @@ class LocalCluster:
             self.nodes.remove(node)
         return t
 
+    def replace_node(self, node) -> None:
+        """The cloud takes `node` (a drained or a lost one) and brings a fresh one in its place:
+        the next test of a shared cluster starts at full size."""
+        self.kill_node(node)
+        self.nodes.append(self.add_node())
+
     def node_hosting_a_worker(self):
         """A worker node that runs a training worker (never the head)."""
         hosting = {a.node_id for a in training_workers()}
