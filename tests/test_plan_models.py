@@ -344,6 +344,8 @@ def test_megatron_2021_kernels_keep_whole_tensors_on_every_tp_rank():
     assert megatron.activations - trainer.activations == pytest.approx(
         (L + 1) * 2 * sbh * (1 - 1 / t) + recomputed)
     assert megatron.sharded_state == trainer.sharded_state
+    with pytest.raises(ValueError, match="kernel_set='megatron' must be one of"):
+        memory_per_gpu(shape, t, 1, kernel_set="megatron", **kw)
 
 
 def test_tp_traffic_counts_the_collectives_dtensor_runs():

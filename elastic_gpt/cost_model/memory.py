@@ -265,6 +265,9 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     if replicated:
         sharded = MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM * shape.local_params(tp)
         gathered, accumulated = 2 * pb * shape.local_params(tp), 0.0
+    from elastic_gpt.cost_model.kernels import KERNEL_SETS  # kernels.py imports this module
+    if kernel_set not in KERNEL_SETS:
+        raise ValueError(f"kernel_set={kernel_set!r} must be one of {', '.join(KERNEL_SETS)}")
     trainer = kernel_set == "trainer"
     per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=pb, flash=trainer,
                                            dropout=cfg.dropout > 0, tp=tp,

@@ -317,8 +317,7 @@ def check(run: PublishedRun, calibrated: bool = True) -> Checked:
     if run.model_flops:
         tflops = plan.mfu * plan.gpu.peak_flops / 1e12
     else:
-        per_token = training_flops_per_token(model_shape(run.config()), True)
-        tflops = per_token * run.batch * run.seq_len / c.step.step_s / run.gpus / 1e12
+        tflops = _sc21_tflops(run, c.step.step_s)
     layout = f"{c.mesh.short()}, micro-batch {c.micro_batch}"
     return Checked(run, tflops, layout)
 
@@ -335,6 +334,11 @@ def zero3_2021_unoverlapped_tflops(run: PublishedRun) -> float:
     net = Network(plan.gpu.gpus_per_node, p.intra_node_gbps, p.inter_node_gbps)
     sent = collectives(run.config(), run.gpus, net, run.dtype, c.activation_checkpointing)
     step_s = c.step.compute_s + c.step.optimizer_s + c.micro_batches_per_rank * sent.seconds
+    return _sc21_tflops(run, step_s)
+
+
+def _sc21_tflops(run: PublishedRun, step_s: float) -> float:
+    """TFLOP/s per GPU of `run` at `step_s` a step, SC21's way: recomputation counted."""
     per_token = training_flops_per_token(model_shape(run.config()), True)
     return per_token * run.batch * run.seq_len / step_s / run.gpus / 1e12
 

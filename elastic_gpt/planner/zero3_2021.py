@@ -73,15 +73,20 @@ def gathers(cfg: GPTConfig, recompute: bool = True) -> list[tuple[str, int]]:
     steps = trace(cfg, recompute)
     used = [sum(numel[p] for p in params) for _, params in steps]
     before = [0, *itertools.accumulate(used)]  # elements used by the steps before each step
+    again: list[int | None] = [None] * len(steps)  # the step that runs the same module next
+    last: dict[str, int] = {}
+    for j in reversed(range(len(steps))):
+        again[j] = last.get(steps[j][0])
+        last[steps[j][0]] = j
     held: set[str] = set()
     out = []
-    for j, (name, params) in enumerate(steps):
+    for j, (_, params) in enumerate(steps):
         for p in params:
             if numel[p] >= PERSISTENCE_THRESHOLD and p not in held:
                 out.append((p, numel[p]))
                 held.add(p)
-        again = next((t for t in range(j + 1, len(steps)) if steps[t][0] == name), None)
-        if again is None or before[again] - before[j + 1] >= MAX_REUSE_DISTANCE:
+        nxt = again[j]
+        if nxt is None or before[nxt] - before[j + 1] >= MAX_REUSE_DISTANCE:
             held.difference_update(params)
     return out
 
