@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_gpt.cost_model.memory import FP32
+from elastic_gpt.cost_model.memory import FP32, KERNEL_SETS
 from elastic_gpt.hardware import (
     GB,
     GPU,
@@ -103,15 +103,6 @@ class BlockTimes:
 
     forward_s: float
     backward_s: float
-
-
-KERNEL_SETS = ("trainer", "megatron-2021")
-"""Whose kernels: this trainer's (SDPA's flash attention; under tensor parallelism the layer
-norms, dropouts and residual adds on the sequence shard, sequence parallelism), or Megatron-LM's
-of 2021, which the published runs ran: QK^T and AV as batched matmuls around a softmax and a
-dropout over the (b, a/t, s, s) scores (as Calculon's Megatron block models them), and the
-layer norms, dropouts and residual adds over the whole sequence on every TP rank (sequence
-parallelism came in 2022)."""
 
 
 def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int, *,

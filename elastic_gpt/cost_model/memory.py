@@ -39,6 +39,15 @@ CHUNK_FP32_BYTES = 12
 logits' gradient in the compute dtype over all B*T*V, plus the fp32 work of one chunk of
 LOSS_CHUNK_LOGITS logits (the upcast, its log-softmax and softmax)."""
 
+KERNEL_SETS = ("trainer", "megatron-2021")
+"""Whose kernels: this trainer's (SDPA's flash attention; under tensor parallelism the layer
+norms, dropouts and residual adds on the sequence shard, sequence parallelism), or Megatron-LM's
+of 2021, which the published runs ran: QK^T and AV as batched matmuls around a softmax and a
+dropout over the (b, a/t, s, s) scores (as Calculon's Megatron block models them), and the
+layer norms, dropouts and residual adds over the whole sequence on every TP rank (sequence
+parallelism came in 2022). The step (kernels.py) and the memory (`memory_per_gpu`) differ by
+it."""
+
 
 # ----------------------------------------------------------------------------- model shape
 
@@ -238,7 +247,7 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     holds its part whole, 16-bit params and grads and the optimizer's
     `MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM`, and nothing gathered or accumulated apart.
 
-    kernel_set (cost_model/kernels.py `KERNEL_SETS`): this trainer's flash attention and sequence
+    kernel_set (`KERNEL_SETS`): this trainer's flash attention and sequence
     parallelism, or Megatron-LM 2021's materialised scores and whole tensors on every TP rank:
     its checkpoint keeps each block's input whole (mpu/random.py `CheckpointFunction` splits it
     over the TP ranks only with `--distribute-checkpointed-activations`, off by default and in
@@ -265,7 +274,6 @@ def memory_per_gpu(shape: ModelShape, n_gpus: int, micro_batch: int, *,
     if replicated:
         sharded = MEGATRON_2021_OPTIMIZER_BYTES_PER_PARAM * shape.local_params(tp)
         gathered, accumulated = 2 * pb * shape.local_params(tp), 0.0
-    from elastic_gpt.cost_model.kernels import KERNEL_SETS  # kernels.py imports this module
     if kernel_set not in KERNEL_SETS:
         raise ValueError(f"kernel_set={kernel_set!r} must be one of {', '.join(KERNEL_SETS)}")
     trainer = kernel_set == "trainer"

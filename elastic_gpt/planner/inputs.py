@@ -61,7 +61,7 @@ class PlanInputs:
     NCCL's collective latencies); a fraction: every FLOP at that fraction of peak, a fixed
     latency per collective."""
     kernel_set: str = "trainer"
-    """Whose kernels the calibrated model costs (cost_model/kernels.py `KERNEL_SETS`):
+    """Whose kernels the calibrated model costs (cost_model/memory.py `KERNEL_SETS`):
     this trainer's, or Megatron-LM 2021's for the published runs it is checked against."""
     achieved_flops_per_gpu: float | None = None
     """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces

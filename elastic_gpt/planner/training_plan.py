@@ -93,7 +93,7 @@ class Plan:
     """The step time is the calibrated model's (no --efficiency, no --achieved-tflops) for this
     trainer's kernels: what the published FSDP runs check (report.py says how it fared)."""
     kernel_set: str = "trainer"
-    """Whose kernels the step and the memory were counted for (cost_model/kernels.py
+    """Whose kernels the step and the memory were counted for (cost_model/memory.py
     `KERNEL_SETS`): this trainer's, or Megatron-LM 2021's for the published-run checks."""
     restart_cost: RestartCost | None = None
     """What one restart of the whole run costs, term by term (`recovery_s` of both markets)."""
