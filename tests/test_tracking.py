@@ -470,6 +470,89 @@ def test_a_local_store_that_cannot_be_opened_is_a_config_error(tmp_path):
         resolve_run(f"sqlite:///{blocker}/sub/mlflow.db", "e", "r", None, {})
 
 
+def test_a_store_that_is_not_a_database_is_a_config_error(tmp_path):
+    db = tmp_path / "mlflow.db"
+    db.write_text("notes, not a database")
+    with pytest.raises(ValueError, match=r"cannot be used \(.*file is not a database.*fix the path"):
+        resolve_run(f"sqlite:///{db}", "e", "r", None, {})
+
+
+def _fail_first_calls(monkeypatch, method: str, times: int) -> list:
+    """MlflowClient.`method` raises what MLflow's telemetry race raised (a KeyError from
+    os.environ) on its first `times` calls, then runs for real."""
+    import mlflow
+    real, calls = getattr(mlflow.MlflowClient, method), []
+
+    def flaky(self, *a, **kw):
+        calls.append(method)
+        if len(calls) <= times:
+            raise KeyError("_MLFLOW_TELEMETRY_SESSION_ID")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(mlflow.MlflowClient, method, flaky)
+    return calls
+
+
+def test_a_library_fault_while_opening_the_run_is_retried_then_reported_as_a_fault(
+        tmp_path, monkeypatch, caplog):
+    """MLflow's telemetry race struck in the middle of opening a run, on a valid store. Forced
+    here at the calls a new run and a resumed one make: one failure is retried and the run
+    starts (a new run is made once, with its params; a resume keeps its run); failures on every
+    try end as a fault naming MLflow and the KeyError, never as a bad tracking.uri (exit 1 with
+    the traceback, not exit 2)."""
+    import mlflow
+
+    from elastic_gpt.errors import user_error_line
+    from elastic_gpt.tracking import runs
+
+    monkeypatch.setattr(runs, "SETUP_RETRY_S", 0.0)
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with monkeypatch.context() as m:
+        _fail_first_calls(m, "log_batch", 1)  # after the run was created: the retry reuses it
+        first = resolve_run(uri, "e", "r", None, {"train.lr": 0.1})
+    client = mlflow.MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("e").experiment_id])
+    assert run.info.run_id == first and run.data.params["train.lr"] == "0.1"
+    with monkeypatch.context() as m:
+        _fail_first_calls(m, "get_run", 1)
+        assert resolve_run(uri, "e", "r", first, {}) == first
+    assert caplog.text.count("KeyError: '_MLFLOW_TELEMETRY_SESSION_ID'); retrying") == 2
+    # Only a run the store does not have starts a new one.
+    assert resolve_run(uri, "e", "r", "0" * 32, {}) not in (first, None)
+
+    _fail_first_calls(monkeypatch, "get_run", 10**6)
+    with pytest.raises(runs.TrackingSetupError) as err:
+        resolve_run(uri, "e", "r", first, {})
+    message = str(err.value)
+    assert "MLflow failed 2 times" in message and "KeyError" in message
+    assert "fix the path" not in message and user_error_line(err.value) is None
+
+
+@pytest.mark.slow
+def test_mlflow_telemetry_is_off_in_our_processes_unless_the_user_turns_it_on():
+    """Off in a process that imports elastic_gpt, before MLflow is imported, and in the workers'
+    environment; a user's MLFLOW_DISABLE_TELEMETRY=false is kept. Run outside pytest's and CI's
+    variables, which MLflow reads as 'do not track' by itself."""
+    probe = ("import os, elastic_gpt, mlflow\n"
+             "from mlflow.telemetry.client import get_telemetry_client\n"
+             "from mlflow.telemetry.utils import is_telemetry_disabled\n"
+             "from elastic_gpt.elastic.worker_group_job import worker_env\n"
+             "print(is_telemetry_disabled(), get_telemetry_client() is None,"
+             " worker_env()['MLFLOW_DISABLE_TELEMETRY'])")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS", "MLFLOW_DISABLE_TELEMETRY",
+                         "DO_NOT_TRACK")}
+
+    def run(env):
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run(base) == ["True", "True", "true"]
+    assert run({**base, "MLFLOW_DISABLE_TELEMETRY": "false"})[::2] == ["False", "false"]
+
+
 # ---------------------------------------------------------------------------- bad input (C6 clear
 # errors)
 

@@ -25,9 +25,12 @@ from elastic_gpt.console import last_line
 # Storage endpoints and regions travel to the workers; credentials never do (they would show in
 # the job's runtime env): workers get those from the node (instance role, env, or config files).
 # RUST_LOG: the level of torchft's Rust core with replica groups (warn unless set,
-# parallel/replicate.keep_torchft_detail).
+# parallel/replicate.keep_torchft_detail). MLFLOW_DISABLE_TELEMETRY: the driver's choice (off
+# unless the user turned it on, see elastic_gpt/__init__.py), in place before a worker imports
+# MLflow.
 FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
-                 "FSSPEC_S3_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "RUST_LOG")
+                 "FSSPEC_S3_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "RUST_LOG",
+                 "MLFLOW_DISABLE_TELEMETRY")
 
 # The fabric's, NCCL's and the CUDA allocator's settings a GPU run is tuned with on the driver
 # (or in the job's environment): NCCL_* (NCCL itself), FI_* (libfabric: EFA), TORCH_NCCL_*

@@ -50,48 +50,101 @@ def resolve_run(uri: str, experiment: str, run_name: str, existing_run_id: str |
 
     An unreachable server does not stop training: the stored id is kept (workers queue metrics
     and retry), or, for a new run, None (no tracking for this submission) with a warning. A local
-    store that cannot be opened is a config error (ValueError)."""
+    store that cannot be opened is a config error (ValueError). Anything else MLflow raises is
+    retried once, then raised as `TrackingSetupError` (a fault, not the user's input)."""
     problem = server_reachable(uri)
     if problem:
         _warn_degraded(uri, problem, existing_run_id)
         return existing_run_id
-    try:
-        env = environment_info()
-        with bounded_http():
-            client = mlflow_client(uri)
-            run_id = _reuse_run(client, uri, existing_run_id)
-            if run_id is None:
-                exp = client.get_experiment_by_name(experiment)
-                exp_id = exp.experiment_id if exp else client.create_experiment(
-                    experiment, artifact_location=local_artifact_root(uri),
-                    tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
-                run = client.create_run(exp_id, run_name=run_name, tags=_redacted_tags(tags))
-                run_id = run.info.run_id
-                log_params(client, run_id, {**params, **(added_params or {}),
-                                            **{f"env.{k}": v for k, v in env.items()}})
-            else:
-                have = client.get_run(run_id).data.params
-                log_params(client, run_id, {k: v for k, v in (added_params or {}).items()
-                                            if k not in have})
-            mark_training_experiment(client, client.get_run(run_id).info.experiment_id)
-            if datasets:
-                log_datasets(client, run_id, datasets)
-            for k, v in {**env, **job_info(), **(tags or {})}.items():
-                client.set_tag(run_id, k, redact(v)[:5000])
-            log_events_with(client, run_id, [{
-                "kind": "submission", "at": time.time(), "resumed_from_step": resumed_from_step,
-                **job_info()}])
-            return run_id
-    except Exception as e:
-        if _is_auth_error(e):  # not transient: a retry would fail the same way
-            raise ValueError(f"the MLflow server at tracking.uri={redact(uri)} refused the "
-                             f"credentials ({redact(first_line(e))}); fix the user:password in "
-                             "tracking.uri or MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN") from None
-        if is_remote(uri):
-            _warn_degraded(uri, first_line(e), existing_run_id)
-            return existing_run_id
-        raise ValueError(f"tracking.uri={redact(uri)} cannot be used ({redact(first_line(e))}); "
-                         "fix the path, or set tracking.enabled=false") from None
+    created: list[str] = []  # a run a failed attempt made is the run a retry goes on with
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return _open_run(uri, experiment, run_name, existing_run_id, params, tags,
+                             resumed_from_step, added_params, datasets, created)
+        except Exception as e:
+            if _is_auth_error(e):  # not transient: a retry would fail the same way
+                raise ValueError(
+                    f"the MLflow server at tracking.uri={redact(uri)} refused the credentials "
+                    f"({redact(first_line(e))}); fix the user:password in tracking.uri or "
+                    "MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN") from None
+            if is_remote(uri):
+                _warn_degraded(uri, first_line(e), existing_run_id)
+                return existing_run_id
+            if _is_store_problem(e):
+                raise ValueError(f"tracking.uri={redact(uri)} cannot be used "
+                                 f"({redact(first_line(e))}); fix the path, or set "
+                                 "tracking.enabled=false") from None
+            if attempt == SETUP_ATTEMPTS:
+                # Not the store and not the user's input: a library failed. Its own error, with
+                # the traceback, is what a report needs; blaming tracking.uri would mislead.
+                raise TrackingSetupError(
+                    f"MLflow failed {SETUP_ATTEMPTS} times while opening the run in "
+                    f"{redact(uri)} ({type(e).__name__}: {redact(first_line(e))}); the store "
+                    "itself answered, so this is a fault in MLflow or elastic-gpt, not in "
+                    "tracking.uri") from e
+            log.warning("MLflow failed while opening the run in %s (%s: %s); retrying",
+                        redact(uri), type(e).__name__, redact(first_line(e)))
+            time.sleep(SETUP_RETRY_S)
+
+
+class TrackingSetupError(RuntimeError):
+    """MLflow raised something no store problem or input of the user's explains, on every try."""
+
+
+SETUP_ATTEMPTS = 2
+SETUP_RETRY_S = 1.0
+# What a local store's own faults raise: the database file or its folder (OSError), SQLite
+# ("file is not a database", "unable to open database file", a read-only file) and MLflow's
+# store checks (an out-of-date schema). "database is locked" is another process's write in
+# flight: retried like any other transient error.
+_STORE_ERROR_MODULES = ("sqlite3", "sqlalchemy")
+
+
+def _is_store_problem(exc: BaseException) -> bool:
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        module = type(e).__module__.split(".")[0]
+        if "database is locked" in str(e):
+            return False
+        if isinstance(e, OSError) or module in _STORE_ERROR_MODULES or \
+                type(e).__name__ == "MlflowException":
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _open_run(uri, experiment, run_name, existing_run_id, params, tags, resumed_from_step,
+              added_params, datasets, created: list[str]) -> str:
+    env = environment_info()
+    with bounded_http():
+        client = mlflow_client(uri)
+        run_id = _reuse_run(client, uri, created[0] if created else existing_run_id)
+        if run_id is None:
+            exp = client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else client.create_experiment(
+                experiment, artifact_location=local_artifact_root(uri),
+                tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+            run_id = client.create_run(exp_id, run_name=run_name, tags=_redacted_tags(tags)).info.run_id
+            created.append(run_id)
+        # A new run (or one an earlier attempt of this call made) gets every param; a reused
+        # run only the added ones it lacks (an existing param is never changed).
+        wanted = {**params, **(added_params or {}), **{f"env.{k}": v for k, v in env.items()}} \
+            if created else (added_params or {})
+        have = client.get_run(run_id).data.params
+        log_params(client, run_id, {k: v for k, v in wanted.items() if k not in have})
+        mark_training_experiment(client, client.get_run(run_id).info.experiment_id)
+        if datasets:
+            log_datasets(client, run_id, datasets)
+        for k, v in {**env, **job_info(), **(tags or {})}.items():
+            client.set_tag(run_id, k, redact(v)[:5000])
+        log_events_with(client, run_id, [{
+            "kind": "submission", "at": time.time(), "resumed_from_step": resumed_from_step,
+            **job_info()}])
+        return run_id
 
 
 def _is_auth_error(e: Exception) -> bool:
@@ -117,9 +170,12 @@ def _reuse_run(client, uri: str, run_id: str | None) -> str | None:
         return None
     try:
         run = client.get_run(run_id)
-    except Exception as e:  # deleted, or another store: start a fresh run rather than fail
-        log.warning("MLflow run %s not found in %s (%s); starting a new run", run_id, redact(uri),
-                    type(e).__name__)
+    except Exception as e:
+        # Deleted for good, or another store: start a fresh run rather than fail. Any other
+        # error is raised (and retried): a second run for one checkpoint trajectory is worse.
+        if str(getattr(e, "error_code", "")) != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        log.warning("MLflow run %s not found in %s; starting a new run", run_id, redact(uri))
         return None
     if run.info.lifecycle_stage == "deleted":
         log.warning("MLflow run %s in %s is deleted; starting a new run", run_id, redact(uri))
