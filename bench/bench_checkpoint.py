@@ -1,4 +1,4 @@
-"""Checkpoint stall: how long the training loop is blocked per checkpoint, async vs sync (issue 6).
+"""Checkpoint stall: how long the training loop is blocked per checkpoint, async vs sync.
 
     .venv/bin/python bench/bench_checkpoint.py [--steps 15] [--every 3] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""Checkpoint write throughput per rank: 1 upload stream vs N, to a loopback S3 server (issue 23).
+"""Checkpoint write throughput per rank: 1 upload stream vs N, to a loopback S3 server.
 
     .venv/bin/python bench/bench_checkpoint_streams.py [--preset gpt2-124m] [--world 2]
         [--streams 1,2,4,8] [--rounds 3] [--optimizer] [--json out.json]

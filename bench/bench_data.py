@@ -1,4 +1,4 @@
-"""Data pipeline figures, side by side in one run on this machine (issue 3).
+"""Data pipeline figures, side by side in one run on this machine.
 
     .venv/bin/python bench/bench_data.py [--corpus GLOB] [--max-bytes 32MB] [--steps 200]
 

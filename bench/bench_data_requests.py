@@ -1,5 +1,5 @@
 """Object-store requests per trained sample of a streamed run, counted by a real S3-protocol server
-on loopback (moto), for this checkout and an older one side by side (issue 23, item 7).
+on loopback (moto), for this checkout and, with `--code`, another one side by side.
 
     .venv/bin/python bench/bench_data_requests.py [--code OLD_CHECKOUT] [--steps 60]
 

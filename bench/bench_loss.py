@@ -1,4 +1,4 @@
-"""The loss from whole logits against the chunked loss, side by side in one process (issue 23).
+"""The loss from whole logits against the chunked loss, side by side in one process.
 
     .venv/bin/python bench/bench_loss.py [--preset gpt2-124m] [--seq-len 256] [--micro-batch 4]
         [--rounds 4] [--dtype float32] [--json out.json]
@@ -7,7 +7,7 @@ One GPT (GPT-2's 50,304-row vocabulary) and one fused AdamW; each round runs one
 with each loss, alternating (the same machine noise for both), on the same random token batch:
 
   whole    `token_losses(model(x), y)`: the (B, T, vocab) logits, their fp32 copy and, in the
-           backward, their gradient (the loss before this change)
+           backward, their gradient (the plain cross-entropy)
   chunked  `model(x, targets=y)`: `chunked_token_losses`, the upcast and log-softmax on
            LOSS_CHUNK_LOGITS logits at a time, the logits' gradient kept in the compute dtype
            (the loss the trainer runs without tensor parallelism)

@@ -1,5 +1,5 @@
 """Pipeline parallelism on CPU: the bytes a step sends between stages against the planner's count,
-and the bubble measured against its formula (issue 25).
+and the bubble measured against its formula.
 
     python bench/bench_pipeline.py [--steps 6] [--json out]
 

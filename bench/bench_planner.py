@@ -1,4 +1,4 @@
-"""The planner (elastic_gpt/planner/) checked against measurements on this machine (issue 7).
+"""The planner (elastic_gpt/planner/) checked against measurements on this machine.
 
     .venv/bin/python bench/bench_planner.py [--only memory,comm,tp,goodput] [--goodput-s 200]
 
@@ -16,7 +16,7 @@ Prints predicted / measured ratios for:
            by wrapping torch.distributed.all_gather_single / reduce_scatter_single, each call
            counted as (N-1)/N x the full (gathered / pre-reduction) tensor, the ring formula the
            planner uses
-  tp       tensor parallelism and HSDP (issue 11): bytes each rank sends per step, the planner's
+  tp       tensor parallelism and HSDP: bytes each rank sends per step, the planner's
            step_time(..., tp, hsdp) (.tp_bytes, .all_gather_bytes, .reduce_scatter_bytes,
            .all_reduce_bytes) vs the collectives the trainer issues at tp=2 (W=2), dp=2 x tp=2
            (W=4) and HSDP 2 x 2 (two "nodes" named by rank_nodes): FSDP2's through the

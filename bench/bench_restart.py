@@ -1,5 +1,5 @@
 """Restart cost: the time from a worker's start to its first step, fresh and resumed, split into
-the weight init, the checkpoint read and the rest (issue 23).
+the weight init, the checkpoint read and the rest.
 
     .venv/bin/python bench/bench_restart.py [--preset gpt2-774m] [--workers 2] [--code DIR]
                                             [--json out.json]

@@ -1,4 +1,4 @@
-"""Trainer overhead, data-parallel scaling and MFU, measured side by side in one run (issue 6).
+"""Trainer overhead, data-parallel scaling and MFU, measured side by side in one run.
 
     .venv/bin/python bench/bench_trainer.py [--repeats 2] [--steps 10] [--json out.json]
 

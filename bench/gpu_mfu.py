@@ -1,4 +1,4 @@
-"""MFU and tokens/s on one NVIDIA GPU: the trainer's own GPU path, model by model (issue 6).
+"""MFU and tokens/s on one NVIDIA GPU: the trainer's own GPU path, model by model.
 
     python bench/gpu_mfu.py [--models gpt2-124m,gpt2-350m,gpt3-1.3b] [--steps 20] [--json out]
 

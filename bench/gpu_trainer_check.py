@@ -1,4 +1,4 @@
-"""The real Trainer on one GPU over NCCL: it learns, saves asynchronously and resumes (issue 24).
+"""The real Trainer on one GPU over NCCL: it learns, saves asynchronously and resumes.
 
     python bench/gpu_trainer_check.py [--steps 30] [--json out] [--cpu-dry-run]
 
