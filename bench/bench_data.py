@@ -129,9 +129,11 @@ def bench_reader(data: str, steps: int, model_steps: int) -> dict:
     r["reader_vs_model"] = r["reader_tokens_s"] / r["model_tokens_s"]
     r["data_wait_share"] = wait / total
 
-    # The optional Ray Data engine, same steps, start-up of its first chunk included.
-    with open_step_stream(data, batch_split=plan, rank=0, world_size=1, start_step=0, seed=1,
-                          engine="ray_data") as s:
+    # The same steps read by Ray Data tasks (ray_data_stream.py), start-up of its first chunk
+    # included.
+    from ray_data_stream import RayDataStepStream
+    with RayDataStepStream(load_manifest(data), batch_split=plan, rank=0, world_size=1,
+                           start_step=0, seed=1) as s:
         t = time.perf_counter()
         for _ in range(steps):
             next(s)

@@ -1,4 +1,4 @@
-"""Training health (train/health.py, train/replica_check.py, train/stragglers.py): what the checks
+"""Training health (health/recovery.py, health/silent_corruption.py, health/stragglers.py): what the checks
 cost a healthy run, and what each automatic action costs when it fires.
 
     .venv/bin/python bench/bench_health.py [--steps 60] [--repeats 2] [--parts overhead,...]
@@ -58,28 +58,23 @@ class TimedSink(NullMetricSink):
             self.steps.append((step, time.time(), metrics[mn.TRAIN_STEP_TIME_S]))
 
 
-def _run(rank: int, world: int, overrides: list[str], nodes: list[str] | None) -> dict:
+def _run(rank: int, world: int, overrides: list[str], nodes: list[str] | None, faults) -> dict:
     from elastic_gpt.config import load_config
+    from elastic_gpt.health.faults import NoFaults
     from elastic_gpt.train.trainer import Trainer
 
     sink = TimedSink()
     trainer = Trainer(load_config(os.path.join(ROOT, "jobs/configs/mini.yaml"), overrides),
                       rank=rank, world_size=world, mlflow_run_id=None, metrics=sink,
-                      rank_nodes=nodes)
+                      rank_nodes=nodes, faults=(faults or NoFaults()).for_rank(rank))
     trainer.train()
     return {"steps": sink.steps, "events": trainer.ledger.events}
 
 
-def _gloo(world, overrides, nodes=None, env=None):
+def _gloo(world, overrides, nodes=None, faults=None):
     from elastic_gpt.testing.gloo import run_gloo
 
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        return run_gloo(_run, world, overrides, nodes)[0]
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    return run_gloo(_run, world, overrides, nodes, faults)[0]
 
 
 def overhead(data: str, tmp: str, steps: int, repeats: int, hsdp: bool = True) -> dict:
@@ -127,28 +122,28 @@ def spike(data: str, tmp: str) -> dict:
 
 
 def hardware(data: str, tmp: str) -> dict:
-    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
 
     got = _gloo(2, [*_test_job(data), f"checkpoint.path={tmp}/hw", "scaling.min_workers=1"],
-                env={FLIP_BIT_ENV: f"1:{BAD_AT}"})
+                faults=HardwareFaults(FlippedBit(rank=1, step=BAD_AT)))
     return {"first_bad_step": BAD_AT + 1, **_recovery(got)}
 
 
 def gradient(data: str, tmp: str) -> dict:
-    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
 
     got = _gloo(2, [*_test_job(data), f"checkpoint.path={tmp}/grad", "scaling.min_workers=1"],
-                env={FLIP_BIT_ENV: f"1:{BAD_AT + 1}:grad"})
+                faults=HardwareFaults(FlippedBit(rank=1, step=BAD_AT + 1, in_gradient=True)))
     fault = next(e for e in got["events"] if e["kind"] == "hardware fault")
     return {"first_bad_step": BAD_AT + 1, "ranks_named": fault["ranks"], **_recovery(got)}
 
 
 def sdc(data: str, tmp: str) -> dict:
-    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
 
     got = _gloo(3, [*_test_job(data), f"checkpoint.path={tmp}/sdc", "scaling.min_workers=1",
                     "parallel.hsdp=on", "train.global_batch_size=12", "train.micro_batch_size=2"],
-                ["a", "b", "c"], env={FLIP_BIT_ENV: f"2:{BAD_AT}:3"})
+                ["a", "b", "c"], faults=HardwareFaults(FlippedBit(rank=2, step=BAD_AT, bit=3)))
     event = next(e for e in got["events"] if e["kind"] == "silent data corruption")
     step_s = {step: s for step, _, s in got["steps"]}
     median = statistics.median(step_s.values())

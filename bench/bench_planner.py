@@ -145,7 +145,7 @@ def _mem_worker(rank: int, world: int, cases: list, data: dict, steps: int) -> l
         stream = open_step_stream(c.data.path, batch_split=BatchSplit(G, mb), rank=rank,
                                   world_size=WORLD, start_step=0, seed=c.data.seed)
         trainer.train_step(next(stream))
-        resharded = trainer.reshard_after_forward
+        resharded = trainer.layout.memory.reshard_after_forward
         assert resharded == row["reshard_after_forward"], (resharded, row)
         counter.reset()
         for _ in range(steps):
@@ -330,7 +330,7 @@ def _tp_worker(rank: int, world: int, case: tuple, data: str, steps: int) -> dic
             trainer.train_step(next(stream))
     stream.close()
     row = {"case": list(case), "grad_sync": cfg.train.grad_sync,
-           "reshard_after_forward": trainer.reshard_after_forward,
+           "reshard_after_forward": trainer.layout.memory.reshard_after_forward,
            "dims": trainer.dims.describe(),
            "fsdp_bytes": {k: v / steps for k, v in fsdp.bytes.items()},
            "fsdp_by_group": {f"{k}/{n}": v / steps for (k, n), v in fsdp.by_group.items()},

@@ -33,6 +33,33 @@ def stdlib_dataset(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def s3():
+    """A real S3-protocol server on loopback (moto) with one bucket, for a test module."""
+    from elastic_gpt.testing.s3_server import S3Server
+
+    server = S3Server()
+    server.make_bucket()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A small local Ray instance for a data test module, stopped at the module's end (only if
+    this fixture started it): other modules start clusters of other shapes."""
+    import ray
+
+    if ray.is_initialized():
+        yield None
+        return
+    tmp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray_data_tests")
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False,
+             _temp_dir=tmp, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray instance for a module's training tests (4 logical CPUs: W=3 fits on 2 cores)."""
     import ray

@@ -59,12 +59,14 @@ def overrides(env, name: str, min_workers: int = 1, extra: tuple[str, ...] = ())
             f"scaling.min_workers={min_workers}", "scaling.max_workers=2", *extra]
 
 
-def train(env, name: str, fault=None, min_workers: int = 1, extra: tuple[str, ...] = ()):
+def train(env, name: str, fault=None, min_workers: int = 1, extra: tuple[str, ...] = (),
+          faults=None):
     """Train in a thread while `fault(cfg)` runs here: Ray starts nodes only from the main
-    thread. Returns (summary, cfg, what the fault returned)."""
+    thread. Returns (summary, cfg, what the fault returned). `faults`: hardware faults the
+    workers inject (testing/hardware_faults.py)."""
     cfg = load_config("jobs/configs/mini.yaml", overrides(env, name, min_workers, extra))
     if fault is None:
-        return run_training(cfg), cfg, None
+        return run_training(cfg, faults=faults), cfg, None
     summary, injected = train_in_background(cfg, lambda: fault(cfg))
     return summary, cfg, injected
 
@@ -371,7 +373,7 @@ def test_a_straggler_is_evicted_and_the_run_goes_on_in_order(cluster, reference)
     """One worker's process slowed for real (SIGSTOP 15 ms / SIGCONT 5 ms over and over: its
     device gets a quarter of the time). Its probe of fixed matmuls is slower than its peer's at
     `health.straggler_checks` probes in a row: it is named, its node drained, and the group
-    restarts without it and trains on in the same data order (train/stragglers.py)."""
+    restarts without it and trains on in the same data order (health/stragglers.py)."""
     from elastic_gpt.testing.cluster import DutyCycled, training_workers
 
     every, checks = 2, 3
@@ -424,21 +426,19 @@ def test_a_straggler_is_evicted_and_the_run_goes_on_in_order(cluster, reference)
           f"step {found[0]['step']}, {found[0]['ratios'][0]:.1f}x the median probe")
 
 
-def test_a_hardware_fault_drains_its_node_and_the_run_goes_on_in_order(cluster, reference,
-                                                                      monkeypatch):
+def test_a_hardware_fault_drains_its_node_and_the_run_goes_on_in_order(cluster, reference):
     """The top exponent bit of rank 1's parameters flipped by the update of step 8, a checkpoint
-    step, in a real worker (train/health.FLIP_BIT_ENV, forwarded to the workers): the loss is
+    step, in a real worker (testing/hardware_faults.py, in the workers' loop config): the loss is
     non-finite, the run rolls back past that checkpoint and re-runs, the re-run differs, so rank
     1's hardware is blamed and its node drained; the group restarts without it and finishes in
     the reference's data order, nothing skipped."""
-    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
 
     flip_at = 8
-    monkeypatch.setenv(FLIP_BIT_ENV, f"1:{flip_at}")
     # FSDP over both nodes: with HSDP (auto's choice here) the replicas' comparison catches the
     # flip before any loss sees it (tests/test_health.py), and with two replicas names no rank.
-    summary, cfg, _ = train(cluster.env, "hardware", min_workers=1, extra=("parallel.hsdp=off",))
-    monkeypatch.delenv(FLIP_BIT_ENV)
+    summary, cfg, _ = train(cluster.env, "hardware", min_workers=1, extra=("parallel.hsdp=off",),
+                            faults=HardwareFaults(FlippedBit(rank=1, step=flip_at)))
     assert summary["step"] == STEPS
     assert_same_training(metrics(cluster.env, summary), reference, exact=False)
     events = events_of(summary)

@@ -29,7 +29,6 @@ from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore, step_di
 from elastic_gpt.config import CheckpointSection
 from elastic_gpt.model.gpt import GPT, GPTConfig
 from elastic_gpt.testing.gloo import run_gloo
-from elastic_gpt.testing.s3_server import s3  # noqa: F401  (the loopback S3 server fixture)
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=32)
 
@@ -145,7 +144,7 @@ def test_checkpointer_saves_on_its_cadence_and_when_forced(tmp_path, async_save,
     for step in range(1, 8):
         state["step"] = step
         ckpt.poll()
-        if ckpt.save(step, force=step == 7):  # 7: the last step
+        if ckpt.save(step, last_step=step == 7):
             saved.append(step)
     ckpt.finish()
     assert saved == flushes == [3, 6, 7] and len(blocked) == 3
@@ -156,6 +155,43 @@ def test_checkpointer_saves_on_its_cadence_and_when_forced(tmp_path, async_save,
     load_model_weights(store.latest().url, fresh)
     for (n, p), (_, q) in zip(fresh.named_parameters(), model.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_discard_after_waits_out_the_save_in_flight_then_deletes_it(tmp_path, one_rank_group):
+    """A rollback abandons every step after its target: a save of one of them still in flight
+    lands first (its commit is a second away here), then it is deleted with the others."""
+    import time
+
+    store = CheckpointStore(str(tmp_path))
+    ckpt = make_checkpointer(
+        CheckpointSection(path=str(tmp_path), every_steps=1, keep=10, async_save=True), store,
+        rank=0, model=models(1)[0], optimizer=None, trainer_state=lambda: {},
+        extra_files=lambda step_url: time.sleep(1.0))  # before the commit, in the background
+    for step in (1, 2, 3):
+        assert ckpt.save(step)
+    assert ckpt.in_flight  # step 3's write
+    assert ckpt.discard_after(1) == [2, 3]
+    assert not ckpt.in_flight and sorted(store.step_dirs()) == [1]
+    ckpt.finish()
+    assert store.latest().step == 1
+
+
+def test_who_saves_and_what_a_start_removes(tmp_path, one_rank_group):
+    """A group that does not save this step (another replica group leads it, or suspect steps
+    are re-run) writes nothing, not even a last step. At the start, an uncommitted step folder is
+    a leftover only where this group writes alone: with other writers it may be a save in
+    flight."""
+    store = CheckpointStore(str(tmp_path))
+    args = dict(rank=0, model=models(1)[0], optimizer=None, trainer_state=lambda: {})
+    section = CheckpointSection(path=str(tmp_path), every_steps=1, keep=10, async_save=False)
+    idle = make_checkpointer(section, store, may_save=lambda: False, **args)
+    assert not idle.save(4, last_step=True) and store.step_dirs() == {}
+    store.prepare_step_dir(5)
+    (tmp_path / "step_00000005" / "part.distcp").write_bytes(b"torn")
+    make_checkpointer(section, store, writes_alone=False, **args).start()
+    assert sorted(store.step_dirs()) == [5]
+    make_checkpointer(section, store, writes_alone=True, **args).start()
+    assert store.step_dirs() == {}
 
 
 # ---- the clock cadence, on every rank ------------------------------------------------------------
@@ -178,7 +214,7 @@ def _clock_cadence_rank(rank: int, world: int, root: str) -> dict:
             now[0] += 60.0 if rank == 0 else 420.0
             state["step"] = step
             ckpt.poll()
-            if ckpt.save(step, force=step == 10):  # 10: the last step
+            if ckpt.save(step, last_step=step == 10):
                 saved[run].append(step)
         ckpt.finish()
     return saved

@@ -111,7 +111,7 @@ def test_a_pipeline_the_run_cannot_fill_or_schedule_is_one_clear_line():
     assert (cfg.parallel.pp, cfg.parallel.pp_schedule) == (2, "1f1b")
     # replica groups of whole pipelines: 2 groups of one pipeline each; 4 groups of one worker
     # would cut the pipelines (the launcher's preflight asks `group_size`)
-    from elastic_gpt.elastic.replica_groups import group_size
+    from elastic_gpt.elastic.replica_group_driver import group_size
     assert group_size(load_config(TINY, [*ok, "elastic.replica_groups=2"])) == 2
     with pytest.raises(ValueError, match=r"groups of a multiple of parallel.pp x parallel.tp = 2"):
         group_size(load_config(TINY, [*ok, "elastic.replica_groups=4"]))

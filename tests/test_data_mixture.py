@@ -156,10 +156,6 @@ def test_sources_must_share_tokenizer_and_seq_len(sources, tmp_path):
         load_training_manifest(_data([sources[0], str(tmp_path / "long")], [1.0, 1.0]))
     with pytest.raises(ValueError, match="is not a prepared dataset"):
         load_training_manifest(_data([sources[0], str(tmp_path / "missing")], [1.0, 1.0]))
-    with pytest.raises(ValueError, match="ray_data engine reads one dataset"):
-        open_step_stream(open_training_data(_data(sources[:2], [1.0, 1.0])),
-                         batch_split=BatchSplit(4, 1), rank=0, world_size=1, start_step=0, seed=0,
-                         engine="ray_data")
 
 
 def _train_worker(rank: int, world: int, overrides: list[str]) -> dict:

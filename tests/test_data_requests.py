@@ -14,8 +14,6 @@ from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.testing.gloo import run_gloo
 
-pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixture: s3 (loopback S3 server)
-
 SEED, WINDOW, STEPS = 3, 256, 60
 SPLIT = BatchSplit(global_batch_size=16, micro_batch_size=2)
 BLOCK_BYTES = 16 << 10  # 126 records of 65 uint16 tokens: each holds many of a rank's samples

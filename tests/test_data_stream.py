@@ -15,9 +15,7 @@ from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.fingerprint import sample_hash
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.order import BatchSplit, SampleOrder
-from elastic_gpt.data.stream import CorruptShardError, RayDataStepStream, ShardReader, open_step_stream
-
-pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
+from elastic_gpt.data.stream import CorruptShardError, ShardReader, open_step_stream
 
 SEED, WINDOW = 7, 64  # a window smaller than the dataset exercises the windowed shuffle
 
@@ -193,21 +191,6 @@ def test_stream_from_s3_matches_local_and_detects_corruption(dataset, s3):
                           storage_options=so) as s, \
             pytest.raises(CorruptShardError, match="shard-00000.bin .*record 0 "):
         next(s)
-
-
-@pytest.mark.slow
-def test_ray_data_engine_gives_the_same_steps(dataset, ray_local):
-    """The optional Ray Data reader honours C2 data order exactly like the default thread reader."""
-    plan = BatchSplit(global_batch_size=12, micro_batch_size=2)
-    for rank in range(2):
-        kw = dict(batch_split=plan, rank=rank, world_size=2, start_step=3, seed=SEED,
-                  shuffle_window=WINDOW)
-        with open_step_stream(dataset, **kw) as a, \
-                RayDataStepStream(load_manifest(dataset), chunk_steps=4, **kw) as b:
-            for _ in range(6):  # chunk_steps=4 below: crosses a chunk boundary
-                x, y = next(a), next(b)
-                assert (x.step, x.fingerprint, x.weights) == (y.step, y.fingerprint, y.weights)
-                assert all(torch.equal(p, q) for p, q in zip(x.tokens, y.tokens))
 
 
 def test_unreachable_storage_is_one_line():

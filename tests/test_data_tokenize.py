@@ -18,8 +18,6 @@ from data_pipelines.tokenize_job import prepare_data
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.data.stream import decode_documents
 
-pytest_plugins = ["elastic_gpt.testing.s3_server"]  # fixtures: s3 (loopback S3 server), ray_local
-
 DOCS = [
     "Hello, world!\nThis is the first document.\n",
     "Ünïcödé ✓ — emoji 😀 and CJK 漢字, tabs\tand trailing spaces   \n",

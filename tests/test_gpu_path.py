@@ -301,7 +301,7 @@ def trainers(world1, stdlib_dataset, tmp_path_factory):
 
 def test_the_setup_line_says_what_auto_chose(trainers):
     # A 4-layer model is far below 1/8 of this host's memory: auto keeps it gathered.
-    assert not trainers["float32"].reshard_after_forward
+    assert not trainers["float32"].layout.memory.reshard_after_forward
     line = trainers["bfloat16"].setup_line()
     assert "1 worker(s) on cpu (gloo)" in line and "bfloat16" in line
     assert "reshard_after_forward=never (auto), grad_sync=step" in line

@@ -1,4 +1,4 @@
-"""Training health (train/health.py): loss spikes and non-finite losses rolled back, attributed by
+"""Training health (elastic_gpt/health/): loss spikes and non-finite losses rolled back, attributed by
 re-running, and the blamed data skipped, with real faults: a dataset whose samples at known steps
 are garbage (data), and one exponent bit of one rank's parameters flipped (hardware)."""
 
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from elastic_gpt.data.skips import DataSkips
-from elastic_gpt.train.health import SpikeDetector
+from elastic_gpt.health.spikes import SpikeDetector
 
 G = 8
 SEED = 1234
@@ -80,16 +80,17 @@ def test_a_stream_with_skips_reads_the_later_steps_batches(stdlib_dataset):
 
 # ---- real faults in real training ----------------------------------------------------------------
 
-def _train(rank: int, world: int, overrides: list[str], rank_nodes: list[str] | None = None
-           ) -> dict:
+def _train(rank: int, world: int, overrides: list[str], rank_nodes: list[str] | None = None,
+           faults=None) -> dict:
     from elastic_gpt.config import load_config
+    from elastic_gpt.health.faults import NoFaults
     from elastic_gpt.testing.step_recorder import StepRecorder
     from elastic_gpt.train.trainer import Trainer
 
     recorder = StepRecorder()
     trainer = Trainer(load_config("jobs/configs/mini.yaml", overrides), rank=rank,
                       world_size=world, mlflow_run_id=None, metrics=recorder,
-                      rank_nodes=rank_nodes)
+                      rank_nodes=rank_nodes, faults=(faults or NoFaults()).for_rank(rank))
     trainer.train()
     return {"seen": recorder.seen, "events": trainer.ledger.events,
             "summary": trainer.ledger.summary(), "skips": trainer.health.skips.to_list(),
@@ -162,21 +163,21 @@ def clean_two_ranks(stdlib_dataset, tmp_path_factory) -> dict:
 # element in rank 0's shard (the flat input's first element is rank 0's), so the weights'
 # checksums alone would not name rank 1; its gradients' do. The gradient is non-finite: the step
 # is skipped, and the non-finite step is the spike (train.nan_patience 0).
-FAULTS = {"weights": ("1:40", 41), "gradient": ("1:41:grad", 41)}
+FAULTS = {"weights": (dict(rank=1, step=40), 41),
+          "gradient": (dict(rank=1, step=41, in_gradient=True), 41)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", sorted(FAULTS))
 def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
-        where, stdlib_dataset, clean_two_ranks, tmp_path, monkeypatch):
+        where, stdlib_dataset, clean_two_ranks, tmp_path):
     from elastic_gpt.testing.gloo import run_gloo
-    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
 
     flip, first = FAULTS[where]
-    monkeypatch.setenv(FLIP_BIT_ENV, flip)
     got = run_gloo(_train, 2, [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1",
-                               f"checkpoint.path={tmp_path / 'run'}"])
-    monkeypatch.delenv(FLIP_BIT_ENV)
+                               f"checkpoint.path={tmp_path / 'run'}"], None,
+                   HardwareFaults(FlippedBit(**flip)))
     events = got[0]["events"]
     assert [e["kind"] for e in events] == ["loss spike", "rollback", "hardware fault"], events
     fault = events[2]
@@ -189,7 +190,7 @@ def test_a_flipped_bit_is_a_hardware_fault_on_its_rank_and_nothing_is_skipped(
     assert got[0]["seen"] == clean_two_ranks["seen"]
 
 
-def _train_until_restart(rank: int, world: int, overrides: list[str]) -> dict:
+def _train_until_restart(rank: int, world: int, overrides: list[str], faults) -> dict:
     """`_train` on ranks of two nodes, to the end or to a planned restart (its reason)."""
     from elastic_gpt.config import load_config
     from elastic_gpt.errors import ElasticRestart
@@ -198,7 +199,7 @@ def _train_until_restart(rank: int, world: int, overrides: list[str]) -> dict:
 
     trainer = Trainer(load_config("jobs/configs/mini.yaml", overrides), rank=rank,
                       world_size=world, mlflow_run_id=None, metrics=StepRecorder(),
-                      rank_nodes=["node-a", "node-b"][:world])
+                      rank_nodes=["node-a", "node-b"][:world], faults=faults.for_rank(rank))
     try:
         trainer.train()
         restart = None
@@ -211,7 +212,7 @@ def _train_until_restart(rank: int, world: int, overrides: list[str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("found_by", ["probe", "spike", "replicas"])
 def test_a_device_that_computes_wrong_is_found_by_its_known_answer_and_left_out(
-        found_by, stdlib_dataset, tmp_path, monkeypatch):
+        found_by, stdlib_dataset, tmp_path):
     """Rank 1's device computes wrong from step 40 on (a persistent fault): its probe's known
     answer changes. Found by the periodic probe (every 10 steps), or, with no periodic probe, by
     the probe a reproduced spike asks for before it blames the data (the fault flips the same bit
@@ -222,21 +223,20 @@ def test_a_device_that_computes_wrong_is_found_by_its_known_answer_and_left_out(
     the later ones deleted) and restarting without it; nothing skipped."""
     from elastic_gpt.checkpoint.store import CheckpointStore
     from elastic_gpt.testing.gloo import run_gloo
-    from elastic_gpt.train.health import FLIP_BIT_ENV
-    from elastic_gpt.train.stragglers import FAULTY_DEVICE_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults, WrongProbeAnswers
 
-    monkeypatch.setenv(FAULTY_DEVICE_ENV, "1:40")
+    faults = [WrongProbeAnswers(rank=1, from_step=40)]
     # FSDP over the two ranks (no replicas to compare), or HSDP's two replicas, which the
     # fault makes disagree with no majority.
     extra = {"probe": ["health.straggler_every_steps=10", "parallel.hsdp=off"],
              "spike": ["health.straggler_every_steps=1000", "parallel.hsdp=off"],
              "replicas": ["health.straggler_every_steps=1000", "parallel.hsdp=on"]}[found_by]
     if found_by != "probe":
-        monkeypatch.setenv(FLIP_BIT_ENV, "1:40:persistent")
+        faults.append(FlippedBit(rank=1, step=40, every_pass=True))
     root = tmp_path / "run"
     got = run_gloo(_train_until_restart, 2, [*ARGS, f"data.path={stdlib_dataset}",
                                              "scaling.min_workers=1", f"checkpoint.path={root}",
-                                             *extra])[0]
+                                             *extra], HardwareFaults(*faults))[0]
     kinds = [e["kind"] for e in got["events"]]
     expected = {"probe": ["hardware fault", "rollback"],
                 "spike": ["loss spike", "rollback", "hardware fault", "rollback"],
@@ -303,23 +303,22 @@ def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [["a", "b", "c"], ["a", "b"]], ids=["majority", "two"])
 def test_a_bit_flipped_in_one_replica_is_caught_before_it_is_used(stdlib_dataset, tmp_path,
-                                                                  monkeypatch, nodes):
+                                                                  nodes):
     """HSDP over 3 (or 2) nodes holds every shard on each: one low mantissa bit of one replica's
     parameters flipped between two steps (no spike follows) is found by the replicas' checksums
     before the next forward. With a majority the replica is overwritten from it; with two, the
     run rolls back to its newest checkpoint. Either way every loss equals an uncorrupted run's,
-    bit for bit (train/replica_check.py)."""
+    bit for bit (health/silent_corruption.py)."""
     from elastic_gpt.testing.gloo import run_gloo
-    from elastic_gpt.train.health import FLIP_BIT_ENV
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
 
     # After the update of step 20, a checkpoint step: that checkpoint may hold the corrupt value.
     world, flip_at = len(nodes), 20
     args = [*ARGS, f"data.path={stdlib_dataset}", "scaling.min_workers=1", "parallel.hsdp=on",
             "train.max_steps=40", "health.straggler_action=off", "train.micro_batch_size=2",
             "train.global_batch_size=12"]
-    monkeypatch.setenv(FLIP_BIT_ENV, f"{world - 1}:{flip_at}:3")
-    got = run_gloo(_train, world, [*args, f"checkpoint.path={tmp_path / 'run'}"], nodes)
-    monkeypatch.delenv(FLIP_BIT_ENV)
+    got = run_gloo(_train, world, [*args, f"checkpoint.path={tmp_path / 'run'}"], nodes,
+                   HardwareFaults(FlippedBit(rank=world - 1, step=flip_at, bit=3)))
     events = got[0]["events"]
     found = [e for e in events if e["kind"] == "silent data corruption"]
     assert len(found) == 1 and found[0]["step"] == flip_at, events
@@ -340,10 +339,10 @@ def test_a_bit_flipped_in_one_replica_is_caught_before_it_is_used(stdlib_dataset
     assert got[0]["seen"] == ref[0]["seen"]
 
 
-# ---- the replica groups' copies compared (train/replica_check.GroupCopiesCheck) ---------------
+# ---- the replica groups' copies compared (health/silent_corruption.GroupCopiesCheck) ----------
 
 def _group_main(group: int, groups: int, lighthouse: str, overrides: list[str],
-                flip: str | None, port: int, out: str) -> None:
+                faults, port: int, out: str) -> None:
     """One replica group of one rank: the real Trainer with a real torchft Manager, its process
     group made as a launcher makes it (the store at MASTER_ADDR:MASTER_PORT, which the Manager
     uses too). Saves what it logged, and its error if the copies differ with no majority."""
@@ -351,34 +350,32 @@ def _group_main(group: int, groups: int, lighthouse: str, overrides: list[str],
     import torch.distributed as dist
 
     from elastic_gpt.config import load_config
+    from elastic_gpt.health.faults import NoFaults
+    from elastic_gpt.health.silent_corruption import GroupCopiesDiffer
     from elastic_gpt.parallel.replicate import ReplicaGroup
     from elastic_gpt.testing.step_recorder import StepRecorder
-    from elastic_gpt.train.fault_tolerance import ReplicaGroups
-    from elastic_gpt.train.health import FLIP_BIT_ENV
-    from elastic_gpt.train.replica_check import ReplicaCopiesDiffer
+    from elastic_gpt.train.fault_tolerance import ReplicaGroupPath
     from elastic_gpt.train.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if flip:
-        os.environ[FLIP_BIT_ENV] = flip
     dist.init_process_group("gloo", rank=0, world_size=1)
     recorder = StepRecorder()
     member = ReplicaGroup(lighthouse=lighthouse, group=group, group_rank=0, group_size=1,
                           groups=groups, timeout_s=20.0)
     trainer = Trainer(load_config("jobs/configs/mini.yaml", overrides), rank=0, world_size=1,
-                      mlflow_run_id=None, metrics=recorder, fault_tolerance=ReplicaGroups(member))
+                      mlflow_run_id=None, metrics=recorder, fault_tolerance=ReplicaGroupPath(member),
+                      faults=(faults or NoFaults()).for_rank(0))
     try:
         trainer.train()
         result = {"seen": recorder.seen, "events": trainer.ledger.events,
                   "hash": member.local_state_hash(), "skips": trainer.health.skips.to_list()}
-    except ReplicaCopiesDiffer as e:
+    except GroupCopiesDiffer as e:
         result = {"error": str(e), "seen": recorder.seen}
     torch.save(result, out)
     os._exit(0)  # as testing/gloo.py: no teardown of torchft's threads after the result
 
 
-def _replica_groups_run(groups: int, overrides: list[str], flipped: dict[int, str],
-                        tmp: str) -> list:
+def _replica_groups_run(groups: int, overrides: list[str], flipped: dict, tmp: str) -> list:
     """`groups` groups trained side by side at a real Lighthouse (every group in every quorum:
     min_replicas is all of them); what each saved, or None for a group that died."""
     import torch
@@ -407,6 +404,12 @@ def _replica_groups_run(groups: int, overrides: list[str], flipped: dict[int, st
     return [torch.load(o, weights_only=False) if os.path.exists(o) else None for o in outs]
 
 
+def _flipped(step: int):
+    """A low mantissa bit of a one-rank group's copy, flipped by the update of `step`."""
+    from elastic_gpt.testing.hardware_faults import FlippedBit, HardwareFaults
+    return HardwareFaults(FlippedBit(rank=0, step=step, bit=3))
+
+
 @pytest.mark.slow
 def test_a_bit_flipped_in_one_replica_groups_copy_is_healed_from_the_majority(
         stdlib_dataset, tmp_path):
@@ -423,7 +426,7 @@ def test_a_bit_flipped_in_one_replica_groups_copy_is_healed_from_the_majority(
     args = [*ARGS, f"data.path={stdlib_dataset}", "train.micro_batch_size=2",
             f"train.max_steps={steps}", "health.straggler_action=off"]
     got = _replica_groups_run(3, [*args, f"checkpoint.path={tmp_path / 'run'}"],
-                              {2: f"0:{flip_at}:3"}, str(tmp_path))
+                              {2: _flipped(flip_at)}, str(tmp_path))
     ref = _replica_groups_run(3, [*args, f"checkpoint.path={tmp_path / 'reference'}"], {},
                               str(tmp_path))
     assert all(g is not None and "error" not in g for g in got + ref), got + ref
@@ -435,7 +438,7 @@ def test_a_bit_flipped_in_one_replica_groups_copy_is_healed_from_the_majority(
     assert got[0]["hash"] == got[1]["hash"] == got[2]["hash"] == ref[0]["hash"]
 
     two = _replica_groups_run(2, [*args, f"checkpoint.path={tmp_path / 'two'}"],
-                              {1: f"0:{flip_at}:3"}, str(tmp_path))
+                              {1: _flipped(flip_at)}, str(tmp_path))
     assert all(g is not None and "with no majority" in g.get("error", "") for g in two), two
     assert max(two[0]["seen"]) == flip_at  # step 21 was applied nowhere
     assert sorted(CheckpointStore(str(tmp_path / "two")).step_dirs()) == [10]
@@ -489,7 +492,7 @@ def test_a_probe_file_that_cannot_be_written_is_said_once_and_training_goes_on(t
     import torch
 
     from elastic_gpt.config import HealthSection
-    from elastic_gpt.train.stragglers import StragglerWatch
+    from elastic_gpt.health.stragglers import StragglerWatch
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_gpt.tracking", "elastic_gpt.data", "elastic_gpt.parallel", "elastic_gpt.cost_model"),
     ("elastic_gpt.config", "elastic_gpt.config_types"),
     ("elastic_gpt.checkpoint",),
+    ("elastic_gpt.health",),
     ("elastic_gpt.train", "elastic_gpt.inference"),
     ("elastic_gpt.elastic",),
     ("elastic_gpt.planner",),

@@ -123,10 +123,9 @@ def test_the_trainer_runs_and_records_what_it_resolved(stdlib_dataset, tmp_path)
         trainer = Trainer(cfg, rank=0, world_size=1, mlflow_run_id=None, metrics=sink)
         trainer.train()
         line = trainer.setup_line()
-    ms = trainer.memory_settings
+    ms = trainer.layout.memory
     # Two micro-batches on one CPU worker with room to spare: reduce once per step, keep gathered.
     assert (ms.grad_sync, ms.reshard_after_forward, ms.hsdp) == ("step", False, False)
-    assert trainer.reshard_after_forward is False
     assert sink.params["resolved.w1.grad_sync"] == "step"
     assert sink.params["resolved.w1.reshard_after_forward"] == "never"
     assert float(sink.params["resolved.w1.predicted_memory_gib"]) == pytest.approx(

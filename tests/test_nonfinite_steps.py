@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, overrides: list[str]) -> list[dict]:
             record["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
             record["new_state"] = {k: v for k, v in after.items() if k not in before}
             record["steps"] = sorted({float(v) for k, v in after.items() if k.endswith(".step")})
-            record["streak"] = trainer._nonfinite_streak
+            record["streak"] = trainer.nonfinite.count
             records.append(record)
             if "error" in record:
                 break

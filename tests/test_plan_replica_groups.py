@@ -176,7 +176,7 @@ def test_frequent_spot_losses_choose_replica_groups_and_write_a_config_the_launc
     assert written["scaling"]["min_workers"] == written["scaling"]["max_workers"] == 512
     cfg = load_config_from(written, tmp_path)
     assert cfg.elastic.replica_groups == n
-    from elastic_gpt.elastic.replica_groups import group_size
+    from elastic_gpt.elastic.replica_group_driver import group_size
     assert group_size(cfg) == 512 // n
     summary = plan_summary(plan)
     assert summary["replica_groups"] == n
@@ -292,7 +292,7 @@ def test_groups_of_whole_pipelines_are_planned_and_written(tmp_path):
     pipeline rank's part of the model (the largest rank's), and the written config carries both
     and loads."""
     from elastic_gpt.cost_model.pipeline import rank_shapes
-    from elastic_gpt.elastic.replica_groups import group_size
+    from elastic_gpt.elastic.replica_group_driver import group_size
 
     plan = plan_training(PlanInputs(model="gpt3-1.3b", gpu="H100", n_gpus=16, tokens=26e9,
                                     replica_groups=2, pp=2, spot_node_mtbf_h=12.0))

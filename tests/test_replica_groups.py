@@ -318,7 +318,7 @@ def _faults(cluster, folder: str, mlflow_db: str) -> dict:
 
 def test_survivors_keep_training_through_every_fault(stdlib_dataset, tmp_path, monkeypatch):
     from elastic_gpt.checkpoint.store import CheckpointStore
-    from elastic_gpt.elastic.replica_groups import RECORD_DIR_ENV, STATE_HASH_ENV
+    from elastic_gpt.elastic.replica_group_driver import RECORD_DIR_ENV, STATE_HASH_ENV
     from elastic_gpt.testing.cluster import LocalCluster, train_in_background
 
     reference = _reference(stdlib_dataset, str(tmp_path / "reference"))

@@ -1,4 +1,4 @@
-"""Replica groups that hold whole pipelines (issue 25): 2 groups, each one pipeline of 2 stages
+"""Replica groups that hold whole pipelines: 2 groups, each one pipeline of 2 stages
 (parallel.pp=2, 2 workers), on a real Ray cluster with a real Lighthouse. Group 1's rank-0 worker
 (its first stage) is SIGKILLed: group 0 goes on alone, its pipeline taking the whole step's
 micro-batches (a new schedule, for the new split), and group 1's run restarts and heals from
@@ -53,7 +53,7 @@ def _reference(data: str, root: str):
 
 def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
         stdlib_dataset, tmp_path, monkeypatch, capfd):
-    from elastic_gpt.elastic.replica_groups import RECORD_DIR_ENV, STATE_HASH_ENV
+    from elastic_gpt.elastic.replica_group_driver import RECORD_DIR_ENV, STATE_HASH_ENV
     from elastic_gpt.testing.cluster import LocalCluster, train_in_background
 
     reference = _reference(stdlib_dataset, str(tmp_path / "reference"))
@@ -102,7 +102,7 @@ def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
     # its loss within float noise.
     assert_steps_are_the_reference(committed, reference, STEPS)
 
-    # The restart path's quiet log (issue 26): torchft's per-step lines (quorum, reconfiguration,
+    # The quiet log of the restart path: torchft's per-step lines (quorum, reconfiguration,
     # commit vote; from its Python side and its Rust core) are in each worker's file, at debug
     # level, not on the console.
     console = "".join(capfd.readouterr()).splitlines()

@@ -18,7 +18,6 @@ from elastic_gpt.config import load_config
 from elastic_gpt.elastic.launcher import run_training
 from elastic_gpt.tracking import metric_names as mn
 
-pytest_plugins = ["elastic_gpt.testing.s3_server"]
 pytestmark = pytest.mark.slow
 
 STEPS = 8

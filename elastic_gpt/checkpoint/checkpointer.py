@@ -1,13 +1,21 @@
-"""When and how the training loop saves: one interface, a synchronous and an asynchronous
-implementation, and `make_checkpointer`, which picks one from the config once.
+"""When, whether and how the training loop saves, and which checkpoints go: one interface, a
+synchronous and an asynchronous implementation, and `make_checkpointer`, which picks one from the
+config once. No code outside checkpoint/ deletes a checkpoint: callers say what happened, the
+checkpointer decides what that means for the steps on storage.
 
 The loop calls only these, the same way whichever implementation it got:
 
-    save(step, force=...)   at every step boundary; saves when `step` is a multiple of
-                            checkpoint.every_steps, when checkpoint.every_minutes of wall time
-                            have passed since the last save, or when forced (last step, planned
+    start()                 once, after the restore: leftovers of interrupted saves removed
+                            where nothing else can be writing (`writes_alone`)
+    save(step, last_step=)  at every step boundary: a failed background write raises here; then
+                            saves when this group saves (`may_save`: of replica groups, the one
+                            leading the step's quorum, and never while suspect steps are re-run)
+                            and `step` is a multiple of checkpoint.every_steps, or
+                            checkpoint.every_minutes of wall time have passed since the last
+                            save, or it is the last step (of the run, or before a planned
                             restart)
-    poll()                  at every step boundary; a failed background write raises here
+    discard_after(step)     a rollback abandoned every step after `step`: the saves in flight
+                            land, then those steps are deleted (rank 0)
     finish()                before the loop returns or restarts: the last save is committed
 
 Synchronous: every rank writes its DCP shard, then rank 0 commits (trainer state, then the commit
@@ -45,7 +53,7 @@ import errno
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,6 +74,23 @@ if TYPE_CHECKING:
     from elastic_gpt.config import CheckpointSection
 
 
+class SaveTimeouts(Protocol):
+    """Told around each save that may be taken (train/collective_timeouts.py: the attempt's
+    first save plans its writes collectively, and may take as long as the attempt's start)."""
+
+    def before_save(self) -> None: ...
+
+    def after_save(self, saved: bool) -> None: ...
+
+
+class _NoTimeouts:
+    def before_save(self) -> None:
+        pass
+
+    def after_save(self, saved: bool) -> None:
+        pass
+
+
 class CheckpointWriteError(RuntimeError):
     """A background checkpoint write failed; the step it was writing stays uncommitted."""
 
@@ -82,7 +107,10 @@ class Checkpointer:
     synchronous save, to the end of the copy to CPU for an asynchronous one. `clock` is where
     rank 0 reads the wall time for `every_minutes` (seconds; tests pass a fake one).
     `collective_timeout_s` bounds the clock's broadcast (a hung peer fails it, as it fails the
-    training collectives; None: torch's default for gloo groups).
+    training collectives; None: torch's default for gloo groups). `may_save()`: whether this
+    group saves at this step boundary (the same answer on every rank of the group). `timeouts`
+    are told around each save that may be taken. `writes_alone`: no other group writes into
+    this store (the restart path), so an uncommitted step found at the start is a leftover.
     """
 
     in_flight = False
@@ -96,8 +124,11 @@ class Checkpointer:
                  collective_timeout_s: float | None = None,
                  before_save: Callable[[], None] = lambda: None,
                  on_blocked: Callable[[float], None] = lambda seconds: None,
-                 extra_files: Callable[[str], None] = lambda step_url: None):
+                 extra_files: Callable[[str], None] = lambda step_url: None,
+                 may_save: Callable[[], bool] = lambda: True,
+                 timeouts: SaveTimeouts = _NoTimeouts(), writes_alone: bool = True):
         self.store, self.every_steps, self.keep, self.rank = store, every_steps, keep, rank
+        self.may_save, self.timeouts, self.writes_alone = may_save, timeouts, writes_alone
         self.every_minutes, self.streams = every_minutes, streams
         self.storage_options = storage_options or {}
         self.model, self.optimizer = model, optimizer
@@ -108,16 +139,38 @@ class Checkpointer:
         self._last_save = clock()
         self._clock_group: dist.ProcessGroup | None = None
 
-    def save(self, step: int, *, force: bool = False) -> bool:
-        """Collective. Checkpoint the state after `step` steps if a cadence says so or `force`;
-        returns whether it saved."""
-        if not (force or self.due(step)):
+    def start(self) -> None:
+        """After the restore, before the first step: where this group writes alone, nothing is
+        in flight, so every uncommitted step folder is a leftover (C4 atomic commit). With other
+        writers (replica groups) one may be the leading group's save in flight: kept, and
+        removed by retention once a newer step is committed."""
+        if self.writes_alone and self.rank == 0:
+            self.store.remove_uncommitted()
+
+    def save(self, step: int, *, last_step: bool = False) -> bool:
+        """Collective. At the boundary after `step` steps: raise a failed background save's
+        error, then checkpoint the state if this group saves and a cadence says so or it is
+        the `last_step` (of the run, or before a planned restart); returns whether it saved."""
+        self.poll()
+        if not self.may_save():
             return False
-        t0 = time.perf_counter()
-        self.before_save()
-        self._save(step, t0)
-        self._last_save = self.clock()
-        return True
+        self.timeouts.before_save()
+        saved = last_step or self.due(step)
+        if saved:
+            t0 = time.perf_counter()
+            self.before_save()
+            self._save(step, t0)
+            self._last_save = self.clock()
+        self.timeouts.after_save(saved)
+        return saved
+
+    def discard_after(self, step: int) -> list[int]:
+        """Every checkpoint of a step after `step`, committed or not, is deleted: a rollback
+        abandoned the trajectory they hold (health/recovery.py), and a restart must not resume
+        from it. The saves in flight land first (they belong to that trajectory). Rank 0
+        deletes and returns the steps deleted; other ranks return []."""
+        self.wait()
+        return self.store.discard_after(step) if self.rank == 0 else []
 
     def due(self, step: int) -> bool:
         """Whether a cadence asks for a save after `step` steps; the same answer on every rank.

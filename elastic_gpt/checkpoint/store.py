@@ -209,7 +209,7 @@ class CheckpointStore:
 
     def discard_after(self, step: int) -> list[int]:
         """Delete every step newer than `step`, committed or not: a rollback abandoned the
-        trajectory they hold (train/health.py), and a restart must not resume from it."""
+        trajectory they hold (health/recovery.py), and a restart must not resume from it."""
         doomed = sorted(s for s in self.step_dirs() if s > step)
         for s in doomed:
             try:

@@ -1,6 +1,6 @@
 """Steps of data a run skips, part of its record: C2 data order with the skips.
 
-A rolled-back loss spike (train/health.py) leaves out the batches it blames: from then on, the
+A rolled-back loss spike (health/recovery.py) leaves out the batches it blames: from then on, the
 run's step t trains on the batch the unskipped order has at a later step, `data_step(t)`. A skip
 is whole steps of the global batch, so the split of a step over ranks (C1 fixed global batch) is
 untouched and every world size reads the same samples at the same step. The skips are written to

@@ -57,7 +57,7 @@ def preflight(cfg: Config):
             check_shard_sizes(val)
     gpt_cfg = model_config_for(cfg, manifest)
     if cfg.elastic.replica_groups != "off":  # C7 all-or-nothing step: groups that fit, torchft
-        from elastic_gpt.elastic.replica_groups import group_size
+        from elastic_gpt.elastic.replica_group_driver import group_size
         from elastic_gpt.parallel.replicate import import_torchft
         group_size(cfg)
         import_torchft()
@@ -186,10 +186,10 @@ def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
 
 
 
-def build_trainer_factory(cfg: Config):
+def build_trainer_factory(cfg: Config, faults=None):
     """The restart path's one worker group of min..max workers: check what the trainer needs of
     Ray before an MLflow run exists, and return `make(run_id) -> ElasticTorchTrainer` for once it
-    does."""
+    does. `faults`: a test's injected hardware faults, for the workers (`run_training`)."""
     from elastic_gpt.elastic.ray_internals import check_ray_internals
 
     gpu = use_gpu(cfg)
@@ -203,7 +203,8 @@ def build_trainer_factory(cfg: Config):
     job = job_factory(cfg, gpu=gpu, num_workers=num_workers, key=key, name=name)
 
     def make(run_id: str | None):
-        return job({"config": cfg.to_dict(), "mlflow_run_id": run_id, "run_key": key})
+        return job({"config": cfg.to_dict(), "mlflow_run_id": run_id, "run_key": key,
+                    **({"faults": faults} if faults is not None else {})})
     return make
 
 
@@ -213,7 +214,10 @@ def _is_training_failure(error: BaseException) -> bool:
     return isinstance(error, TrainingFailedError)
 
 
-def run_training(cfg: Config, config_path: str | None = None) -> dict:
+def run_training(cfg: Config, config_path: str | None = None, *, faults=None) -> dict:
+    """Train `cfg` on the Ray cluster (RAY_ADDRESS, or a local one) to its end; the summary.
+    `faults`: hardware faults a test injects into the workers (testing/hardware_faults.py, on
+    the restart path); None in every run."""
     from elastic_gpt.inference.mlflow_model import log_final_model
     from elastic_gpt.tracking.publish import finish_run
     from elastic_gpt.tracking.redaction import install_redaction
@@ -229,9 +233,9 @@ def run_training(cfg: Config, config_path: str | None = None) -> dict:
     run_id = None
     try:
         if cfg.elastic.replica_groups == "off":
-            trainer_ready = build_trainer_factory(cfg)
+            trainer_ready = build_trainer_factory(cfg, faults)
         else:  # C7 all-or-nothing step: one Ray Train run per replica group (docs/replica-groups.md)
-            from elastic_gpt.elastic.replica_groups import replica_group_factory
+            from elastic_gpt.elastic.replica_group_driver import replica_group_factory
             trainer_ready = replica_group_factory(cfg)
         run_id = _resolve_mlflow_run(cfg, store, latest, manifest, gpt_cfg)
         say(f"[elastic-gpt] run {cfg.run.name!r}: {_n_params(gpt_cfg) / 1e6:.2f}M params, "

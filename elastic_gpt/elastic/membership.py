@@ -12,6 +12,7 @@ nothing about Ray Train's controller (policies.py) or the training loop.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import socket
@@ -46,7 +47,7 @@ class RunRecords:
     last_restart     why the previous attempt ended, if it was a planned restart
     last_failure     the same for a failure
     placement_group  a replica group's placement group, published by its rank 0: the driver
-                     removes it when it stops the group's run for a fallback (replica_groups.py)
+                     removes it when it stops the group's run for a fallback (replica_group_driver.py)
     """
 
     def __init__(self, run_key: str):
@@ -134,7 +135,6 @@ class WorkerMembership:
         self.rank_nodes, self.world_size = rank_nodes, world_size
         self.reason: str | None = None
         self.previous = best_effort(self.records.get, "progress")  # the attempt before this one
-        self.cause = self.records.consume_cause()
         self._progress: dict | None = None
         self._published: dict | None = None
         self._avg_step_s = 0.0
@@ -142,6 +142,12 @@ class WorkerMembership:
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
         self._thread.start()
+
+    @functools.cached_property
+    def cause(self) -> dict | None:
+        """Why the previous attempt ended, consumed when the Trainer first asks (after its
+        layout was found placeable: a retried placement leaves it to the attempt that runs)."""
+        return self.records.consume_cause()
 
     def publish(self, step: int, step_time_s: float | None, ledger: dict) -> None:
         """This attempt's progress after `step` (None: restored, no step taken yet: published
@@ -165,7 +171,7 @@ class WorkerMembership:
                     {"kind": kind, "reason": reason, "step": step, "at": time.time()})
 
     def drain_node(self, node_id: str, reason: str) -> None:
-        """A node found faulty (train/health.py): drained as a preemption is, so this group
+        """A node found faulty (health/recovery.py): drained as a preemption is, so this group
         checkpoints and restarts without it (the poll below sees the drain) and the autoscaler
         replaces it."""
         from elastic_gpt.elastic.preemption import drain_node

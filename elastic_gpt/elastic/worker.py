@@ -17,10 +17,10 @@ import torch.distributed as dist
 from elastic_gpt.config import Config, config_from_dict
 from elastic_gpt.elastic.membership import PLACEMENT_GROUP, RunRecords, WorkerMembership, best_effort
 from elastic_gpt.errors import permanent_failure
-from elastic_gpt.parallel.mesh import ParallelDims
+from elastic_gpt.health.faults import NoFaults
 from elastic_gpt.tracking.metric_logger import MetricLogger
 from elastic_gpt.train.collaborators import Membership, MetricSink, NullMembership, NullMetricSink
-from elastic_gpt.train.fault_tolerance import FaultTolerance, ReplicaGroups, RestartPath
+from elastic_gpt.train.fault_tolerance import FaultTolerance, ReplicaGroupPath, RestartPath
 from elastic_gpt.train.trainer import Trainer
 
 
@@ -34,15 +34,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Trainer keeps tensor-parallel groups inside them.
     nodes = [None] * world
     dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-    # A placement the layout cannot use raises PlacementError on every rank here, which the
-    # controller retries: before rank 0 consumes the record of why the previous attempt ended
-    # (WorkerMembership), which the retry's ledger event still needs.
-    ParallelDims.for_nodes(world, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp, rank_nodes=nodes,
-                           pp=cfg.parallel.pp)
     # Only rank 0 logs metrics, and only a tracked run has an MLflow run to log them to.
     logger = MetricLogger(cfg.tracking.uri, run_id) if rank == 0 and run_id else None
     metrics: MetricSink = logger or NullMetricSink()
-    # With replica groups (elastic/replica_groups.py) `run_key` is the group's own: a drain
+    # With replica groups (elastic/replica_group_driver.py) `run_key` is the group's own: a drain
     # makes only this group leave (and come back when capacity does), its failures are its own.
     replica = loop_config.get("replica_group")
     membership: Membership = (WorkerMembership(loop_config["run_key"], nodes, world)
@@ -58,12 +53,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
         if rank == 0:
             _note_placement_group(loop_config["run_key"])
     # The layout groups ranks by these node ids, not by Ray Train's local/node ranks, which Ray
-    # derives from node IPs (all equal on a one-machine test cluster).
+    # derives from node IPs (all equal on a one-machine test cluster). A placement the layout
+    # cannot use raises PlacementError on every rank while the Trainer is made, which the
+    # controller retries: before rank 0's membership reads why the previous attempt ended,
+    # which the retry's ledger event still needs.
     # The device is the one Ray assigned this worker: where Ray does not share a node's
     # CUDA_VISIBLE_DEVICES among its workers, LOCAL_RANK would name another worker's GPU.
+    # A test's injected hardware faults come in the loop config (testing/hardware_faults.py).
+    faults = loop_config.get("faults") or NoFaults()
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,
                       membership=membership, rank_nodes=nodes, fault_tolerance=fault_tolerance,
-                      device=ray.train.torch.get_device())
+                      device=ray.train.torch.get_device(), faults=faults.for_rank(rank))
     try:
         summary = trainer.train()
     except Exception as e:
@@ -79,13 +79,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
     ray.train.report({"step": summary["step"]})  # the ledger travels in the checkpoints
 
 
-def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGroups:
+def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGroupPath:
     """This worker's place in its replica group (the loop config's `replica_group`: which group,
-    the Lighthouse, where torchft's detail goes, the diagnostics of elastic/replica_groups.py)."""
+    the Lighthouse, where torchft's detail goes, the diagnostics of elastic/replica_group_driver.py)."""
     from elastic_gpt.parallel.replicate import ReplicaGroup, detail_log_path
 
     log_dir = spec.get("log_dir")
-    return ReplicaGroups(ReplicaGroup(
+    return ReplicaGroupPath(ReplicaGroup(
         lighthouse=spec["lighthouse"], group=spec["group"], group_rank=rank, group_size=world,
         groups=cfg.elastic.replica_groups, timeout_s=cfg.elastic.hang_timeout_s,
         collective_timeout_s=min(cfg.elastic.replica_collective_timeout_s,

@@ -37,9 +37,7 @@ FORWARDED_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION"
 # (torch's NCCL process group: flight recorder, error handling), PYTORCH_CUDA_ALLOC_CONF, and
 # CUDA_DEVICE_MAX_CONNECTIONS (what Megatron-style overlap sets). They name no secrets.
 FORWARDED_PREFIXES = ("NCCL_", "FI_", "TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF",
-                      "CUDA_DEVICE_MAX_CONNECTIONS",
-                      # the fault a test injects on a real cluster (train/health.FLIP_BIT_ENV)
-                      "ELASTIC_GPT_TEST_")
+                      "CUDA_DEVICE_MAX_CONNECTIONS")
 # What a worker gets unless the driver's environment says otherwise:
 # - expandable segments: the allocator grows segments instead of keeping fixed-size blocks,
 #   the fragmentation that otherwise runs a large model out of memory after hours (torchtitan

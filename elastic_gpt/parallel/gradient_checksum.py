@@ -1,6 +1,6 @@
 """Each rank's exact checksum of the gradients it computed, taken before FSDP reduce-scatters them.
 
-The re-run attribution (train/health.py) blames the rank whose state first differs between a run
+The re-run attribution (health/recovery.py) blames the rank whose state first differs between a run
 and its re-run. A fault in one rank's backward (or in the forward before it) reaches the others
 through the reduce-scatter: each element of the corrupted gradient lands in the shard of the rank
 that owns it, so the parameter checksums would first differ on that owner, not on the rank that

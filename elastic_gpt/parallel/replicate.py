@@ -19,7 +19,7 @@ together give the sum over exactly G sequences (the token weighting of an uneven
 a mean of groups).
 
 `ReplicaGroup` is this process's part in that, and knows nothing of the Trainer: the Trainer's loop
-drives it through `train/fault_tolerance.py` (`ReplicaGroups`, one of the two fault-tolerance
+drives it through `train/fault_tolerance.py` (`ReplicaGroupPath`, one of the two fault-tolerance
 modes; the other, the restart path, needs nothing from here). Nothing here imports Ray, and torchft
 is imported only when a `ReplicaGroup` is built.
 """
@@ -407,7 +407,7 @@ class ReplicaGroup:
 
     def note_state_checksum(self, checksum: torch.Tensor) -> None:
         """The exact checksum of this rank's shard of the state the coming step starts from
-        (`train/health.shard_checksum`): the step's stats compare it over the live groups, whose
+        (`health/attribution.shard_checksum`): the step's stats compare it over the live groups, whose
         copies must be equal bit for bit (each applies the same averaged gradient)."""
         self._checksum = checksum
 

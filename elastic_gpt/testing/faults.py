@@ -1,6 +1,6 @@
-"""Real faults for the training-health tests (train/health.py): a dataset whose samples at known
-steps are garbage, as a bad crawl or a broken tokenizer run would leave them. (A flipped
-parameter bit is injected inside the Trainer, through `train.health.FLIP_BIT_ENV`.)"""
+"""Real faults for the training-health tests (health/recovery.py): a dataset whose samples at known
+steps are garbage, as a bad crawl or a broken tokenizer run would leave them. (Faults of the
+hardware are injected by `hardware_faults.py`.)"""
 
 from __future__ import annotations
 

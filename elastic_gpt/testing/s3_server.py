@@ -1,4 +1,5 @@
-"""A real S3-protocol server on loopback (moto) for the data tests, plus fsspec options for it."""
+"""A real S3-protocol server on loopback (moto) for the tests and benchmarks, plus fsspec options
+for it (the tests' `s3` fixture is in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -75,33 +76,3 @@ class S3Server:
 
     def stop(self):
         self._server.stop()
-
-
-# ----------------------------------------------------------------------------- pytest fixtures
-# Imported by the data test modules (`from s3_server import s3, ray_local`).
-
-import pytest  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    server.make_bucket()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    """A small local Ray instance for a data test module, stopped at the module's end (only if
-    this fixture started it): other modules start clusters of other shapes."""
-    import ray
-
-    if ray.is_initialized():
-        yield None
-        return
-    tmp = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray_data_tests")
-    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False,
-             _temp_dir=tmp, log_to_driver=False)
-    yield ray
-    ray.shutdown()

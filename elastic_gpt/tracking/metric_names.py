@@ -58,13 +58,13 @@ STARTUP_S = DEBUG_PREFIX + "startup_s"
 STARTUP_INIT_S = DEBUG_PREFIX + "startup_init_s"
 STARTUP_CHECKPOINT_READ_S = DEBUG_PREFIX + "startup_checkpoint_read_s"
 
-# Training health (train/health.py), logged at the step a spike is acted on: the run's totals.
+# Training health (health/recovery.py), logged at the step a spike is acted on: the run's totals.
 HEALTH_PREFIX = "system/health/"
 HEALTH_SPIKES = HEALTH_PREFIX + "spikes"
 HEALTH_ROLLBACKS = HEALTH_PREFIX + "rollbacks"
 HEALTH_SKIPPED_STEPS = HEALTH_PREFIX + "skipped_steps"
 HEALTH_HARDWARE_FAULTS = HEALTH_PREFIX + "hardware_faults"
-# At each straggler probe (train/stragglers.py): the ranks' median time for the fixed matmuls, the
+# At each straggler probe (health/stragglers.py): the ranks' median time for the fixed matmuls, the
 # slowest rank's time over it, and which rank that is.
 HEALTH_PROBE_MEDIAN_S = HEALTH_PREFIX + "probe_median_s"
 HEALTH_PROBE_SLOWEST_RATIO = HEALTH_PREFIX + "probe_slowest_ratio"

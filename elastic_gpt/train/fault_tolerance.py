@@ -7,7 +7,7 @@ Two modes (docs/replica-groups.md compares them; the planner weighs them):
   a resize stops the whole group; Ray Train starts a new one (elastic/), which restores the newest
   committed checkpoint (C3 bit-identical resume, C4 atomic commit). Every step commits, and the
   one group saves and logs. It is the null object: each hook does nothing, or the plain thing.
-* `ReplicaGroups`, with `elastic.replica_groups: N` (C7 all-or-nothing step): this worker's group
+* `ReplicaGroupPath`, with `elastic.replica_groups: N` (C7 all-or-nothing step): this worker's group
   is one of N that meet at the Lighthouse before every step. Its torchft side, `ReplicaGroup`
   (`parallel/replicate.py`), forms the quorum, heals a group that is behind and averages the
   gradients over the live groups; a step is applied by all of them or re-done by all; the group
@@ -16,7 +16,7 @@ Two modes (docs/replica-groups.md compares them; the planner weighs them):
 The hooks, in the order the loop calls them:
 
     attach(model, optimizer, device, run_state)  once, when the model and optimizer are built
-    on_start(step, rank, store)                  after the restore, before the first step
+    on_start(step)                               after the restore, before the first step
     on_resume(event, step)                       rank 0, when this attempt continues another
     begin_step(step, dp_rank, dp_degree)         before each attempt: the step and its split
     take_copies_verdict(), note_state_checksum(c)  where `compares_copies`, before the forward:
@@ -26,10 +26,11 @@ The hooks, in the order the loop calls them:
       should_commit(step, stats)
     on_uncommitted(step)                         an attempt applied nowhere: it is re-done
     on_rollback(step)                            the loop restored the checkpoint of `step`
-                                                 (a loss spike, train/health.py)
+                                                 (a loss spike, health/recovery.py)
     on_stop()                                    the last step before a planned restart committed
     quorum_change()                              after each committed step
     leads, degraded                              after each committed step: who saves, the ledger
+    writes_alone                                 whether this group is the checkpoints' only writer
     close()                                      on the way out, after an error too
 
 Nothing here imports Ray; torchft only when a `ReplicaGroup` is built.
@@ -48,7 +49,6 @@ from elastic_gpt.tracking import metric_names as mn
 if TYPE_CHECKING:
     import torch
 
-    from elastic_gpt.checkpoint.store import CheckpointStore
     from elastic_gpt.parallel.replicate import ReplicaGroup
     from elastic_gpt.tracking.metric_logger import MetricLogger
 
@@ -89,12 +89,15 @@ class FaultTolerance(Protocol):
     """This worker group's name in the run's files: "" on the restart path (one group)."""
     compares_copies: bool
     """Other groups hold copies of this rank's shard, compared by checksum in the step's stats."""
+    writes_alone: bool
+    """No other group writes checkpoints into the run's store (checkpoint/checkpointer.py: an
+    uncommitted step found at the start is a leftover)."""
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         """`run_state`: (get, set) of state that belongs to the run, not to a group (the goodput
         ledger, the health state): a replica group healed from a peer adopts the peer's."""
 
-    def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
+    def on_start(self, step: int) -> None:
         """This rank restored `step` (0 for a fresh run) and is about to train."""
 
     def on_resume(self, event: dict, step: int) -> None:
@@ -126,7 +129,7 @@ class FaultTolerance(Protocol):
 
     def on_rollback(self, step: int) -> None:
         """The loop rolled back to the checkpoint of `step`; every live group did the same, at
-        the same step (train/health.py), and trains on from there."""
+        the same step (health/recovery.py), and trains on from there."""
 
     def on_stop(self) -> None:
         """The step before a planned restart (a drain, a resize) committed: this group takes
@@ -146,6 +149,7 @@ class RestartPath:
     degraded = False
     group_name = ""
     compares_copies = False
+    writes_alone = True
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         pass
@@ -156,11 +160,8 @@ class RestartPath:
     def take_copies_verdict(self) -> CopiesVerdict | None:
         return None
 
-    def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
-        if rank == 0:
-            # At a start nothing is in flight: uncommitted step folders are leftovers (C4
-            # atomic commit).
-            store.remove_uncommitted()
+    def on_start(self, step: int) -> None:
+        pass
 
     def on_resume(self, event: dict, step: int) -> None:
         say(f"[elastic-gpt] {event['kind']}: {event['detail']}; W {event['from_world_size']} "
@@ -195,9 +196,11 @@ class RestartPath:
         pass
 
 
-class ReplicaGroups:
+class ReplicaGroupPath:
     """This worker's part in `elastic.replica_groups: N` (C7 all-or-nothing step); `member` is its
     torchft side (`parallel/replicate.py`)."""
+
+    writes_alone = False  # the group leading each step's quorum saves it
 
     def __init__(self, member: ReplicaGroup):
         self.member = member
@@ -233,10 +236,9 @@ class ReplicaGroups:
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         self.member.attach(model, optimizer, device, run_state=run_state)
 
-    def on_start(self, step: int, rank: int, store: CheckpointStore) -> None:
+    def on_start(self, step: int) -> None:
         # The quorum's step is the checkpoint's: a group behind its live peers is healed from
-        # them at its first quorum. Uncommitted step folders are not leftovers here: the group
-        # leading the quorum may be writing one (C4 atomic commit).
+        # them at its first quorum.
         self.member.set_step(step)
 
     def on_resume(self, event: dict, step: int) -> None:
@@ -332,7 +334,7 @@ class LeaderMetrics:
     Nothing logs a step twice as long as nothing of the old leader lands after the new one has
     looked: a killed process sends nothing, and a group that leaves (a drain, an error, the end)
     stops its sink before the Lighthouse hears it leave (`hand_over`, from
-    ReplicaGroups.on_stop and close), after shipping what it could. What is left: a leader that
+    ReplicaGroupPath.on_stop and close), after shipping what it could. What is left: a leader that
     the Lighthouse dropped by its heartbeat while it still runs and still reaches the store (cut
     off from the Lighthouse alone) may store a step that the next leader logged too. Writers
     that share each step's values and timestamps would let MLflow's own dedupe absorb that (it
@@ -344,7 +346,7 @@ class LeaderMetrics:
     HELD = 10_000
     """Records held at most: more steps than a leader's logger keeps unsent (100,000 values)."""
 
-    def __init__(self, sink: MetricLogger, replica_groups: ReplicaGroups):
+    def __init__(self, sink: MetricLogger, replica_groups: ReplicaGroupPath):
         self.sink, self.replica_groups = sink, replica_groups
         self._held: list[tuple[int, int, dict]] = []
         replica_groups.member.logged_through = sink.logged_through

@@ -91,7 +91,7 @@ class GoodputLedger:
         return event
 
     def on_rollback(self, steps: int, seconds: float) -> None:
-        """A loss spike rolled the run back (train/health.py): the `steps` it had trained since
+        """A loss spike rolled the run back (health/recovery.py): the `steps` it had trained since
         the checkpoint, `seconds` of them, are re-done."""
         self.productive_s = max(0.0, self.productive_s - seconds)
         self.lost_s += seconds

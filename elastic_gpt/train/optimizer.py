@@ -44,3 +44,20 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> No
         optimizer.step()
     finally:
         del optimizer.found_inf
+
+
+class NonfiniteStreak:
+    """train.nan_patience: how many committed steps in a row may skip their update for a
+    non-finite loss or gradient before the run counts as diverged."""
+
+    def __init__(self, patience: int):
+        self.patience, self.count = patience, 0
+
+    def after(self, skipped: bool) -> bool:
+        """After a committed step: whether the run has now diverged."""
+        self.count = self.count + 1 if skipped else 0
+        return self.count > self.patience
+
+    def reset(self) -> None:
+        """A rollback: the steps that skipped are undone."""
+        self.count = 0

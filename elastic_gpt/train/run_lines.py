@@ -18,20 +18,19 @@ from elastic_gpt.train.evaluate import EvalResult, gzip_bits_per_byte
 log = logging.getLogger(__name__)
 
 
-def setup_line(trainer) -> str:
-    """What a Trainer's group runs (its layout, model, batch and the settings `auto` chose), so a
-    log shows the choices."""
-    t = trainer.cfg.train
-    policy = reshard_label(trainer.reshard_after_forward, t.reshard_after_forward)
-    ms, split = trainer.memory_settings, trainer.batch_split
-    sync = ms.grad_sync + (" (auto)" if t.grad_sync == "auto" else "")
-    return (f"[elastic-gpt] {trainer.world_size} worker(s) on {trainer.device.type} "
-            f"({dist.get_backend()}), {trainer.threads} thread(s) each | "
-            f"{trainer.dims.describe()} | "
-            f"model {trainer.n_params / 1e6:,.1f}M params, "
-            f"{str(trainer.compute_dtype).removeprefix('torch.')} | global batch "
+def setup_line(layout, n_params: int, reshard_setting: str, grad_sync_setting: str) -> str:
+    """What a group runs (its layout, model, batch and the settings `auto` chose), so a log shows
+    the choices. `layout`: train/layout.RunLayout; the settings as the config gave them."""
+    ms, split = layout.memory, layout.batch_split
+    policy = reshard_label(ms.reshard_after_forward, reshard_setting)
+    sync = ms.grad_sync + (" (auto)" if grad_sync_setting == "auto" else "")
+    return (f"[elastic-gpt] {layout.world_size} worker(s) on {layout.device.type} "
+            f"({dist.get_backend()}), {layout.threads} thread(s) each | "
+            f"{layout.dims.describe()} | "
+            f"model {n_params / 1e6:,.1f}M params, "
+            f"{str(layout.compute_dtype).removeprefix('torch.')} | global batch "
             f"{split.global_batch_size} = micro-batches of {split.micro_batch_size}, "
-            f"{split.slots(trainer.dp_degree)} per data-parallel rank | "
+            f"{split.slots(layout.dims.dp_degree)} per data-parallel rank | "
             f"FSDP2 reshard_after_forward={policy}, grad_sync={sync} | predicted peak "
             f"{ms.memory.total / GiB:,.1f} of {ms.usable_bytes / GiB:,.1f} GiB usable per "
             f"worker")

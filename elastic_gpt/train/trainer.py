@@ -1,4 +1,4 @@
-"""One worker's share of a run: build, restore, step, checkpoint, report.
+"""One worker's share of a run: build, restore, step, report.
 
 The `Trainer` runs under any torch process group that is already up: a Ray Train worker
 (elastic/worker.py makes one there), a test's gloo ranks, a benchmark in one process. It imports
@@ -6,6 +6,10 @@ no Ray: what it needs from the cluster comes in as collaborators with do-nothing
 `MetricSink` (where step metrics go), a `Membership` (whether the group must checkpoint and
 restart) and a `FaultTolerance` mode (`train/fault_tolerance.py`: the restart path, or a replica
 group, C7 all-or-nothing step), and a planned restart is raised as `errors.ElasticRestart`.
+
+The loop states no policy: the checkpointer decides when and whether to save and which
+checkpoints go (checkpoint/checkpointer.py), the health checks whether to roll back
+(health/monitor.py), the metrics what is reported (train/metrics.py), the mode who leads.
 """
 
 from __future__ import annotations
@@ -27,20 +31,14 @@ from elastic_gpt.config import Config
 from elastic_gpt.console import say
 from elastic_gpt.data.fingerprint import join_fingerprint, split_fingerprint
 from elastic_gpt.data.mixture import open_training_data
-from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpoint_shape
-from elastic_gpt.model.gpt import GPT, flops_per_token
-from elastic_gpt.parallel.fsdp import (
-    init_sharded_weights,
-    parallelize,
-    resolve_dtype,
-)
-from elastic_gpt.parallel.mesh import ParallelDims
-from elastic_gpt.parallel.pipeline import Pipeline
+from elastic_gpt.health.faults import FaultInjection, NoFaults
+from elastic_gpt.health.monitor import TrainingHealth
+from elastic_gpt.health.recovery import Rollback
+from elastic_gpt.model.gpt import flops_per_token
 from elastic_gpt.parallel.tensor import summed_token_loss
-from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.collaborators import (
     Membership,
     MetricSink,
@@ -53,17 +51,17 @@ from elastic_gpt.train.evaluate import EvalResult, open_evaluator
 from elastic_gpt.train.fault_tolerance import FaultTolerance, RestartPath
 from elastic_gpt.train.goodput import GoodputLedger
 from elastic_gpt.train.group_batches import GroupBroadcastBatches
-from elastic_gpt.train.health import Rollback
-from elastic_gpt.train.health_checks import HealthChecks
+from elastic_gpt.train.layout import resolve_layout
+from elastic_gpt.train.metrics import TrainingMetrics
+from elastic_gpt.train.model_build import build_parallel_model, materialise
 from elastic_gpt.train.model_config import model_config_for
-from elastic_gpt.train.optimizer import build_optimizer, nonfinite_flag, step_unless
-from elastic_gpt.train.run_lines import (
-    progress_line,
-    record_memory_settings,
-    say_against_gzip,
-    setup_line,
+from elastic_gpt.train.optimizer import (
+    NonfiniteStreak,
+    build_optimizer,
+    nonfinite_flag,
+    step_unless,
 )
-from elastic_gpt.train.run_memory import resolve_run_memory
+from elastic_gpt.train.run_lines import record_memory_settings, say_against_gzip, setup_line
 from elastic_gpt.train.schedule import lr_at
 from elastic_gpt.train.throughput import peak_flops
 
@@ -90,15 +88,17 @@ class Trainer:
 
     `rank_nodes` names each rank's node (any id; Ray's node id under Ray Train); None: one node.
     `device`: the one the cluster assigned this worker (Ray's); None: from LOCAL_RANK.
-    It decides the layout (parallel/mesh.py): tensor-parallel groups inside nodes, HSDP across.
+    The layout (train/layout.py) keeps tensor-parallel groups inside nodes and HSDP across them.
     The batch split, the data stream, the loss scale and the metrics use the data-parallel rank
-    and degree; the tensor-parallel ranks of one group train on the same micro-batches."""
+    and degree; the tensor-parallel ranks of one group train on the same micro-batches.
+    `faults`: a test's injected hardware faults for this rank (health/faults.py; none in a
+    run)."""
 
     def __init__(self, cfg: Config, *, rank: int, world_size: int, mlflow_run_id: str | None,
                  metrics: MetricSink = NullMetricSink(), membership: Membership = NullMembership(),
                  rank_nodes: list[str] | None = None,
                  fault_tolerance: FaultTolerance = RestartPath(),
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, faults: FaultInjection = NoFaults()):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.fault_tolerance = fault_tolerance
         # The null defaults hold no state, so one instance can serve every Trainer.
@@ -108,30 +108,18 @@ class Trainer:
         self.device = worker_device(device)
         threads = cfg.train.threads_per_worker or cfg.scaling.cpus_per_worker
         torch.set_num_threads(threads)
-        self.threads = threads
-        self.batch_split = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
         # One dataset (data.path) or a weighted mixture (data.sources); the reference manifest
         # fixes the tokenizer, vocabulary and seq_len.
         self.data = open_training_data(cfg.data)
         self.manifest = self.data.manifest
         self.data_order = self.data.make_order(cfg.data.seed, cfg.data.shuffle_window)
         self.gpt_cfg = model_config_for(cfg, self.manifest)
-        self.compute_dtype = resolve_dtype(cfg.train.dtype, self.device)
-        # The layout as configured first (a tp the nodes cannot hold is one clear line), then
-        # what `auto` leaves to memory, resolved for this group (train/run_memory.py).
-        dp_degree = ParallelDims.for_nodes(world_size, tp=cfg.parallel.tp, hsdp=cfg.parallel.hsdp,
-                                           rank_nodes=rank_nodes, pp=cfg.parallel.pp).dp_degree
-        self.memory_settings = resolve_run_memory(
-            cfg, self.gpt_cfg, world_size=world_size, rank_nodes=rank_nodes,
-            micro_batch=self.batch_split.micro_batch_size,
-            micro_batches_per_rank=self.batch_split.slots(dp_degree), device=self.device,
-            compute_dtype=self.compute_dtype)
-        self.dims = ParallelDims.for_nodes(
-            world_size, tp=cfg.parallel.tp, hsdp="on" if self.memory_settings.hsdp else "off",
-            rank_nodes=rank_nodes, pp=cfg.parallel.pp)
+        self.layout = resolve_layout(cfg, self.gpt_cfg, world_size=world_size,
+                                     rank_nodes=rank_nodes, device=self.device, threads=threads)
+        self.dims, self.batch_split = self.layout.dims, self.layout.batch_split
+        self.compute_dtype = self.layout.compute_dtype
         self.dp_rank, self.dp_degree = self.dims.dp_rank(rank), self.dims.dp_degree
         self.tp_rank = self.dims.tp_rank(rank)
-        self.pipeline: Pipeline | None = None
         # Replica groups (C7 all-or-nothing step) split a step over every live group's ranks:
         # the batch rank and degree are this rank's place in that split, which the mode's
         # `begin_step` says; on the restart path the data-parallel ones.
@@ -140,70 +128,54 @@ class Trainer:
         self.store = CheckpointStore(cfg.checkpoint.path)
         # Decided before building: a resume reads every weight from its checkpoint, so it skips
         # the random init (CPU draws of the whole shard, on every rank, at every restart).
-        self.startup: dict[str, float] = {"init_s": 0.0, "checkpoint_read_s": 0.0}
         self.resume_from = self._newest_checkpoint()
-        # Spikes, corrupt replicas, stragglers; the data skips the run has made (C2 with them).
-        self.health = HealthChecks(
-            cfg, rank=rank, world_size=world_size, dims=self.dims, device=self.device,
-            store=self.store, resume_state=self.resume_from and self.resume_from.state,
-            rank_nodes=rank_nodes, metrics=metrics, membership=membership,
-            fault_tolerance=fault_tolerance, settle_saves=lambda: self.checkpointer.wait())
-        self.model = self._build_model(initialise=self.resume_from is None)
+        built = build_parallel_model(cfg, self.gpt_cfg, self.layout, rank=rank)
+        self.model, self.pipeline, self.n_params = built.model, built.pipeline, built.n_params
+        self.startup = {"checkpoint_read_s": 0.0, "init_s": materialise(
+            self.model, self.device, initialise=self.resume_from is None, seed=cfg.train.seed)}
         self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
+        self.stop_reason: str | None = None
+        self.nonfinite = NonfiniteStreak(cfg.train.nan_patience)
+        self.timeouts = CollectiveTimeouts(cfg.elastic.init_timeout_s, cfg.elastic.hang_timeout_s)
+        # Of replica groups, the one leading a step's quorum saves it; nothing is saved while
+        # suspect steps are re-run (a re-run may hold a spike).
+        self.checkpointer = make_checkpointer(
+            cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
+            trainer_state=self.trainer_state, before_save=self._flush_metrics,
+            on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds),
+            extra_files=self._save_tokenizer, collective_timeout_s=cfg.elastic.hang_timeout_s,
+            may_save=lambda: fault_tolerance.leads and not self.health.rerunning,
+            timeouts=self.timeouts, writes_alone=fault_tolerance.writes_alone)
+        # Spikes, corrupt replicas, stragglers; the data skips the run has made (C2 with them).
+        self.health = TrainingHealth(
+            cfg, rank=rank, world_size=world_size, dims=self.dims, device=self.device,
+            checkpointer=self.checkpointer, resume_state=self.resume_from and self.resume_from.state,
+            rank_nodes=rank_nodes, metrics=metrics, membership=membership,
+            fault_tolerance=fault_tolerance, faults=faults)
         # The ledger and the health state are the run's, not a group's: a replica group healed
         # from a peer adopts the peer's, so it stays one account whichever group leads (C5 one
         # MLflow run) and every group decides alike on a spike (C7 all-or-nothing step).
         self.fault_tolerance.attach(self.model, self.optimizer, self.device, run_state=(
             lambda: {"ledger": self.ledger.to_dict(), "health": self.health.state_dict()},
             lambda d: (self.ledger.adopt(d["ledger"]), self.health.load_state_dict(d["health"]))))
-        self.stop_reason: str | None = None
-        self.flops_per_token = flops_per_token(self.gpt_cfg)
-        self.peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
-                     else peak_flops(self.device, threads))  # per worker
-        self._nonfinite_streak = 0
         self.evaluator = open_evaluator(
             cfg, self.manifest, micro_batch_size=self.batch_split.micro_batch_size,
             seq_len=self.gpt_cfg.seq_len, dp_rank=self.dp_rank, dp_degree=self.dp_degree,
             count_rank=self.tp_rank == 0 and (self.pipeline is None or self.pipeline.last),
             rank=rank, world_size=world_size, device=self.device)
         self.last_eval: EvalResult | None = None
-        self.checkpointer = make_checkpointer(
-            cfg.checkpoint, self.store, rank=rank, model=self.model, optimizer=self.optimizer,
-            trainer_state=self.trainer_state, before_save=self._flush_metrics,
-            on_blocked=lambda seconds: self.ledger.on_checkpoint(seconds),
-            extra_files=self._save_tokenizer, collective_timeout_s=cfg.elastic.hang_timeout_s)
-        self.timeouts = CollectiveTimeouts(cfg.elastic.init_timeout_s, cfg.elastic.hang_timeout_s)
-
-    def _build_model(self, initialise: bool) -> GPT:
-        # Build on "meta" (no memory), shard, then materialise only this rank's shards.
-        with torch.device("meta"):
-            model = GPT(self.gpt_cfg)
-        t = self.cfg.train
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.reshard_after_forward = self.memory_settings.reshard_after_forward
-        parallelize_part = functools.partial(
-            parallelize, mesh=self.dims.fsdp_mesh, compute_dtype=self.compute_dtype,
-            activation_checkpointing=t.activation_checkpointing, compile=t.compile,
-            checkpointing_mode=t.activation_checkpointing_mode, float8=t.float8,
-            async_tp=self.cfg.parallel.async_tp, reshard_after_forward=self.reshard_after_forward,
-            tp_mesh=self.dims.tp_mesh if self.dims.tp_enabled else None)
-        if self.dims.pp_enabled:  # this rank's stages, each parallelized as a model of its own
-            p = self.cfg.parallel
-            self.pipeline = Pipeline(model, self.dims.mesh, self.dims.pp_rank(self.rank),
-                                     p.pp_stages_per_rank, p.pp_schedule, parallelize_part)
-            model = self.pipeline.model
-        else:
-            parallelize_part(model)
-        model.to_empty(device=self.device)
-        if initialise:
-            t0 = time.perf_counter()
-            init_sharded_weights(model, seed=t.seed)
-            self.startup["init_s"] = time.perf_counter() - t0
-        return model
+        self.report = TrainingMetrics(
+            metrics, rank=rank, max_steps=cfg.train.max_steps, log_every=cfg.train.log_every,
+            global_batch_size=self.batch_split.global_batch_size, seq_len=self.gpt_cfg.seq_len,
+            flops_per_token=flops_per_token(self.gpt_cfg),
+            peak_flops=(cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
+                        else peak_flops(self.device, threads)),
+            model_parallel=self.dims.tp * self.dims.pp, data=self.data, order=self.data_order,
+            speaks=lambda: fault_tolerance.leads)
 
     def _eval_due(self, steps_done: int) -> bool:
         every = self.cfg.eval.every_steps
@@ -228,7 +200,8 @@ class Trainer:
 
     def setup_line(self) -> str:
         """What this group runs, so a log shows the choices `auto` settings made."""
-        return setup_line(self)
+        t = self.cfg.train
+        return setup_line(self.layout, self.n_params, t.reshard_after_forward, t.grad_sync)
 
     # ---- restore -----------------------------------------------------------------------------
 
@@ -275,7 +248,7 @@ class Trainer:
                 f"(saved by {state['world_size']} workers at tp {state.get('tp', 1)}, now "
                 f"{self.world_size} at tp {self.dims.tp})")
 
-    # ---- the step ----------------------------------------------------------------------------
+    # ---- the step ---------------------------------------------------------------------------
 
     def forward_backward(self, batch) -> torch.Tensor:
         """Accumulate this rank's gradients for one step; returns its summed token loss."""
@@ -290,14 +263,14 @@ class Trainer:
         slots = len(batch.tokens)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         first_mb = batch_split.rank_micro_batches(self.batch_rank, self.batch_degree).start
-        per_micro_batch_sync = self.memory_settings.grad_sync == "microbatch"
+        per_micro_batch_sync = self.layout.memory.grad_sync == "microbatch"
         for k, (tokens, weight) in enumerate(zip(batch.tokens, batch.weights)):
             tokens = tokens.to(self.device, non_blocking=True)
             x, y = tokens[:, :T], tokens[:, 1:T + 1]
             last = k == slots - 1
             # grad_sync=step: only the last backward reduce-scatters (one sync per step).
             self.model.set_requires_gradient_sync(last or per_micro_batch_sync)
-            if not self.reshard_after_forward:
+            if not self.layout.memory.reshard_after_forward:
                 # The gathered weights live through each forward and backward already, so keeping
                 # them between micro-batches adds no peak memory and saves one all-gather per
                 # micro-batch; the last backward frees them before the optimizer step. (A forward
@@ -395,19 +368,14 @@ class Trainer:
         if stop > 0:
             self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.batch_split.global_batch_size * self.gpt_cfg.seq_len)
-        diverged = False  # non-finite for longer than train.nan_patience tolerates
-        if not committed:
-            pass
-        elif not skipped:
-            self._nonfinite_streak = 0
-        else:
-            self._nonfinite_streak += 1
-            diverged = self._nonfinite_streak > cfg.train.nan_patience
-            if diverged and not self.health.rolls_back:  # else train/health.py rolls back
-                raise NonFiniteLossError(
-                    f"loss is {loss} (grad norm {grad_norm}) at step {self.step} for "
-                    f"{self._nonfinite_streak} step(s), beyond train.nan_patience="
-                    f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
+        # Non-finite for longer than train.nan_patience tolerates (a step applied nowhere, C7,
+        # counts neither way).
+        diverged = committed and self.nonfinite.after(bool(skipped))
+        if diverged and not self.health.rolls_back:  # else health/recovery.py rolls back
+            raise NonFiniteLossError(
+                f"loss is {loss} (grad norm {grad_norm}) at step {self.step} for "
+                f"{self.nonfinite.count} step(s), beyond train.nan_patience="
+                f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
         fingerprint = join_fingerprint(fp_lo, fp_hi)
         return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed,
                           nonfinite=diverged)
@@ -475,45 +443,18 @@ class Trainer:
     def train(self) -> dict:
         """The step loop. The fault-tolerance mode's hooks are called at fixed points (their
         order: train/fault_tolerance.py); everything else is the same in every mode."""
-        cfg, ft = self.cfg, self.fault_tolerance
-        if self.rank == 0:
-            say(self.setup_line())
-            record_memory_settings(self.metrics, self.memory_settings, self.world_size)
-        self.restore()
-        ft.on_start(self.step, self.rank, self.store)
-        if self.rank == 0:
-            event = self.ledger.on_resume(
-                restored_step=self.step, world_size=self.world_size,
-                previous=self.membership.previous, cause=self.membership.cause,
-                attempt_started=self.started)
-            if event:
-                ft.on_resume(event, self.step)
-            # At once: an attempt that dies before its first step hands the next one what it
-            # restored, and the steps lost before it are not counted twice.
-            self.membership.publish(self.step, None, self.ledger.to_dict())
+        ft = self.fault_tolerance
+        self._start()
         stream = self._open_stream()
-        tokens_per_step = self.batch_split.global_batch_size * self.gpt_cfg.seq_len
-        last, startup = None, {}
+        end = min(self.cfg.train.max_steps, self.cfg.run.stop_at_step or self.cfg.train.max_steps)
+        first_step, last = self.step, None
         try:
-            end = min(cfg.train.max_steps, cfg.run.stop_at_step or cfg.train.max_steps)
-            first_step = self.step
             while self.step < end:
                 if self.step == first_step:
-                    event = self.ledger.on_first_step_started()
-                    if event and self.rank == 0:
-                        self.metrics.log({mn.EVENT_RECOVERY_S: event["recovery_s"],
-                                          mn.EVENT_LOST_STEPS: event["lost_steps"]}, self.step)
-                    startup = self._startup_metrics()
+                    self.report.first_step(self.step, self.ledger.on_first_step_started(),
+                                           self.startup, self.started)
                 t0 = time.perf_counter()
-                planned = ft.begin_step(self.step, self.dp_rank, self.dp_degree)
-                if planned != (self.step, self.batch_rank, self.batch_degree):
-                    # A new quorum (or a healed step): the prefetched batches were cut for
-                    # another split or step; re-plan from this step (C1 fixed global batch, C2
-                    # data order).
-                    stream.close()
-                    self.step, self.batch_rank, self.batch_degree = planned
-                    self._prepare_pipeline()  # the new split's schedule
-                    stream = self._open_stream()
+                stream = self._split_for_step(stream)
                 batch = next(stream)
                 assert batch.step == self.step, f"data stream at step {batch.step}, not {self.step}"
                 t_data = time.perf_counter() - t0
@@ -539,34 +480,10 @@ class Trainer:
                     ft.on_stop()
                 waited = self._note_quorum_change()
                 self.ledger.on_step(step_time - waited, degraded=ft.degraded)
-                tokens_per_s = tokens_per_step / step_time
-                metrics = {
-                    mn.TRAIN_LOSS: result.loss, mn.TRAIN_LR: result.metrics["lr"],
-                    mn.TRAIN_GRAD_NORM: result.grad_norm, mn.TRAIN_TOKENS_PER_S: tokens_per_s,
-                    # Over every worker the step's batch was split over: with replica groups
-                    # every live group's (C7 all-or-nothing step), not this group's alone.
-                    mn.TRAIN_MFU: tokens_per_s * self.flops_per_token /
-                    (self.peak * self.batch_degree * self.dims.tp * self.dims.pp),
-                    mn.TRAIN_WORLD_SIZE: self.world_size,
-                    # Micro-batches per rank of this step's split (over every live replica
-                    # group's ranks with replica groups, C7 all-or-nothing step).
-                    mn.TRAIN_GRAD_ACCUM: self.batch_split.slots(self.batch_degree),
-                    mn.TRAIN_SAMPLES_SEEN: self.step * self.batch_split.global_batch_size,
-                    mn.TRAIN_STEP_TIME_S: step_time, mn.DATA_WAIT_S: t_data,
-                    mn.DATA_FINGERPRINT: result.fingerprint, **startup,
-                }
-                startup = {}
-                if self.data.is_mixture and self.rank == 0:
-                    counts = self.data_order.source_counts(metrics[mn.TRAIN_SAMPLES_SEEN])
-                    for source, count in zip(self.data.sources, counts):
-                        metrics[mn.source_samples_seen(source.name)] = count
-                # One step numbering everywhere (C5 one MLflow run): self.step is now the number of
-                # optimizer steps done, the console's "step k/N" and the checkpoint folder step_<k>.
-                self.metrics.log(metrics, self.step)
-                # With replica groups the leading group's rank 0 says it, once per step.
-                if self.rank == 0 and ft.leads and (result.step % cfg.train.log_every == 0
-                                                    or self.step == cfg.train.max_steps):
-                    say(progress_line(self.step, cfg.train.max_steps, metrics))
+                last = self.report.step(
+                    self.step, result, step_time=step_time, data_wait=t_data,
+                    world_size=self.world_size, batch_degree=self.batch_degree,
+                    micro_batches=self.batch_split.slots(self.batch_degree))
                 rollback = self.health.after_step(self.step, result.loss, result.nonfinite,
                                                   step_time, self.ledger, self.model)
                 if rollback is not None:
@@ -574,16 +491,10 @@ class Trainer:
                     continue
                 if self._eval_due(self.step):  # before the save: a resume never skips one
                     self.evaluate(self.step)
-                self.checkpointer.poll()  # a failed background write raises here
-                # The last step, and the step a planned restart resumes from, are always saved;
-                # of replica groups, the one leading this step's quorum saves.
                 self.timeouts.step_done()
-                if ft.leads and not self.health.rerunning:  # a re-run may hold a spike
-                    self.timeouts.before_save()
-                    self.timeouts.after_save(self.checkpointer.save(
-                        self.step, force=self.step == end or bool(self.stop_reason)))
+                # The last step, and the step a planned restart resumes from, are always saved.
+                self.checkpointer.save(self.step, last_step=self.step == end or bool(self.stop_reason))
                 self.membership.publish(self.step, step_time, self.ledger.to_dict())
-                last = metrics
                 if self.stop_reason:
                     self.checkpointer.finish()  # the restart resumes from this step
                     self.membership.record_restart(self.stop_reason, self.step)
@@ -591,38 +502,55 @@ class Trainer:
             self.checkpointer.finish()  # the last step is committed before we return
         finally:
             stream.close()
-            ft.close()
-        return {"step": self.step, "last": last, "ledger": self.ledger,
-                "eval": self.last_eval}
+            self.fault_tolerance.close()
+        return {"step": self.step, "last": last, "ledger": self.ledger, "eval": self.last_eval}
+
+    def _start(self) -> None:
+        """Before the first step: the setup said, the checkpoint restored, the mode and the
+        checkpointer told, and (rank 0) the attempt's place in the run's ledger published."""
+        if self.rank == 0:
+            say(self.setup_line())
+            record_memory_settings(self.metrics, self.layout.memory, self.world_size)
+        self.restore()
+        self.fault_tolerance.on_start(self.step)
+        self.checkpointer.start()
+        if self.rank == 0:
+            event = self.ledger.on_resume(
+                restored_step=self.step, world_size=self.world_size,
+                previous=self.membership.previous, cause=self.membership.cause,
+                attempt_started=self.started)
+            if event:
+                self.fault_tolerance.on_resume(event, self.step)
+            # At once: an attempt that dies before its first step hands the next one what it
+            # restored, and the steps lost before it are not counted twice.
+            self.membership.publish(self.step, None, self.ledger.to_dict())
+
+    def _split_for_step(self, stream):
+        """The mode's step and split for the next attempt; a new quorum (or a healed step) cut
+        the prefetched batches for another split or step: the stream is re-planned from this
+        step (C1 fixed global batch, C2 data order)."""
+        planned = self.fault_tolerance.begin_step(self.step, self.dp_rank, self.dp_degree)
+        if planned == (self.step, self.batch_rank, self.batch_degree):
+            return stream
+        stream.close()
+        self.step, self.batch_rank, self.batch_degree = planned
+        self._prepare_pipeline()  # the new split's schedule
+        return self._open_stream()
 
     def _roll_back(self, rollback: Rollback, stream):
-        """Collective: back to the committed checkpoint of `rollback.to_step` (train/health.py);
+        """Collective: back to the committed checkpoint of `rollback.to_step` (health/recovery.py);
         the checkpoints after it hold the abandoned trajectory and are discarded. Returns the
         stream from there."""
         stream.close()
-        self.checkpointer.wait()  # an in-flight save of the abandoned trajectory lands first
-        if self.rank == 0:  # of replica groups, every group's (a save in flight is its own)
-            self.store.discard_after(rollback.to_step)
+        self.checkpointer.discard_after(rollback.to_step)
         if rollback.restart:  # without a drained node: the restart reads it, nothing is saved
             self.membership.record_restart(rollback.restart, rollback.to_step)
             raise ElasticRestart(rollback.restart, rollback.to_step)
         load_sharded(rollback.url, self.model, self.optimizer)
         self.step = rollback.to_step
         self.fault_tolerance.on_rollback(self.step)
-        self._nonfinite_streak = 0
+        self.nonfinite.reset()
         return self._open_stream()
-
-    def _startup_metrics(self) -> dict[str, float]:
-        """At this attempt's first step: the time from the Trainer's start, by part (logged with
-        that step's metrics; a resume's weight init is 0)."""
-        s = self.startup
-        s["to_first_step_s"] = time.time() - self.started
-        if self.rank == 0:
-            say(f"[elastic-gpt] first step {s['to_first_step_s']:.1f} s after start: weight "
-                f"init {s['init_s']:.1f} s, checkpoint read {s['checkpoint_read_s']:.1f} s, the "
-                f"rest {s['to_first_step_s'] - s['init_s'] - s['checkpoint_read_s']:.1f} s")
-        return {mn.STARTUP_S: s["to_first_step_s"], mn.STARTUP_INIT_S: s["init_s"],
-                mn.STARTUP_CHECKPOINT_READ_S: s["checkpoint_read_s"]}
 
     def _note_quorum_change(self) -> float:
         """Replica groups (C7 all-or-nothing step): a group left or joined at this step's quorum;

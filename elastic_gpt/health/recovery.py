@@ -2,27 +2,20 @@
 
 What a person did by hand in the published large runs (OPT-175B's logbook, PaLM's restarts from
 ~100 steps before a spike with 200-500 batches skipped), and what Megatron's re-run state machine
-automates in part, as one loop the Trainer calls after every committed step:
+automates in part, as one loop the health checks run after every committed step:
 
-1. **Detect.** A loss is flagged when it is non-finite, or above the running median of the last
-   `health.spike_window` healthy losses by `health.spike_deviations` robust standard deviations
-   (1.4826 x the median absolute deviation, the normal distribution's scale; median and MAD are
-   not moved by the spike itself, as a mean and standard deviation would be) and by at least
-   `health.spike_min_rise` of the median. `health.spike_steps` consecutive flagged losses make a
-   spike; a non-finite one is a spike at once. Flagged losses never enter the window.
+1. **Detect** (health/spikes.py): a loss far above the running median of the healthy ones, for
+   `health.spike_steps` steps, or a non-finite one at once.
 2. **Roll back** to the newest committed checkpoint from before every update the spike may have
    come from: the first flagged loss was computed on weights its previous step's update made (a
    bad batch, or faulty hardware: a checkpoint of that step holds the damage). The checkpoints
    after it hold the spiked trajectory and are discarded.
 3. **Attribute by re-running** (`health.rerun`): the steps from the checkpoint to the detection
-   are trained again on the same samples, with no checkpoint saved. Training is deterministic on
-   the same ranks (C3 bit-identical resume), so the same losses mean the data caused the spike;
-   different ones mean the hardware did. Each rank keeps an exact checksum of its parameter
-   shard at every step, and of the gradients it computed in each step before FSDP's
-   reduce-scatter spreads them over every shard (parallel/gradient_checksum.py); the rank whose
-   checksum differs first between the two runs did the faulty work, and its node is drained
-   (Ray re-places the group without it and the autoscaler replaces it). Nothing is skipped: the
-   re-run is the trajectory from then on.
+   are trained again on the same samples, with no checkpoint saved. The same losses mean the
+   data caused the spike; different ones mean the hardware did, and the rank whose own work
+   differs first (health/attribution.py) has its node drained (Ray re-places the group without
+   it and the autoscaler replaces it). Nothing is skipped: the re-run is the trajectory from
+   then on.
 4. **Skip the data** (a reproduced spike): roll back to the checkpoint again and leave out the
    flagged steps' batches and `health.skip_steps_before` before them (the loss at step t is
    computed on weights that step t-1's batch updated). The skip is written to the run record
@@ -44,118 +37,24 @@ reach MLflow's events.jsonl) and `system/health/*` metrics.
 from __future__ import annotations
 
 import math
-import os
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from elastic_gpt.config import HealthSection
 from elastic_gpt.console import say
 from elastic_gpt.data.skips import DataSkips
 from elastic_gpt.errors import FatalTrainingError
-from elastic_gpt.parallel import gradient_checksum
-from elastic_gpt.parallel.gradient_checksum import bit_sum, flip_bit
+from elastic_gpt.health.attribution import RerunAttribution, shard_checksum
+from elastic_gpt.health.spikes import Spike, SpikeDetector
 from elastic_gpt.tracking import metric_names as mn
 
-MAD_TO_SIGMA = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal distribution times this is its sigma
 RUN_INFO_SKIPS = "data_skips"  # the run record's key (checkpoint/store.py's run.json)
-# Tests inject a hardware fault through this: "rank:step" flips the top exponent bit of the first
-# value of that rank's parameter shard after that many steps (as a faulty update would, before
-# the step's checkpoint is written), once per process; "rank:step:bit" flips that bit (a low
-# mantissa bit: silent data corruption, no spike); "rank:step:grad" flips the top exponent bit
-# of a gradient that rank computes in that step, before the reduce-scatter (a faulty backward);
-# "rank:step:persistent" flips the top exponent bit again each time that step is trained (a
-# device that computes wrong every time: with stragglers.FAULTY_DEVICE_ENV for its probe).
-FLIP_BIT_ENV = "ELASTIC_GPT_TEST_FLIP_BIT"
-
-
 class TrainingDiverged(FatalTrainingError):
     """A health budget is spent: the run keeps diverging (its newest checkpoint is intact)."""
-
-
-@dataclass(frozen=True)
-class Spike:
-    """Steps are numbered as everywhere (C5): step k's loss is the one of the batch that made
-    the k-th optimizer step, computed on the weights of checkpoint step k - 1."""
-
-    first: int
-    """The first flagged step."""
-    last: int
-    """The step the spike was detected at."""
-    losses: dict[int, float]
-    """Flagged step -> its loss."""
-    median: float
-    threshold: float
-
-    @property
-    def nonfinite(self) -> bool:
-        return any(not math.isfinite(v) for v in self.losses.values())
-
-    def describe(self) -> str:
-        what = "non-finite loss" if self.nonfinite else "loss spike"
-        steps = f"step {self.first}" if self.first == self.last else \
-            f"steps {self.first}-{self.last}"
-        worst = max(self.losses.values(), key=lambda v: v if math.isfinite(v) else math.inf)
-        return f"{what} at {steps} (loss {worst:.4g}; running median {self.median:.4g}, " \
-               f"threshold {self.threshold:.4g})"
-
-
-class SpikeDetector:
-    """Running median and MAD of the last `window` healthy losses (module docstring, step 1)."""
-
-    def __init__(self, window: int, deviations: float, min_rise: float, steps: int,
-                 min_history: int):
-        self.window, self.deviations, self.min_rise = window, deviations, min_rise
-        self.steps, self.min_history = steps, min_history
-        self.history: deque[tuple[int, float]] = deque(maxlen=window)
-        self.flagged: dict[int, float] = {}
-
-    def threshold(self) -> tuple[float, float]:
-        """(median, threshold) of the window; threshold inf before `min_history` losses."""
-        if len(self.history) < self.min_history:
-            return math.nan, math.inf
-        losses = [v for _, v in self.history]
-        median = statistics.median(losses)
-        mad = statistics.median(abs(v - median) for v in losses)
-        rise = max(self.deviations * MAD_TO_SIGMA * mad, self.min_rise * abs(median))
-        return median, median + rise
-
-    def observe(self, step: int, loss: float) -> Spike | None:
-        median, threshold = self.threshold()
-        if not math.isfinite(loss) or loss > threshold:
-            self.flagged[step] = loss
-            if not math.isfinite(loss) or len(self.flagged) >= self.steps:
-                return Spike(min(self.flagged), step, dict(self.flagged), median, threshold)
-            return None
-        self.flagged.clear()
-        self.history.append((step, loss))
-        return None
-
-    def forget_from(self, step: int) -> None:
-        """A rollback to `step`: the losses from it on will be trained again."""
-        kept = [(s, v) for s, v in self.history if s < step]
-        self.history.clear()
-        self.history.extend(kept)
-        self.flagged.clear()
-
-
-def shard_checksum(model: torch.nn.Module) -> torch.Tensor:
-    """An exact checksum of this rank's parameter shard, on its device (no host sync): the sum
-    of the values' bit patterns as integers, so a single flipped bit anywhere changes it."""
-    total = None
-    for p in model.parameters():
-        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
-        if t.numel() == 0:
-            continue
-        s = bit_sum(t)
-        total = s if total is None else total + s
-    return total if total is not None else torch.zeros((), dtype=torch.int64)
 
 
 @dataclass
@@ -176,7 +75,7 @@ class Rollback:
     a node was drained for a device that computes wrong, and must not take part again."""
 
 
-class TrainingHealth:
+class SpikeRecovery:
     """One rank's part of the loop in the module docstring. Every rank calls `before_step` and
     `after_step` at each step; rank 0 alone writes the run record, the events and the metrics."""
 
@@ -194,20 +93,13 @@ class TrainingHealth:
         self.detector = SpikeDetector(cfg.spike_window, cfg.spike_deviations, cfg.spike_min_rise,
                                       cfg.spike_steps, cfg.spike_min_history)
         self.keep_steps = max(keep_steps, cfg.spike_steps + 1)
-        self.checksums: dict[int, torch.Tensor] = {}  # step -> this rank's shard checksum
-        # step -> the checksum of the gradients this rank computed in that step, before the
-        # reduce-scatter (parallel/gradient_checksum.py); None until the model is seen.
-        self.grad_checksums: dict[int, torch.Tensor] = {}
-        self._rerun_grad_checksums: dict[int, torch.Tensor] = {}
-        self._gradients: gradient_checksum.GradientChecksum | None = None
-        self._gradients_installed = False
+        self.attribution = RerunAttribution(rank=rank, world_size=world_size,
+                                            keep_steps=self.keep_steps)
         self.step_seconds: dict[int, float] = {}
         self.rerun: _Rerun | None = None
-        self._rerun_checksums: dict[int, torch.Tensor] = {}
         self.totals = {"spikes": 0, "rollbacks": 0, "hardware_faults": 0}
-        self._flip = _parse_flip(os.environ.get(FLIP_BIT_ENV), rank)
         self.check_devices: Callable[[int, object], tuple[list[int], bool]] | None = None
-        """Collective: every rank's device probed for its known answer (train/stragglers.py):
+        """Collective: every rank's device probed for its known answer (health/stragglers.py):
         (the ranks computing wrong, whether their nodes are drained). Asked before a reproduced
         spike is blamed on the data."""
 
@@ -255,40 +147,20 @@ class TrainingHealth:
 
     # ---- every step --------------------------------------------------------------------------
 
-    def before_step(self, model: torch.nn.Module, step: int,
-                    checksum: bool = False) -> torch.Tensor | None:
+    def before_step(self, model: torch.nn.Module, step: int, checksum: bool = False,
+                    corrupt_gradient: bool = False) -> torch.Tensor | None:
         """Before the forward of the step after `step` steps: this rank's shard checksum when the
-        re-run attribution keeps one, or `checksum` asks (train/replica_check.py); else None."""
-        keep = self.keeps_checksums
-        if not (keep or checksum):
-            return None
-        value = shard_checksum(model)
-        if keep:
-            book = self._rerun_checksums if self.rerun else self.checksums
-            book[step] = value
-            _trim(book, step - self.keep_steps)
-            if not self._gradients_installed:
-                self._gradients_installed = True
-                self._gradients = gradient_checksum.install(model)
-            if self._gradients is not None:
-                self._gradients.take()  # an attempt not committed left its sums: this one's own
-                if self._flip is not None and self._flip == (step + 1, "grad"):
-                    self._flip = None
-                    self._gradients.corrupt_next()
-        return value
+        re-run attribution keeps one, or `checksum` asks (health/silent_corruption.py); else
+        None. `corrupt_gradient`: a test's injected fault in this step's backward."""
+        if self.keeps_checksums:
+            return self.attribution.before_step(model, step, rerun=self.rerun is not None,
+                                                corrupt_gradient=corrupt_gradient)
+        return shard_checksum(model) if checksum else None
 
     @property
     def keeps_checksums(self) -> bool:
         """The re-run attribution keeps each rank's checksums (its parameters', its gradients')."""
         return self.action == "rollback" and self.cfg.rerun
-
-    def inject_fault(self, model: torch.nn.Module, step: int) -> None:
-        """FLIP_BIT_ENV's fault, once, as the update of step `step` would have made it: after the
-        optimizer step, before that step's checkpoint is written."""
-        if self._flip is not None and self._flip[0] == step and self._flip[1] != "grad":
-            _flip_one_bit(model, None if self._flip[1] == "persistent" else self._flip[1])
-            if self._flip[1] != "persistent":  # a faulty device does it at every pass
-                self._flip = None
 
     def after_step(self, step: int, loss: float, nonfinite: bool, seconds: float,
                    ledger) -> Rollback | None:
@@ -297,18 +169,15 @@ class TrainingHealth:
         make."""
         if self.action == "off":
             return None
-        if self._gradients is not None:
-            value = self._gradients.take()
-            if value is not None:
-                book = self._rerun_grad_checksums if self.rerun else self.grad_checksums
-                book[step] = value
-                _trim(book, step - self.keep_steps)
+        if self.keeps_checksums:
+            self.attribution.after_step(step, rerun=self.rerun is not None)
         if nonfinite:
             loss = math.nan
         elif not math.isfinite(loss):  # skipped, and tolerated by train.nan_patience
             return None
         self.step_seconds[step] = seconds
-        _trim(self.step_seconds, step - self.keep_steps)
+        for old in [s for s in self.step_seconds if s < step - self.keep_steps]:
+            del self.step_seconds[old]
         if self.rerun is not None:
             return self._rerun_step(step, loss, ledger)
         spike = self.detector.observe(step, loss)
@@ -352,7 +221,7 @@ class TrainingHealth:
             say(f"[elastic-gpt] {spike.describe()}: {action}")
         if rerun:
             self.rerun = _Rerun(spike, target.step)
-            self._rerun_checksums, self._rerun_grad_checksums = {}, {}
+            self.attribution.start_rerun()
             return self._rollback(target, ledger, spike.last, "spike")
         return self._skip_and_roll_back(spike, target, ledger)
 
@@ -390,7 +259,7 @@ class TrainingHealth:
             return self._skip_and_roll_back(rerun.spike, target, ledger, rerun_losses=shown)
         for s, v in rerun.losses.items():  # the re-run is the trajectory now
             self.detector.observe(s, v)
-        culprits = self._first_diverged_ranks(rerun.checkpoint, step - 1)
+        culprits = self.attribution.first_diverged_ranks(rerun.checkpoint, step - 1)
         nodes = sorted({self.rank_nodes[r] for r in culprits}) if self.rank_nodes else []
         self.totals["hardware_faults"] += 1
         where = (f"rank(s) {culprits} (node {', '.join(n[:12] for n in nodes)})" if nodes else
@@ -455,7 +324,7 @@ class TrainingHealth:
 
     def device_fault(self, ranks: list[int], drained: bool, trusted: int, step: int, ledger,
                      roll_back: bool = False) -> Rollback | None:
-        """Collective: `ranks`' devices compute wrong (train/stragglers.py's known answer).
+        """Collective: `ranks`' devices compute wrong (health/stragglers.py's known answer).
         Drained, the group restarts without their nodes from the newest checkpoint at or before
         `trusted`, the last step known good (a checkpoint since may hold their work: the last
         probe every answer was right at, the replicas' last agreement, the checkpoint before a
@@ -509,37 +378,6 @@ class TrainingHealth:
                 f"health.max_rollbacks_per_hour={self.cfg.max_rollbacks_per_hour:g} is spent; "
                 f"{advice}")
 
-    def _first_diverged_ranks(self, start: int, end: int) -> list[int]:
-        """Collective: the ranks whose own work first differs between the first run and the
-        re-run, unless every rank's does at once (then no single one). In the order things
-        happen: the weights after step s (s = start..end), then the gradients each rank
-        computed in step s + 1 from them, before the reduce-scatter spreads them over every
-        shard, then the weights after s + 1: a fault in a rank's weights or its update is seen
-        on it first, a fault in its forward or backward on its gradients first."""
-        books = ((self.checksums, self._rerun_checksums, 0, end),
-                 (self.grad_checksums, self._rerun_grad_checksums, -1, end + 1))
-        never = 2 * (end + 1)
-        mine = never
-        for s in range(start, end + 2):
-            for first_run, rerun, offset, last in books:
-                a, b = (first_run.get(s), rerun.get(s)) if s <= last else (None, None)
-                if a is not None and b is not None and int(a) != int(b):
-                    mine = min(mine, 2 * s + offset)
-        first = torch.full((self.world_size,), 0, dtype=torch.int64)
-        first[self.rank] = mine
-        if dist.is_initialized() and self.world_size > 1:
-            device = next(iter(self.checksums.values()), first).device
-            first = first.to(device)
-            dist.all_reduce(first)
-        first = first.tolist()
-        # The re-run's checksums are the trajectory's now.
-        for first_run, rerun, _, _ in books:
-            first_run.update(rerun)
-            rerun.clear()
-        earliest = min(first)
-        culprits = [r for r, s in enumerate(first) if s == earliest]
-        return [] if earliest == never or len(culprits) == self.world_size else culprits
-
     # ---- records -----------------------------------------------------------------------------
 
     def _event(self, ledger, event: dict) -> None:
@@ -568,39 +406,7 @@ def load_skips(store, rank: int, checkpoint_state: dict | None) -> DataSkips:
     return DataSkips.from_list(box[0])
 
 
-def _trim(book: dict[int, object], before: int) -> None:
-    """Drop a per-step book's entries older than `before` (steps are added in order, so the
-    oldest come first: this stops at the first kept one)."""
-    while book:
-        oldest = next(iter(book))
-        if oldest >= before:
-            return
-        del book[oldest]
-
-
 def _same_loss(a: float, b: float, tolerance: float) -> bool:
     if not (math.isfinite(a) and math.isfinite(b)):
         return not math.isfinite(a) and not math.isfinite(b)
     return abs(a - b) <= tolerance * max(abs(a), abs(b))
-
-
-def _parse_flip(spec: str | None, rank: int) -> tuple[int, int | str | None] | None:
-    """(step, a bit, "grad", "persistent" or None) of FLIP_BIT_ENV's
-    "rank:step[:bit|:grad|:persistent]" when it names this rank."""
-    if not spec:
-        return None
-    rank_, step, *rest = spec.split(":")
-    if int(rank_) != rank:
-        return None
-    return int(step), (rest[0] if rest[0] in ("grad", "persistent") else int(rest[0])) \
-        if rest else None
-
-
-def _flip_one_bit(model: torch.nn.Module, bit: int | None = None) -> None:
-    """The injected hardware fault: one bit (None: the top exponent bit) of this rank's first
-    parameter value."""
-    for p in model.parameters():
-        t = (p.to_local() if isinstance(p, DTensor) else p).detach()
-        if t.numel():
-            flip_bit(t, bit)
-            return

@@ -1,4 +1,7 @@
-"""Silent data corruption across replicas: ranks that must hold the same state compare it.
+"""Silent data corruption: ranks that must hold the same state compare it.
+
+Two kinds of ranks hold the same state: HSDP's replicas of a shard (`HsdpReplicaCheck`) and the
+replica groups' copies of the whole state (`GroupCopiesCheck`).
 
 Under HSDP every shard of the model and its optimizer state is held by `dp_replicate` ranks, one
 per node, that apply the same averaged gradients and so hold the same bits (C3: the updates are
@@ -6,7 +9,7 @@ deterministic). A bit flipped in one of them (a memory error, a faulty device: L
 silent data corruption among its interruptions) goes unnoticed by the loss until it grows.
 
 Every `health.sdc_every_steps` steps, before the forward, each rank's exact shard checksum
-(`health.shard_checksum`: any one flipped bit changes it) is all-gathered over the whole group,
+(`health/attribution.shard_checksum`: any one flipped bit changes it) is all-gathered over the whole group,
 one integer per rank, and every rank compares the replicas of each shard the same way:
 
 - all equal: nothing happens;
@@ -16,7 +19,7 @@ one integer per rank, and every rank compares the replicas of each shard the sam
   event names the ranks and their nodes are drained (the group restarts without them at the next
   step boundary and the autoscaler replaces them);
 - no majority (two replicas that differ): no replica can be trusted, and the run rolls back to the
-  newest checkpoint (train/health.py), every one of which was saved after a passing check.
+  newest checkpoint (health/recovery.py), every one of which was saved after a passing check.
 
 Replica groups (torchft) hold the same state across groups the same way (`GroupCopiesCheck`):
 each rank's checksum rides in the step's stats, which the groups sum anyway (no collective of
@@ -45,8 +48,8 @@ from elastic_gpt.config import HealthSection
 from elastic_gpt.console import say
 
 
-class ReplicaCheck:
-    """One rank's part of the comparison; every rank calls `check` at every step."""
+class HsdpReplicaCheck:
+    """One rank's part of the HSDP replicas' comparison; every rank calls `check` at every step."""
 
     def __init__(self, cfg: HealthSection, dims, *, rank: int, world_size: int,
                  rank_nodes: list[str] | None = None, membership=None):
@@ -134,19 +137,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class ReplicaCopiesDiffer(RuntimeError):
+class GroupCopiesDiffer(RuntimeError):
     """The replica groups' copies of the state differ with no majority: every group fails, and
     each restarts from the newest checkpoint left (not fatal: Ray restarts them)."""
 
 
 class GroupCopiesCheck:
-    """One rank's part in comparing the replica groups' copies (`fault_tolerance.ReplicaGroups`
-    carries the checksums; this acts on what it found)."""
+    """One rank's part in comparing the replica groups' copies (the fault-tolerance mode,
+    `train/fault_tolerance.ReplicaGroupPath`, carries the checksums; this acts on what it
+    found)."""
 
-    def __init__(self, cfg: HealthSection, fault_tolerance, *, rank: int, store,
-                 settle_saves, rank_nodes: list[str] | None = None, membership=None):
-        self.cfg, self.ft, self.rank, self.store = cfg, fault_tolerance, rank, store
-        self.settle_saves, self.rank_nodes, self.membership = settle_saves, rank_nodes, membership
+    def __init__(self, cfg: HealthSection, fault_tolerance, *, rank: int, checkpointer,
+                 rank_nodes: list[str] | None = None, membership=None):
+        """`checkpointer`: the run's (checkpoint/checkpointer.py); the checkpoints written since
+        the copies last agreed are discarded through it."""
+        self.cfg, self.ft, self.rank = cfg, fault_tolerance, rank
+        self.checkpointer, self.rank_nodes, self.membership = checkpointer, rank_nodes, membership
 
     def due(self, step: int) -> bool:
         every = self.cfg.sdc_every_steps
@@ -170,9 +176,9 @@ class GroupCopiesCheck:
                                            if verdict.seen == COPIES_UNDECIDED else
                                            "the majority's: healed from a live peer"))
         if verdict.led or verdict.seen == COPIES_UNDECIDED:
-            delete_checkpoints_after(trusted, self.store, self.rank, self.settle_saves)
+            discard_checkpoints_after(trusted, self.checkpointer)
         if verdict.seen == COPIES_UNDECIDED:
-            raise ReplicaCopiesDiffer(f"silent data corruption {detail}; every group restarts "
+            raise GroupCopiesDiffer(f"silent data corruption {detail}; every group restarts "
                                       "from the newest checkpoint written before it")
         if verdict.seen == COPIES_MAJORITY and self.ft.leads:
             ledger.events.append({"at": time.time(), "kind": "silent data corruption",
@@ -185,11 +191,9 @@ class GroupCopiesCheck:
             self.membership.drain_node(node, f"silent data corruption: {detail}")
 
 
-def delete_checkpoints_after(step: int, store, rank: int, settle_saves) -> None:
+def discard_checkpoints_after(step: int, checkpointer) -> None:
     """Every checkpoint newer than `step`, the last state the copies agreed on: one written since
-    may hold a corrupt copy's shard. The writes in flight land first; rank 0 deletes."""
-    settle_saves()
-    if rank == 0:
-        for doomed in store.discard_after(step):
-            say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the corruption, "
-                "is deleted")
+    may hold a corrupt copy's shard."""
+    for doomed in checkpointer.discard_after(step):
+        say(f"[elastic-gpt] the checkpoint of step {doomed}, written after the corruption, is "
+            "deleted")

@@ -16,7 +16,7 @@ every group again, which restore the newest committed checkpoint (still written,
 the restart path. Each fallback is charged to the same sliding-hour budget.
 
 Each group's Ray Train job is built as the restart path's is (`worker_group_job.py`). Worker side
-(`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroups`, and its
+(`worker.py`): the Trainer's fault-tolerance mode is `train/fault_tolerance.ReplicaGroupPath`, and its
 metric sink logs a step from the group leading its quorum, or from the group leading after it
 when that one is lost before it stored it, so the one MLflow run gets each step once (C5 one
 MLflow run). torchft's own per-step detail goes to a file per worker (`config.run_log_dir`), not to
@@ -189,14 +189,11 @@ class ReplicaGroupsJob:
 
     def _record_fallback(self, reason: str) -> None:
         """Tell every group's next attempt why it restarts (the goodput ledger's event, C5 one
-        MLflow run); uncommitted checkpoint folders are leftovers now that no group runs (C4 atomic
-        commit)."""
-        from elastic_gpt.checkpoint.store import CheckpointStore
-
+        MLflow run). An uncommitted step folder the stopped groups left is never resumed from (C4
+        atomic commit); checkpoint retention removes it at the next commit."""
         for g in range(self.cfg.elastic.replica_groups):
             best_effort(RunRecords(group_run_key(run_key(self.cfg), g)).put, "last_failure",
                         {"kind": "failure", "at": time.time(), "error": reason})
-        CheckpointStore(self.cfg.checkpoint.path).remove_uncommitted()
 
 
 def groups_events(cfg: Config) -> list[dict]:

@@ -23,8 +23,8 @@ majority of the ranks' (a group runs on one kind of device), computes wrong: a `
 its node drained as a straggler's is (`health.straggler_action`). A persistent fault is what a
 re-run cannot tell from bad data (it reproduces itself), and that two replicas cannot settle
 (they differ with no majority): before a spike is blamed on the data, and before such replicas
-roll back, every rank runs the probe once more (`wrong_answers`, train/health_checks.py). Found,
-the group restarts without the drained node from the last state known good (train/health.py
+roll back, every rank runs the probe once more (`wrong_answers`, health/monitor.py). Found,
+the group restarts without the drained node from the last state known good (health/recovery.py
 `device_fault`).
 
 Each probe's slowest rank and its ratio to the median are `system/health/*` metrics, and every
@@ -47,11 +47,10 @@ import torch.distributed as dist
 
 from elastic_gpt.config import HealthSection
 from elastic_gpt.console import say
+from elastic_gpt.health.faults import FaultInjection, NoFaults
 from elastic_gpt.parallel.gradient_checksum import bit_sum
 from elastic_gpt.tracking import metric_names as mn
 
-# Tests make a rank's device compute wrong from a step on (a persistent fault): "rank:step".
-FAULTY_DEVICE_ENV = "ELASTIC_GPT_TEST_FAULTY_DEVICE"
 # The answer's checksum travels in float64 with the times: its residue below 2**52 is exact.
 ANSWER_MODULUS = 1 << 52
 
@@ -66,9 +65,9 @@ class StragglerWatch:
 
     def __init__(self, cfg: HealthSection, *, rank: int, world_size: int, device: torch.device,
                  rank_nodes: list[str] | None = None, metrics=None, membership=None,
-                 record_path: str | None = None):
+                 record_path: str | None = None, faults: FaultInjection = NoFaults()):
         """`record_path`: the JSONL file rank 0 appends every probe's per-rank times to (None:
-        none kept)."""
+        none kept). `faults`: a test's injected faults (health/faults.py)."""
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.rank_nodes, self.metrics, self.membership = rank_nodes, metrics, membership
         self.slow_streak = [0] * world_size
@@ -83,15 +82,14 @@ class StragglerWatch:
         """Every rank's answer at this attempt's first probe: what each must keep computing."""
         self.baseline = self.active
         """Probe at this attempt's first step even when no periodic probe is due there: set
-        where the known answer may be asked for (train/health_checks.py)."""
+        where the known answer may be asked for (health/monitor.py)."""
         self.faulty: set[int] = set()
         self._drained: set[int] = set()
         self.last_right_step = 0
         """The step of the last probe at which every rank's answer was right (0: none yet)."""
         self.pending: tuple[list[int], bool] | None = None
         """Wrong answers a probe found and not yet acted on: (the ranks, their nodes drained)."""
-        fault = os.environ.get(FAULTY_DEVICE_ENV, "").split(":")
-        self._faulty_from = int(fault[1]) if len(fault) == 2 and int(fault[0]) == rank else None
+        self.faults = faults
         self.record_path = record_path if rank == 0 and self.active else None
         if self.record_path:
             try:
@@ -117,10 +115,7 @@ class StragglerWatch:
             x = x / x.abs().amax().clamp_min(1)  # bounded: no overflow, same work every time
         sync()
         seconds = time.perf_counter() - t0
-        answer = int(bit_sum(x)) % ANSWER_MODULUS
-        if self._faulty_from is not None and step >= self._faulty_from:
-            answer ^= 1  # the injected fault: one wrong bit in the result
-        return seconds, answer
+        return seconds, self.faults.probe_answer(int(bit_sum(x)) % ANSWER_MODULUS, step)
 
     def _probe_all(self, step: int) -> tuple[list[float], list[int]]:
         """Collective: every rank's probe time and answer, in one all-reduce."""

@@ -1,7 +1,13 @@
-"""The Trainer's health checks behind the two calls its loop makes: `before_forward` (the state's
-checksum; the replicas compared, train/replica_check.py) and `after_step` (loss spikes,
-train/health.py; stragglers, train/stragglers.py). Either may answer with a rollback, which the
-Trainer makes (it owns the model, the optimizer and the stream)."""
+"""The Trainer's training health behind the two calls its loop makes, `before_forward` (the
+state's checksum: HSDP's replicas and the replica groups' copies compared,
+health/silent_corruption.py) and `after_step` (loss spikes, health/recovery.py; stragglers and
+the devices' known answer, health/stragglers.py). Either may answer with a `Rollback`, which the
+Trainer makes (it owns the model, the optimizer and the data stream).
+
+Everything it acts through is handed in: the checkpointer (the run record it reads and writes,
+the checkpoints it discards), the fault-tolerance mode, the membership (nodes to drain), the
+metric sink, and a test's injected faults (health/faults.py; none in a run).
+"""
 
 from __future__ import annotations
 
@@ -11,30 +17,30 @@ import torch
 
 from elastic_gpt.config import Config, run_log_dir
 from elastic_gpt.data.skips import DataSkips
-from elastic_gpt.train.fault_tolerance import RestartPath
-from elastic_gpt.train.health import Rollback, TrainingHealth, load_skips
-from elastic_gpt.train.replica_check import (
+from elastic_gpt.health.faults import FaultInjection, NoFaults
+from elastic_gpt.health.recovery import Rollback, SpikeRecovery, load_skips
+from elastic_gpt.health.silent_corruption import (
     GroupCopiesCheck,
-    ReplicaCheck,
-    delete_checkpoints_after,
+    HsdpReplicaCheck,
+    discard_checkpoints_after,
 )
-from elastic_gpt.train.stragglers import StragglerWatch
+from elastic_gpt.health.stragglers import StragglerWatch
 
 
-class HealthChecks:
+class TrainingHealth:
     def __init__(self, cfg: Config, *, rank: int, world_size: int, dims, device: torch.device,
-                 store, resume_state: dict | None, rank_nodes: list[str] | None, metrics,
-                 membership, fault_tolerance=RestartPath(), settle_saves=lambda: None):
+                 checkpointer, resume_state: dict | None, rank_nodes: list[str] | None, metrics,
+                 membership, fault_tolerance, faults: FaultInjection = NoFaults()):
         """Collective (the run's skips are read by rank 0 and sent to every rank).
         `fault_tolerance` is the Trainer's mode (replica groups: the groups' copies compared, a
-        file per group); `settle_saves()` returns once the checkpoint writes in flight have
-        landed."""
-        self.store, self.rank, self.settle_saves = store, rank, settle_saves
+        probe file per group); `checkpointer` the run's (checkpoint/checkpointer.py)."""
+        self.rank, self.checkpointer, self.faults = rank, checkpointer, faults
         self.fault_tolerance = fault_tolerance
+        store = checkpointer.store
         group_name = fault_tolerance.group_name
         common = dict(rank=rank, world_size=world_size, rank_nodes=rank_nodes,
                       membership=membership)
-        self.spikes = TrainingHealth(
+        self.spikes = SpikeRecovery(
             cfg.health, store=store, skips=load_skips(store, rank, resume_state),
             global_batch_size=cfg.train.global_batch_size,
             # back to the oldest checkpoint a rollback may reach
@@ -43,22 +49,22 @@ class HealthChecks:
             speaks=lambda: rank == 0 and fault_tolerance.leads, **common)
         if resume_state and "health" in resume_state:  # the run record's skips are newer
             self.spikes.load_state_dict(resume_state["health"], skips=False)
-        self.replicas = ReplicaCheck(cfg.health, dims, **common)
-        self.copies = GroupCopiesCheck(cfg.health, fault_tolerance, rank=rank, store=store,
-                                       settle_saves=settle_saves, rank_nodes=rank_nodes,
+        self.replicas = HsdpReplicaCheck(cfg.health, dims, **common)
+        self.copies = GroupCopiesCheck(cfg.health, fault_tolerance, rank=rank,
+                                       checkpointer=checkpointer, rank_nodes=rank_nodes,
                                        membership=membership)
         # The per-rank probe times go to the run's folder, once the launcher has set it.
         probes = f"probes-{group_name}.jsonl" if group_name else "probes.jsonl"
         record = os.path.join(run_log_dir(cfg), probes) if cfg.run.storage_path else None
         self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics,
-                                         record_path=record, **common)
+                                         record_path=record, faults=faults, **common)
         self.spikes.check_devices = lambda step, ledger: self.stragglers.wrong_answers(
             step, ledger, "before blaming a spike on the data")
         # Where the known answer may be asked for, each rank's first one is what it must keep.
         self.stragglers.baseline |= self.spikes.keeps_checksums or bool(self.replicas.sets)
 
     def state_dict(self) -> dict:
-        """The run's health state (train/health.py `TrainingHealth.state_dict`): in every
+        """The run's health state (health/recovery.py `SpikeRecovery.state_dict`): in every
         checkpoint, and adopted by a replica group healed from a peer."""
         return self.spikes.state_dict()
 
@@ -83,10 +89,11 @@ class HealthChecks:
     def before_forward(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        step: int, ledger) -> Rollback | None:
         """Before the forward of the step after `step` steps: the rollback to make when the
-        replicas disagree with no majority, else None (a corrupt replica is healed here)."""
+        HSDP replicas disagree with no majority, else None (a corrupt replica is healed here)."""
         self.copies.after_verdict(step, ledger)
         due, copies_due = self.replicas.due(step), self.copies.due(step)
-        checksum = self.spikes.before_step(model, step, checksum=due or copies_due)
+        checksum = self.spikes.before_step(model, step, checksum=due or copies_due,
+                                           corrupt_gradient=self.faults.corrupt_gradient(step + 1))
         if copies_due:
             self.fault_tolerance.note_state_checksum(checksum)
         if not due:
@@ -98,7 +105,7 @@ class HealthChecks:
         trusted = step - self.replicas.cfg.sdc_every_steps
         if verdict == "healed":
             self.spikes.before_step(model, step)  # the healed state's checksum
-            delete_checkpoints_after(trusted, self.store, self.rank, self.settle_saves)
+            discard_checkpoints_after(trusted, self.checkpointer)
         elif verdict == "no majority":
             # Which replica is wrong? A device that computes wrong says so by its known answer.
             wrong, drained = self.stragglers.wrong_answers(step, ledger,
@@ -115,7 +122,7 @@ class HealthChecks:
         """After committed step `step`, before its checkpoint: the rollback a spike asks for, or a
         device that computes wrong (a restart without it), else None (a straggler is probed
         for, and evicted, here)."""
-        self.spikes.inject_fault(model, step)
+        self.faults.after_update(model, step)
         rollback = self.spikes.after_step(step, loss, nonfinite, seconds, ledger)
         if rollback is None:
             self.stragglers.after_step(step, ledger)

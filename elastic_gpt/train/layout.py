@@ -1,0 +1,53 @@
+"""One attempt's layout, resolved once before anything is built: the mesh (parallel/mesh.py) and
+the settings a run leaves on `auto` that trade memory for speed (train/run_memory.py), from the
+config, the model's shape, the group's ranks and the nodes they are on, and the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from elastic_gpt.config import Config
+from elastic_gpt.cost_model.memory_settings import MemorySettings
+from elastic_gpt.data.order import BatchSplit
+from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.parallel.fsdp import resolve_dtype
+from elastic_gpt.parallel.mesh import ParallelDims
+from elastic_gpt.train.run_memory import resolve_run_memory
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    world_size: int
+    dims: ParallelDims
+    memory: MemorySettings
+    """The resolved `auto` settings (HSDP, gradient sync, resharding) and the predicted peak."""
+    batch_split: BatchSplit
+    device: torch.device
+    compute_dtype: torch.dtype
+    threads: int
+    """CPU threads per worker."""
+
+
+def resolve_layout(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
+                   rank_nodes: list[str] | None, device: torch.device,
+                   threads: int) -> RunLayout:
+    """Collective (every rank of the group: the settings come from its smallest device memory).
+    A tp the nodes cannot hold is one clear line, and a placement the layout cannot use raises
+    `errors.PlacementError` (retried by the controller), both before anything is built."""
+    split = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    compute_dtype = resolve_dtype(cfg.train.dtype, device)
+    p = cfg.parallel
+    # The layout as configured decides the data-parallel degree, hence each rank's micro-batches,
+    # which the memory settings are resolved for; they may then turn HSDP on or off.
+    configured = ParallelDims.for_nodes(world_size, tp=p.tp, hsdp=p.hsdp, rank_nodes=rank_nodes,
+                                        pp=p.pp)
+    memory = resolve_run_memory(
+        cfg, gpt_cfg, world_size=world_size, rank_nodes=rank_nodes,
+        micro_batch=split.micro_batch_size,
+        micro_batches_per_rank=split.slots(configured.dp_degree), device=device,
+        compute_dtype=compute_dtype)
+    dims = ParallelDims.for_nodes(world_size, tp=p.tp, hsdp="on" if memory.hsdp else "off",
+                                  rank_nodes=rank_nodes, pp=p.pp)
+    return RunLayout(world_size, dims, memory, split, device, compute_dtype, threads)
