@@ -7,9 +7,10 @@ say: rules between fields, the preset registry, the required dataset path. Every
 `ValueError` whose message names the key and the fix, raised before any cluster, checkpoint or
 MLflow run is touched (C6 clear errors).
 
-It must not know how the layers it configures work, and imports neither Ray nor the trainer: only
-the data layer's order rules (the shuffle-window default, the batch rule) and, to validate, the
-model presets.
+It must not know how the layers it configures work, and imports neither Ray, torch nor the
+trainer: only the data layer's order rules (the shuffle-window default, the batch rule), the
+tensor-parallel rules (parallel/tp_rules.py) and, to validate, the model presets
+(model/config.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ModelSection:
     preset: str = "tiny"
-    """A name from elastic_gpt.model.gpt.PRESETS; the fields below override its shape."""
+    """A name from elastic_gpt.model.config.PRESETS; the fields below override its shape."""
     n_layer: int | None = None
     """Transformer blocks. None: the preset's."""
     n_head: int | None = None
@@ -456,7 +457,7 @@ def validate(cfg: Config) -> None:
     """The rules no single field's type can state: between fields, against the model presets,
     and the one field without a usable default (the dataset)."""
     from elastic_gpt.data.order import BatchSplit
-    from elastic_gpt.model.gpt import PRESETS
+    from elastic_gpt.model.config import PRESETS
 
     if cfg.model.preset not in PRESETS:
         raise ValueError(f"model.preset={cfg.model.preset!r} is unknown; choose one of "

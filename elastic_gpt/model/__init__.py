@@ -1,1 +1,2 @@
-"""The GPT model alone: no Ray, no FSDP, no config files (gpt.py: modules, presets, FLOPs)."""
+"""The GPT model alone: no Ray, no FSDP, no config files (config.py: the shape, presets,
+parameter and FLOP counts, importing no torch; gpt.py: the modules, init and loss)."""
