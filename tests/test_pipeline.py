@@ -95,24 +95,6 @@ def test_the_planner_paces_a_pipeline_by_the_rank_with_the_most_blocks():
     assert peak.total == first_two.total > first.total
 
 
-def test_megatron_2021_pipelines_regather_what_each_tp_rank_receives():
-    """Megatron-LM 2021's scatter/gather (on by default): each TP rank sends 1/tp of a whole
-    (s, b, h) tensor, the same bytes as the trainer's sequence shard, and the receiver
-    all-gathers it over the node's link; the plan adds one such all-gather per send."""
-    cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=2048, vocab_size=51200)
-    shape, gpu, net = model_shape(cfg), get_gpu("A100-80GB"), Network(8, 195, 160)
-    mesh = make_mesh(1024, 8, False, 8, 8, 4, data_parallel="megatron-2021")
-    kw = dict(activation_checkpointing=True)
-    theirs = pipelined_step_time(shape, gpu, net, mesh, 3, 32, kernel_set="megatron-2021", **kw)
-    trainer = pipelined_step_time(shape, gpu, net, mesh, 3, 32, **kw)
-    assert theirs.p2p_bytes == trainer.p2p_bytes
-    whole = 3 * 2048 * 12288 * 2
-    gather = net.ring_s(whole * 7 / 8, ranks=8, per_node=8)
-    sends = 32 * 2 * 4
-    assert theirs.p2p_s - trainer.p2p_s == pytest.approx(sends * gather)
-    assert theirs.all_reduce_bytes > 0 and theirs.exposed_comm_s == theirs.comm_s
-
-
 def test_a_pipeline_the_model_cannot_hold_is_one_clear_line():
     with pytest.raises(PipelineLayoutError, match="at least one block each.*n_layer is 4"):
         stage_layers(CFG, 5)

@@ -9,24 +9,27 @@ import pytest
 from planner_helpers import within
 
 from elastic_gpt.config import ElasticSection
-from elastic_gpt.cost_model.kernels import Kernels
-from elastic_gpt.cost_model.memory import (
-    activation_bytes_per_layer,
-    memory_per_gpu,
-    model_shape,
-    training_flops_per_token,
-    zero_model_state_bytes,
+from elastic_gpt.cost_model.activations import activation_bytes_per_layer
+from elastic_gpt.cost_model.kernels import (
+    MATRIX_EFFICIENCY,
+    Kernels,
+    block_times,
+    step_efficiency,
 )
-from elastic_gpt.cost_model.step_time import (
+from elastic_gpt.cost_model.memory import memory_per_gpu, zero_model_state_bytes
+from elastic_gpt.cost_model.mesh import make_mesh
+from elastic_gpt.cost_model.network import (
+    NCCL_BASE_LATENCY_S,
+    NCCL_NET_HOP_S,
+    NCCL_NVLINK_HOP_S,
     Network,
-    make_mesh,
     ring_bytes,
-    step_time,
-    time_to_train_s,
-    tp_traffic,
 )
+from elastic_gpt.cost_model.shape import model_shape, training_flops_per_token
+from elastic_gpt.cost_model.step_time import step_time, time_to_train_s
+from elastic_gpt.cost_model.tensor_parallel import tp_traffic
 from elastic_gpt.hardware import get_gpu
-from elastic_gpt.model.gpt import LOSS_CHUNK_LOGITS, GPTConfig, preset_config
+from elastic_gpt.model.config import LOSS_CHUNK_LOGITS, GPTConfig, preset_config
 from elastic_gpt.planner.inputs import DAY, PlanError, PlanInputs
 from elastic_gpt.planner.reliability import (
     goodput,
@@ -80,15 +83,20 @@ def test_zero_paper_trillion_parameters_on_1024_gpus_is_16_gb_each():
     assert within(zero_model_state_bytes(1e12, 1024, 3), 16e9)
 
 
-def test_korthikanti_activation_formula_without_flash_attention():
-    """sbh(34 + 5as/h) bytes per layer with dropout and materialised scores (their eq. 1)."""
+def test_activations_are_korthikantis_with_flash_attentions_output_for_the_scores():
+    """Korthikanti et al. 2022 count sbh(34 + 5as/h) bytes per layer with dropout (their eq. 1):
+    5as^2b of it the attention scores, their softmax, its mask and its dropout. SDPA's flash
+    attention keeps none of those, only its output (sbh, copied by the transpose back to
+    (B, T, C)) and a fp32 log-sum-exp per row and head (4asb); without dropout there are no
+    masks (2sbh). For GPT-3's shape that is ~3x less."""
     s, b, h, a = 2048, 4, 12288, 96
-    expected = s * b * h * (34 + 5 * a * s / h)
-    got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=False, dropout=True)
-    assert got == pytest.approx(expected)
-    # Flash/SDPA stores no s*s scores: for GPT-3's shape that is ~3x less.
-    flash = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=True, dropout=False)
-    assert flash < expected / 3
+    korthikanti = s * b * h * (34 + 5 * a * s / h)
+    scores = 5 * a * s * s * b
+    flash = 2 * s * b * h + 4 * a * s * b
+    got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, dropout=True)
+    assert got == pytest.approx(korthikanti - scores + flash)
+    no_dropout = activation_bytes_per_layer(s, b, h, a, act_bytes=2, dropout=False)
+    assert no_dropout == pytest.approx(got - 2 * s * b * h) and no_dropout < korthikanti / 3
 
 
 # ----------------------------------------------------------------------------- model invariants
@@ -309,43 +317,16 @@ def test_memory_with_tp_divides_what_tp_splits():
 
 def test_sequence_parallel_activations_are_korthikantis_plus_the_gathered_inputs():
     """Korthikanti et al. 2022, section 4.2.2: with TP and sequence parallelism a layer stores
-    sbh(34/t + 5as/(ht)). DTensor's column-parallel layers keep their all-gathered input whole
-    (Megatron-LM re-gathers it in backward): two (b, s, h) tensors more, 2 bytes x 2 x (1 - 1/t)."""
+    sbh(34/t + 5as/(ht)); flash attention keeps its output and log-sum-exp for the scores' 5as/ht
+    (both split over the heads). DTensor's column-parallel layers keep their all-gathered input
+    whole (Megatron-LM re-gathers it in backward): two (b, s, h) tensors more, 2 bytes x 2 x
+    (1 - 1/t)."""
     s, b, h, a = 2048, 1, 12288, 96
     for t in (1, 2, 4, 8):
-        korthikanti = s * b * h * (34 / t + 5 * a * s / (h * t))
-        got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=False, dropout=True, tp=t)
-        assert got == pytest.approx(korthikanti + 2 * 2 * s * b * h * (1 - 1 / t)), t
-
-
-def test_megatron_2021_kernels_keep_whole_tensors_on_every_tp_rank():
-    """Korthikanti et al. 2022, section 4.2.1: tensor parallelism without sequence parallelism
-    (Megatron-LM 2021) stores sbh(10 + 24/t + 5as/(ht)) a layer: the LayerNorms' inputs, the
-    column-parallel inputs and the dropout masks whole on every TP rank. Its checkpoint keeps
-    each block's input whole on every TP rank too (no --distribute-checkpointed-activations),
-    where the trainer's sequence parallelism keeps 1/t of it."""
-    s, b, h, a = 2048, 1, 12288, 96
-    for t in (1, 2, 4, 8):
-        eq2 = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-        got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, flash=False, dropout=True,
-                                         tp=t, sequence_parallel=False)
-        assert got == pytest.approx(eq2), t
-    cfg = dataclasses.replace(preset_config("gpt3-175b"), dropout=0.1)
-    shape, t, L, sbh = model_shape(cfg), 8, cfg.n_layer, cfg.seq_len * cfg.n_embd
-    kw = dict(activation_checkpointing=True, tp=t, dp_shard=1, replicated=True)
-    megatron = memory_per_gpu(shape, t, 1, kernel_set="megatron-2021", **kw)
-    trainer = memory_per_gpu(shape, t, 1, **kw)
-    recomputed = (activation_bytes_per_layer(cfg.seq_len, 1, cfg.n_embd, cfg.n_head, tp=t,
-                                             flash=False, dropout=True, sequence_parallel=False)
-                  - activation_bytes_per_layer(cfg.seq_len, 1, cfg.n_embd, cfg.n_head, tp=t,
-                                               dropout=True))
-    # every block's input and ln_f's, whole where the trainer keeps 1/t, and the recomputed
-    # layer's tensors and scores
-    assert megatron.activations - trainer.activations == pytest.approx(
-        (L + 1) * 2 * sbh * (1 - 1 / t) + recomputed)
-    assert megatron.sharded_state == trainer.sharded_state
-    with pytest.raises(ValueError, match="kernel_set='megatron' must be one of"):
-        memory_per_gpu(shape, t, 1, kernel_set="megatron", **kw)
+        korthikanti = s * b * h * 34 / t
+        flash = (2 * s * b * h + 4 * a * s * b) / t
+        got = activation_bytes_per_layer(s, b, h, a, act_bytes=2, dropout=True, tp=t)
+        assert got == pytest.approx(korthikanti + flash + 2 * 2 * s * b * h * (1 - 1 / t)), t
 
 
 def test_tp_traffic_counts_the_collectives_dtensor_runs():
@@ -373,23 +354,43 @@ def test_tp_traffic_counts_the_collectives_dtensor_runs():
                       grad_bytes=4).bytes_per_micro_batch == 0
 
 
-def test_megatron_2021_tp_all_reduces_whole_activations_and_recomputes_them():
-    """Megatron-LM 2021 (no sequence parallelism): per block 2 all-reduces forward, 2 backward
-    and 2 more in the recomputed forward; the root's embedding output and lm_head input gradient
-    and the loss's 3; no gradient sync. The bytes are the trainer's all-gather + reduce-scatter
-    pairs' (an all-reduce moves both), plus the one pair the trainer's early-stopping
-    recomputation skips, less its position-embedding and sequence-sharded terms."""
-    shape = model_shape(dataclasses.replace(preset_config("tiny"), n_layer=2))
-    cfg = shape.cfg
-    kw = dict(act_bytes=4, grad_bytes=4, kernel_set="megatron-2021")
-    off = tp_traffic(shape, 3, 2, activation_checkpointing=False, **kw)
-    on = tp_traffic(shape, 3, 2, activation_checkpointing=True, **kw)
-    assert (off.all_gathers, off.reduce_scatters, off.all_reduces) == (0, 0, 2 * 4 + 2 + 3)
-    assert on.all_reduces == 2 * 6 + 2 + 3
-    assert off.sync_collectives == on.sync_collectives == 0 and on.bytes_per_sync == 0
-    act = 3 * cfg.seq_len * cfg.n_embd * 4
-    loss = 3 * 2 * ring_bytes(4 * 3 * cfg.seq_len, 2)
-    assert on.bytes_per_micro_batch == pytest.approx((2 * 6 + 2) * 2 * ring_bytes(act, 2) + loss)
+def test_kernel_efficiency_grows_with_the_kernels_size():
+    gpu = get_gpu("A100-80GB")
+    k = Kernels(gpu, act_bytes=2)
+    assert step_efficiency(MATRIX_EFFICIENCY, 200e9) == 0.95
+    assert step_efficiency(MATRIX_EFFICIENCY, 20e9) == 0.9
+    assert step_efficiency(MATRIX_EFFICIENCY, 0.5e9) == 0.1
+    # a 12288-wide MLP matmul of one 2048-token sequence at tp=8: FLOPs at the curve's top,
+    # scaled to the A100's measured ceiling (271.2 of 312 TFLOP/s), plus its three matrices
+    # read and written at 0.9 of HBM
+    m, kk, n = 2048, 12288, 4 * 12288 / 8
+    assert k.matrix_efficiency(2 * m * kk * n) == pytest.approx(271.2 / 312)
+    expected = 2 * m * kk * n / 271.2e12 + 2 * (m * kk + kk * n + m * n) / (2039e9 * 0.9)
+    assert k.matmul_s(m, kk, n) == pytest.approx(expected)
+    # more tensor parallelism, less per rank, in smaller (less efficient) kernels; dropout
+    # costs more
+    one = block_times(k, 1, 2048, 12288, 1)
+    eight = block_times(k, 1, 2048, 12288, 8)
+    assert one.forward_s / 8 < eight.forward_s < one.forward_s / 7
+    dropped = block_times(k, 1, 2048, 12288, 8, dropout=0.1)
+    assert dropped.forward_s > eight.forward_s and dropped.backward_s > eight.backward_s
+
+
+def test_nccl_ring_latency_grows_with_ranks_and_nodes():
+    """NCCL's Ring/Simple model: base + an NVLink hop per step inside a node, a network hop per
+    step between nodes; an all-reduce twice the steps."""
+    net = Network(8, 230, 40, nccl_latency=True)
+    assert net.ring_latency_s(1) == 0.0
+    assert net.ring_latency_s(8) == pytest.approx(NCCL_BASE_LATENCY_S + 7 * NCCL_NVLINK_HOP_S)
+    # 16 ranks on 2 nodes: 15 steps, 1 of them between the nodes
+    assert net.ring_latency_s(16) == pytest.approx(
+        NCCL_BASE_LATENCY_S + 14 * NCCL_NVLINK_HOP_S + NCCL_NET_HOP_S)
+    # one rank per node (HSDP's replicate groups): every step crosses the network
+    assert net.ring_latency_s(4, 1, all_reduce=True) == pytest.approx(
+        NCCL_BASE_LATENCY_S + 6 * NCCL_NET_HOP_S)
+    assert net.ring_latency_s(1536) > 100 * net.ring_latency_s(8)
+    # the uncalibrated model: a fixed cost whatever the ranks
+    assert Network(8, 230, 40, nccl_latency=False).ring_latency_s(1536) == 20e-6
 
 
 def test_tp_splits_compute_and_puts_its_collectives_on_the_critical_path():
@@ -451,44 +452,6 @@ def test_hsdp_gathers_in_the_node_and_all_reduces_across_nodes():
     assert make_mesh(8, 2, True, 8) == make_mesh(8, 2, False, 8)
 
 
-def test_megatron_2021_replicas_all_reduce_their_16_bit_grads_after_backward():
-    """Megatron-LM 2021's data parallelism (`data_parallel="megatron-2021"`): each rank holds its
-    tp part whole (16-bit params and grads, fp32 master and Adam), no FSDP collective runs, and
-    the step's one all-reduce of the 16-bit gradients is on the critical path, where FSDP2's
-    reduce-scatter of the same layout hides under the backward; the 16-bit gradients accumulate
-    in place after each micro-batch, and its optimizer step moves more bytes than FSDP2's."""
-    shape = model_shape(preset_config("gpt3-13b"))
-    gpu, net = get_gpu("A100-80GB"), Network(8, 195, 160)
-    kw = dict(activation_checkpointing=True, grad_sync="step", tp=8)
-    mesh = make_mesh(128, 8, False, 8, data_parallel="megatron-2021")
-    assert (mesh.tp, mesh.dp_shard, mesh.dp_replicate, mesh.replicated) == (8, 1, 16, True)
-    assert not mesh.hsdp and mesh.short() == "tp=8 DDP 16"
-    ddp = step_time(shape, gpu, net, 128, 1, 4, data_parallel="megatron-2021", **kw)
-    fsdp = step_time(shape, gpu, net, 128, 1, 4, **kw)
-    local = shape.local_params(8)
-    assert ddp.all_gather_bytes == ddp.reduce_scatter_bytes == 0
-    assert ddp.all_reduce_bytes == pytest.approx(2 * ring_bytes(2 * local, 16))
-    # one ring per TP position, one member per node, the 8 of a node through its NICs
-    expected = net.ring_s(ddp.all_reduce_bytes, ranks=16, per_node=1, nic_sharing=8,
-                          all_reduce=True)
-    assert ddp.comm_s == ddp.exposed_comm_s == pytest.approx(expected)
-    assert fsdp.exposed_comm_s < fsdp.comm_s  # FSDP2 hides some of its collectives
-    one = step_time(shape, gpu, net, 128, 1, 1, data_parallel="megatron-2021", **kw)
-    assert ddp.compute_s - 4 * one.compute_s == pytest.approx(
-        3 * Kernels(gpu, 2).memory_s(6 * local))  # not FSDP2's fp32 sum, 10 B a parameter
-    assert ddp.compute_s < fsdp.compute_s
-    # the whole part, not 1/16 of it, and Megatron-LM's fp16 optimizer step moves 52 B a
-    # parameter (the grad copied to fp32, unscaled, its norm, Adam, the weights copied back) to
-    # FSDP2's 32 (Adam and the norm)
-    assert ddp.optimizer_s == pytest.approx(16 * 52 / 32 * fsdp.optimizer_s, rel=1e-6)
-    mem = memory_per_gpu(shape, 128, 1, activation_checkpointing=True, tp=8, dp_shard=1,
-                         grad_sync="step", micro_batches_per_rank=4, replicated=True)
-    assert mem.sharded_state == pytest.approx(12 * local)
-    assert mem.gathered_params == pytest.approx(4 * local) and mem.accumulated_grads == 0
-    with pytest.raises(ValueError, match="data_parallel="):
-        step_time(shape, gpu, net, 128, 1, 4, data_parallel="ddp", **kw)
-
-
 def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():
     """Training health (train/health.py) rolls a spike back, re-runs it and rolls back again
     (blamed on the data, the costlier verdict): at PaLM 540B's rate (~20 spikes in 255k steps)
@@ -543,17 +506,3 @@ def test_a_loss_spike_costs_the_work_since_a_checkpoint_twice_and_two_reads():
     without = replica_reliability(rep.layout, **market)
     assert with_spikes.goodput == pytest.approx(
         without.goodput * kept_fraction(with_spikes.spike_s, PALM_STEPS_PER_SPIKE * step))
-
-
-def test_a_report_says_whose_tensor_parallelism_its_memory_counts():
-    """The memory header names the TP the count is for: the trainer's sequence parallelism, or
-    Megatron-LM 2021's whole tensors on every rank (the published-run checks)."""
-    from elastic_gpt.planner.published_runs import gpt3_175b_on_1024
-    from elastic_gpt.planner.report import format_report
-
-    def header(inputs):
-        return next(line for line in format_report(plan_training(inputs)).splitlines()
-                    if line.startswith("memory per GPU"))
-
-    assert header(gpt3_175b_on_1024(False)).endswith("sequence parallel)")
-    assert "whole tensors on every rank" in header(gpt3_175b_on_1024(True, True))

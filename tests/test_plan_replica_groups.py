@@ -11,10 +11,12 @@ from planner_helpers import cli, load_config_from
 
 from elastic_gpt.cli import main
 from elastic_gpt.config import load_config
-from elastic_gpt.cost_model.memory import model_shape
-from elastic_gpt.cost_model.step_time import Network, make_mesh, ring_bytes, step_time
+from elastic_gpt.cost_model.mesh import make_mesh
+from elastic_gpt.cost_model.network import Network, ring_bytes
+from elastic_gpt.cost_model.shape import model_shape
+from elastic_gpt.cost_model.step_time import step_time
 from elastic_gpt.data.order import BatchSplit
-from elastic_gpt.model.gpt import preset_config
+from elastic_gpt.model.config import preset_config
 from elastic_gpt.planner.cli import run_from_args
 from elastic_gpt.planner.inputs import PlanInputs
 from elastic_gpt.planner.reliability import goodput

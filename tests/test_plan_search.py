@@ -11,11 +11,12 @@ import pytest
 import yaml
 from planner_helpers import cli, load_config_from
 
-from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape, training_flops_per_token
-from elastic_gpt.cost_model.step_time import Network
+from elastic_gpt.cost_model.memory import memory_per_gpu
+from elastic_gpt.cost_model.network import Network
+from elastic_gpt.cost_model.shape import model_shape, training_flops_per_token
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GPUS, GiB, get_gpu, load_overrides
-from elastic_gpt.model.gpt import preset_config
+from elastic_gpt.model.config import preset_config
 from elastic_gpt.planner.cli import inputs_from_args, run_from_args
 from elastic_gpt.planner.inputs import DAY, PlanError, PlanInputs
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
@@ -167,14 +168,14 @@ def test_default_global_batch_is_gpt3s_table_2_1():
 
 
 def test_gpt3_175b_on_1024_gpus_plans_without_a_batch_flag(capsys):
-    """The issue's command: the default batch (1536) leaves every data-parallel rank a
-    micro-batch, where today's 0.5M tokens (256 sequences) did not."""
+    """The default batch (GPT-3's 1536 sequences) leaves every data-parallel rank of 1024 GPUs a
+    micro-batch, where a 0.5M-token default (256 sequences) would not."""
     assert run_from_args(cli("--model", "gpt3-175b", "--gpus", "1024", "--tokens", "300e9")) == 0
     report = capsys.readouterr().out
     assert "1536 seqs x 2048" in report and "layout    tp=" in report
 
 
-# ----------------------------------------------------------------------------- targets (issue 11)
+# ----------------------------------------------------------------------------- targets (tensor parallelism)
 
 
 A100_175B = dict(model="gpt3-175b", gpu="A100-80GB", tokens=300e9)
@@ -182,7 +183,7 @@ A100_175B = dict(model="gpt3-175b", gpu="A100-80GB", tokens=300e9)
 
 def test_planner_constants_are_the_ones_the_targets_are_met_with():
     """The targets below come from modelling TP, not from retuning: these stay as they were."""
-    p = PlanInputs()  # efficiency None: the calibrated model (test_plan_published.py)
+    p = PlanInputs()  # efficiency None: the calibrated model (tests/validation/)
     assert (p.efficiency, p.memory_margin, p.context_gib, p.fragmentation) == (None, 0.10, 1.0,
                                                                                0.05)
     a100 = get_gpu("A100-80GB")
@@ -196,7 +197,7 @@ def test_gpt3_175b_fits_on_64_a100s_with_tensor_parallelism():
     assert plan.global_batch_size == 1536  # GPT-3's
     assert plan.chosen.tp > 1 and plan.chosen.memory.total <= plan.usable_bytes
     assert plan.min_workers % plan.chosen.tp == 0
-    # at least 8 GiB of each GPU's 80 left free (issue 25), the margin's 10% and then some
+    # at least 8 GiB of each GPU's 80 left free, the margin's 10% and then some
     assert plan.gpu.memory_bytes - plan.chosen.memory.total >= 8 * GiB
     # FSDP alone does not (the planner before tensor parallelism: 73.3 GiB needed, 72 usable)
     with pytest.raises(PlanError, match="does not fit on 64 x A100-80GB"):
@@ -207,7 +208,7 @@ def test_gpt3_175b_on_1024_a100s_is_planned_no_slower_than_megatron(capsys):
     """Narayanan et al. 2021: ~34 days on 1024 A100s at 140 TFLOP/s per GPU; the plan must be
     <= 40 days, from the step-time model (no --achieved-tflops), and say why its layout. Its
     layout (64 pipeline stages, no recomputation) is one Megatron-LM did not run: the per-layer
-    model behind it is checked on theirs (test_plan_published.py), this layout is not."""
+    model behind it is checked on theirs (tests/validation/), this layout is not."""
     plan = plan_training(PlanInputs(**A100_175B, n_gpus=1024))
     assert plan.time_to_train_s / DAY <= 40
     assert plan.chosen.mesh.pp > 1 and not plan.chosen.activation_checkpointing
@@ -282,33 +283,26 @@ def test_a_pipelined_plan_writes_a_config_the_trainer_takes(tmp_path):
     assert summary["pp"] == mesh.pp and summary["bubble_s"] > 0 and summary["p2p_bytes"] > 0
 
 
-def test_megatron_2021_pipelines_are_cut_only_as_megatron_lm_2021_could():
-    """Under `data_parallel="megatron-2021"` (the published Megatron-LM runs) a pipeline has the
-    same blocks on every stage and interleaves only past 2 stages, each rank's blocks split
-    evenly over its chunks, with a multiple of pp micro-batches (Megatron-LM at a8d172b3); the
-    trainer's FSDP2 balances uneven cuts. One line for each rule broken."""
-    from elastic_gpt.planner import published_runs
-    from elastic_gpt.planner.search import mesh_choices
+def test_an_fsdp_plan_says_how_far_the_published_fsdp_runs_were_from_its_model():
+    """A plan whose step is the calibrated model's for an FSDP-only layout says, in a note, how
+    much faster than they ran the model planned the published FSDP runs on the same GPU family
+    (fsdp_step_check.py's frozen figures; tests/validation/ plans the runs again), or all of
+    them on a family none ran on; a measured figure (--achieved-tflops), the one-figure model or
+    a pipelined layout gets no such note."""
+    from elastic_gpt.planner.fsdp_step_check import EVERY_FAMILY, PLANNED_OVER_PUBLISHED
 
-    p = published_runs.gpt3_175b_on_1024(True, megatron_layouts=True)
-    net = Network(8, published_runs.SELENE_NVLINK_GBPS, published_runs.SELENE_NIC_GBPS)
-    megatron = mesh_choices(p, p.model, net, 1024)
-    fsdp = mesh_choices(dataclasses.replace(p, data_parallel="fsdp2"), p.model, net, 1024)
-    cuts = {(m.pp, m.stages_per_rank) for m in megatron}
-    assert all(m.replicated and m.dp_shard == 1 and not m.hsdp for m in megatron)
-    assert {(8, 4), (16, 2), (32, 1)} <= cuts  # 96 blocks: 12, 6 and 3 on each rank
-    assert not cuts & {(8, 8), (16, 4), (32, 2), (64, 1)}
-    assert {(8, 8), (64, 1)} <= {(m.pp, m.stages_per_rank) for m in fsdp}
-    plan = plan_training(p)
-    c = plan.chosen
-    assert c.mesh.replicated and c.mesh.stages_per_rank > 1
-    assert c.micro_batches_per_rank % c.mesh.pp == 0
-    for forced, message in ((dict(pp=64), "Megatron-LM 2021 needs --pp=64 to divide the "
-                                          "model's 96 blocks"),
-                            (dict(pp=8, pp_stages_per_rank=8), "split evenly into "
-                                                               "--pp-stages-per-rank=8"),
-                            (dict(pp=2, pp_stages_per_rank=2), "more than 2 stages")):
-        with pytest.raises(PlanError, match=message):
-            plan_training(dataclasses.replace(p, **forced))
-    with pytest.raises(PlanError, match="data_parallel='ddp' must be one of fsdp2, megatron"):
-        plan_training(dataclasses.replace(p, data_parallel="ddp"))
+    def note(**kw) -> str | None:
+        report = format_report(plan_training(PlanInputs(**kw)))
+        return next((line for line in report.splitlines()
+                     if line.startswith("note: step time:")), None)
+
+    kw = dict(model="gpt3-13b", gpu="A100-80GB", n_gpus=128)
+    least, most = PLANNED_OVER_PUBLISHED["A100"]
+    assert f"(torchtitan's, MosaicML's) on A100s {least:.2f}-{most:.2f}x faster" in note(
+        **kw, tp=1, pp=1)
+    least, most = EVERY_FAMILY
+    assert f"(torchtitan's, MosaicML's) {least:.2f}-{most:.2f}x faster" in note(
+        model="gpt3-1.3b", gpu="L4", n_gpus=8, tp=1, pp=1)
+    for other in (dict(tp=1, pp=1, achieved_flops_per_gpu=150e12),
+                  dict(tp=1, pp=1, efficiency=0.6), dict(tp=1, pp=2)):
+        assert note(**kw, **other) is None

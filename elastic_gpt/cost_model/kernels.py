@@ -9,8 +9,8 @@ its FLOPs at the matrix efficiency for its size plus its bytes at the memory eff
 size, no overlap of the two (the "no_overlap" processing mode both files use). The curves are
 steps: the first row whose size the kernel reaches gives its efficiency. Calculon's authors
 validated this against Megatron-LM's measured iteration times on Selene (Korthikanti et al.
-2022, Table 5); the planner's own check against those and SC21's tables is
-planner/published_runs.py. Calculon's A100 and H100 files give the same curves; their top is
+2022, Table 5); the planner's own check against those and other published runs is the
+repository's validation/ wing. Calculon's A100 and H100 files give the same curves; their top is
 scaled to each GPU's measured matmul ceiling (hardware.py `MAMF_CEILINGS`).
 
 Per TP rank, with b the micro-batch, s the sequence, h the width, t the tensor-parallel degree
@@ -21,9 +21,8 @@ norms, GELU's input aside, and the residual adds each see s / t of the sequence)
   attn.c_proj (bs, h/t, h), mlp.c_fc (bs, h, 4h/t), mlp.c_proj (bs, 4h/t, h); backward runs two
   of each size (the input's and the weight's gradients). Biases are fused into the matmul.
 - attention: flash (SDPA's kernel) takes 4 b s^2 h / t FLOPs as model/gpt.py counts them (QK^T
-  and AV over the full sequence) and moves q, k, v and the output; unfused runs QK^T and AV as
-  batched matmuls and a softmax and (with dropout) a dropout over the (b, a/t, s, s) scores.
-  Backward takes twice the matmul FLOPs.
+  and AV over the full sequence) and moves q, k, v and the output. Backward takes twice the
+  matmul FLOPs.
 - memory-bound: a layer norm reads and writes a row, GELU four rows, a residual add reads two
   and writes one, a dropout reads one and writes one and a one-byte mask; in backward each reads
   its input and the gradient and writes one.
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_gpt.cost_model.memory import FP32, KERNEL_SETS
+from elastic_gpt.cost_model.shape import FP32
 from elastic_gpt.hardware import (
     GB,
     GPU,
@@ -106,44 +105,47 @@ class BlockTimes:
 
 
 def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int, *,
-                n_head: int = 1, dropout: float = 0.0, kernel_set: str = "trainer"
-                ) -> BlockTimes:
-    if kernel_set not in KERNEL_SETS:
-        raise ValueError(f"kernel_set={kernel_set!r} must be one of {', '.join(KERNEL_SETS)}")
+                dropout: float = 0.0) -> BlockTimes:
+    """A block as this trainer runs it: SDPA's flash attention, and under tensor parallelism the
+    layer norms, dropouts and residual adds on the sequence shard (sequence parallelism)."""
     b, s, h, t, pb = micro_batch, seq_len, n_embd, tp, k.act_bytes
-    bs = b * s
-    linears = [k.linear_s(bs, h, 3 * h / t), k.linear_s(bs, h / t, h),
-               k.linear_s(bs, h, 4 * h / t), k.linear_s(bs, 4 * h / t, h)]
-    linears_fwd, linears_bwd = sum(f for f, _ in linears), sum(b for _, b in linears)
-    row = bs * h / t * pb  # one (b, s / t, h) or (b, s, h / t) tensor
-    # the layer norms, dropouts and residual adds: on the sequence shard, or the whole sequence
-    seq_row = row if kernel_set == "trainer" else bs * h * pb
-    if kernel_set == "trainer":
-        attn_flops = 4 * b * s * s * h / t
-        attn_fwd = (attn_flops / (k.gpu.peak_flops * k.matrix_efficiency(attn_flops))
-                    + k.memory_s(4 * row))
-        attn_bwd = 2 * attn_fwd
-    else:
-        scores = b * n_head / t * s * s  # elements
-        half = 2 * b * s * s * h / t  # FLOPs of QK^T, and of AV
-        bmm = (half / (k.gpu.peak_flops * k.matrix_efficiency(half))
-               + k.memory_s(2 * row + scores * pb))
-        drop = dropout > 0
-        attn_fwd = (2 * bmm + k.memory_s(2 * scores * pb)
-                    + (k.memory_s(scores * (2 * pb + 1)) if drop else 0.0))
-        attn_bwd = (4 * bmm + k.memory_s(3 * scores * pb)
-                    + (k.memory_s(scores * (2 * pb + 1)) if drop else 0.0))
-    # forward: a norm reads and writes a row, GELU four, a residual add reads two and writes
-    # one; backward: a norm and a residual add read their input and the gradient and write one,
-    # GELU the same at four rows. Dropout (after attn.c_proj and mlp.c_proj) reads a row and
-    # writes it and a one-byte mask, forward and backward.
+    linears_fwd, linears_bwd = block_linears_s(k, b * s, h, t)
+    row = b * s * h / t * pb  # one (b, s / t, h) or (b, s, h / t) tensor
+    attn_flops = 4 * b * s * s * h / t
+    attn_fwd = (attn_flops / (k.gpu.peak_flops * k.matrix_efficiency(attn_flops))
+                + k.memory_s(4 * row))
+    attn_bwd = 2 * attn_fwd
+    forward, backward = block_elementwise_s(k, row, row, dropout)
+    return BlockTimes(forward_s=linears_fwd + attn_fwd + forward,
+                      backward_s=linears_bwd + attn_bwd + backward)
+
+
+def block_linears_s(k: Kernels, tokens: int, n_embd: int, tp: int) -> tuple[float, float]:
+    """(forward, backward) of a block's four linears on one TP rank: c_attn and mlp.c_fc split by
+    columns, the two c_proj by rows (Megatron's split)."""
+    h, t = n_embd, tp
+    linears = [k.linear_s(tokens, h, 3 * h / t), k.linear_s(tokens, h / t, h),
+               k.linear_s(tokens, h, 4 * h / t), k.linear_s(tokens, 4 * h / t, h)]
+    return sum(f for f, _ in linears), sum(b for _, b in linears)
+
+
+def block_elementwise_s(k: Kernels, row: float, seq_row: float,
+                        dropout: float) -> tuple[float, float]:
+    """(forward, backward) of a block's memory-bound kernels: `row` the bytes of one (b, s / t,
+    h) or (b, s, h / t) tensor, `seq_row` those of the tensors the layer norms, dropouts and
+    residual adds run on (the sequence shard under sequence parallelism).
+
+    Forward: a norm reads and writes a row, GELU four, a residual add reads two and writes one;
+    backward: a norm and a residual add read their input and the gradient and write one, GELU
+    the same at four rows. Dropout (after attn.c_proj and mlp.c_proj) reads a row and writes it
+    and a one-byte mask, forward and backward."""
+    pb = k.act_bytes
     dropouts = 2 * k.memory_s(2 * seq_row + seq_row / pb) if dropout > 0 else 0.0
     forward = (2 * k.memory_s(2 * seq_row) + k.memory_s(2 * 4 * row)
                + 2 * k.memory_s(3 * seq_row) + dropouts)
     backward = (2 * k.memory_s(3 * seq_row) + k.memory_s(3 * 4 * row)
                 + 2 * k.memory_s(3 * seq_row) + dropouts)
-    return BlockTimes(forward_s=linears_fwd + attn_fwd + forward,
-                      backward_s=linears_bwd + attn_bwd + backward)
+    return forward, backward
 
 
 def head_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, vocab_size: int,

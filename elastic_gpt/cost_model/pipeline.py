@@ -23,10 +23,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from elastic_gpt.cost_model.memory import Memory, ModelShape, dtype_bytes, memory_per_gpu
-from elastic_gpt.cost_model.step_time import Mesh, Network, StepTime, ring_bytes, step_time
+from elastic_gpt.cost_model.memory import Memory, memory_per_gpu
+from elastic_gpt.cost_model.mesh import Mesh
+from elastic_gpt.cost_model.network import Network
+from elastic_gpt.cost_model.shape import ModelShape, dtype_bytes
+from elastic_gpt.cost_model.software import Software
+from elastic_gpt.cost_model.step_time import StepTime, step_time
+from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GB, GPU
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 
 
 class PipelineLayoutError(ValueError):
@@ -181,32 +186,31 @@ def pipelined_memory(shape: ModelShape, mesh: Mesh, micro_batch: int, micro_batc
                      **kw) -> Memory:
     """The peak of the pipeline ranks' memory: the first rank keeps the most micro-batches in
     flight, a middle rank may hold more blocks, the last the loss on whole logits
-    (`memory_per_gpu`'s other settings in `kw`; the resharding and the gradient sync are the
-    schedules', `KEPT_GATHERED`)."""
+    (`memory_per_gpu`'s other settings in `kw`, its `software` among them; the resharding and the
+    gradient sync are the schedules', `KEPT_GATHERED`)."""
     kw = {**kw, **KEPT_GATHERED}
     last = mesh.pp - 1
     return max((memory_per_gpu(s, mesh.stage_world, micro_batch, tp=mesh.tp,
                                dp_shard=mesh.dp_shard,
                                in_flight=in_flight(mesh.pp, micro_batches, mesh.stages_per_rank,
                                                    pp_rank=r),
-                               loss="whole" if r == last else "none",
-                               replicated=mesh.replicated, **kw)
+                               loss="whole" if r == last else "none", **kw)
                 for r, s in rank_shapes(shape, mesh.pp, mesh.stages_per_rank).items()),
                key=lambda m: m.total)
 
 
 def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, micro_batch: int,
                         micro_batches: int, *, dtype: str = "bfloat16",
-                        kernel_set: str = "trainer", **kw) -> StepTime:
+                        software: Software = TRAINER, **kw) -> StepTime:
     """One step of the slowest pipeline rank: its m micro-batches through its layers and the
     FSDP collectives of its stage's data-parallel group (`step_time`), the bubble of the
     schedule over that compute, and the hidden states it sends (across nodes when a pipeline
-    spans them, on the intra-node link when one node holds it)."""
+    spans them, on the intra-node link when one node holds it), with what the software does to
+    each one it receives (`Software.stage_receive_s`)."""
     kw = {**kw, **KEPT_GATHERED}
     shapes = rank_shapes(shape, mesh.pp, mesh.stages_per_rank)
     one = {r: step_time(s, gpu, net, mesh.stage_world, micro_batch, micro_batches, dtype=dtype,
-                        tp=mesh.tp, hsdp=mesh.hsdp, data_parallel=mesh.data_parallel,
-                        kernel_set=kernel_set, **kw)
+                        tp=mesh.tp, hsdp=mesh.hsdp, software=software, **kw)
            for r, s in shapes.items()}
     st = max(one.values(), key=lambda t: t.step_s)
     sent = p2p_bytes(mesh.pp, micro_batches, micro_batch=micro_batch,
@@ -218,15 +222,9 @@ def pipelined_step_time(shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh, m
     per_gpu_gbps = (net.intra_node_gbps if one_node
                     else net.inter_node_gbps / min(net.gpus_per_node, mesh.stage_world))
     sends = micro_batches * (2 * mesh.stages_per_rank)
-    regather_s = 0.0
-    if mesh.tp > 1 and kernel_set == "megatron-2021":
-        # Megatron-LM 2021 keeps whole (s, b, h) tensors on every TP rank: each sends its 1/tp
-        # and the receiver all-gathers them over the node's link (p2p_communication.py's
-        # scatter/gather optimization, on by default, `gather_split_1d_tensor`).
-        whole = micro_batch * shape.cfg.seq_len * shape.cfg.n_embd * dtype_bytes(dtype)
-        regather_s = sends * net.ring_s(ring_bytes(whole, mesh.tp), ranks=mesh.tp,
-                                        per_node=mesh.tp)
+    receive_s = sends * software.stage_receive_s(net, mesh, micro_batch, shape.cfg,
+                                                 dtype_bytes(dtype))
     return dataclasses.replace(
         st, bubble_s=bubble_fraction(mesh.pp, micro_batches, mesh.stages_per_rank) * st.compute_s,
         p2p_bytes=sent, p2p_s=sent / (per_gpu_gbps * GB)
-        + sends * net.send_latency_s(across_nodes=not one_node) + regather_s)
+        + sends * net.send_latency_s(across_nodes=not one_node) + receive_s)

@@ -26,7 +26,7 @@ from elastic_gpt.arguments import (
     write_output_file,
 )
 from elastic_gpt.hardware import GPUS, load_overrides
-from elastic_gpt.model.gpt import PRESETS, GPTConfig, preset_config
+from elastic_gpt.model.config import PRESETS, GPTConfig, preset_config
 from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PALM_STEPS_PER_SPIKE, PlanInputs
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
 from elastic_gpt.planner.training_plan import plan_training

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_gpt.cost_model.memory import (
-    CONTEXT_GIB,
-    FRAGMENTATION,
-    MEMORY_MARGIN,
-    PartialGather,
-)
+from elastic_gpt.cost_model.memory import CONTEXT_GIB, FRAGMENTATION, MEMORY_MARGIN
+from elastic_gpt.cost_model.software import Software
+from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GPU, GPUS
-from elastic_gpt.model.gpt import GPTConfig, preset_config
+from elastic_gpt.model.config import GPTConfig, preset_config
 
 HOUR = 3600.0
 DAY = 86400.0
@@ -60,9 +57,6 @@ class PlanInputs:
     """None: the calibrated model (each kernel at what its size reaches, cost_model/kernels.py;
     NCCL's collective latencies); a fraction: every FLOP at that fraction of peak, a fixed
     latency per collective."""
-    kernel_set: str = "trainer"
-    """Whose kernels the calibrated model costs (cost_model/memory.py `KERNEL_SETS`):
-    this trainer's, or Megatron-LM 2021's for the published runs it is checked against."""
     achieved_flops_per_gpu: float | None = None
     """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces
     the compute + communication model for step time (Narayanan et al. report 140e12 on A100)."""
@@ -76,19 +70,11 @@ class PlanInputs:
     """always: ZeRO-3, blocks re-gathered in backward and every micro-batch; never: every block
     stays gathered for the whole step (one all-gather per block per step, L blocks in memory);
     auto: the faster that fits."""
-    partial_gather: PartialGather | None = None
-    """ZeRO-3 gathering module by module, as DeepSpeed does (the published runs it ran): None,
-    this trainer's FSDP2, a block at a time."""
     tp: int | None = None
     """Tensor-parallel degree (1, 2, 4 or 8; inside one node). None: the fastest that fits."""
     hsdp: str = "auto"
     """on: FSDP2 shards within a node and replicates across nodes; off: shards over every
     data-parallel rank; auto: the faster that fits."""
-    data_parallel: str = "fsdp2"
-    """How data-parallel ranks hold the model state and sync gradients (cost_model/step_time.py
-    `DATA_PARALLEL`): this trainer's FSDP2, or Megatron-LM 2021's replicas for the published
-    runs it is checked against (hsdp does not apply; pipelines only as Megatron-LM 2021 could
-    cut them, `search.pp_problem`)."""
     pp: int | None = None
     """Pipeline-parallel degree (1 for none). None: the fastest that fits."""
     pp_stages_per_rank: int | None = None
@@ -134,6 +120,9 @@ class PlanInputs:
     replica_heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_S
     """What the written elastic.replica_heartbeat_timeout_s will be: each group loss stalls the
     survivors this long."""
+    software: Software = TRAINER
+    """The software whose step is costed (cost_model/software.py): this trainer. The validation
+    wing plans published runs of other software through it."""
 
 
 def resolve_model(model: str | GPTConfig, seq_len: int | None = None,

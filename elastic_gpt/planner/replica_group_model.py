@@ -13,8 +13,11 @@ import math
 from dataclasses import dataclass, field
 
 from elastic_gpt.config import ElasticSection
-from elastic_gpt.cost_model.memory import FP32, Memory, ModelShape
-from elastic_gpt.cost_model.step_time import LayoutCandidate, Mesh, Network, ring_bytes
+from elastic_gpt.cost_model.memory import Memory
+from elastic_gpt.cost_model.mesh import Mesh
+from elastic_gpt.cost_model.network import Network, ring_bytes
+from elastic_gpt.cost_model.shape import FP32, ModelShape
+from elastic_gpt.cost_model.step_time import LayoutCandidate
 from elastic_gpt.elastic.resize_rule import kept_fraction
 from elastic_gpt.planner.inputs import HOUR
 from elastic_gpt.planner.reliability import (

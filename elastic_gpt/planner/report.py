@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from elastic_gpt.cost_model.memory import dtype_bytes
+from elastic_gpt.cost_model.shape import dtype_bytes
 from elastic_gpt.cost_model.step_time import LayoutCandidate
 from elastic_gpt.hardware import GB, PRICES_AS_OF, GiB
-from elastic_gpt.model.gpt import PRESETS, preset_config
+from elastic_gpt.model.config import PRESETS, preset_config
+from elastic_gpt.planner.fsdp_step_check import planned_over_published
 from elastic_gpt.planner.inputs import DAY, HOUR
-from elastic_gpt.planner.published_runs import fsdp_runs_planned_too_fast
 from elastic_gpt.planner.replica_group_model import COLLECTIVE_TIMEOUT_S, FaultTolerance
 from elastic_gpt.planner.training_plan import Plan, trainer_parallel_keys
 
@@ -77,8 +77,7 @@ def format_report(plan: Plan) -> str:
     if plan.achieved_flops_per_gpu:
         step_source = f"at the measured {plan.achieved_flops_per_gpu / 1e12:.0f} TFLOP/s per GPU"
     else:
-        dp_comm = "data-parallel all-reduce" if c.mesh.replicated else "exposed FSDP comm"
-        step_source = (f"compute {st.compute_s:.3f} s + {dp_comm} "
+        step_source = (f"compute {st.compute_s:.3f} s + exposed FSDP comm "
                        f"{st.exposed_comm_s:.3f} s"
                        + (f" + TP comm {st.tp_comm_s:.3f} s" if c.tp > 1 else "")
                        + (f" + pipeline bubble {st.bubble_s:.3f} s + point-to-point "
@@ -87,30 +86,20 @@ def format_report(plan: Plan) -> str:
     tp_part = f"P/{c.tp} on this TP rank, " if c.tp > 1 else ""
     shard_part = (f"/ {c.mesh.dp_shard} in a node (HSDP)" if c.hsdp
                   else f"/ {c.mesh.dp_shard}")
-    tp_tensors = ("sequence parallel" if plan.kernel_set == "trainer"
-                  else "whole tensors on every rank, as Megatron-LM 2021")
-    if c.mesh.replicated:
-        memory_head = "memory per GPU (Megatron-LM 2021 replicas: the rank's part whole"
-        state_rows = [(f"fp32 params + Adam (12 B x {tp_part}whole)", gib(m.sharded_state)),
-                      ("16-bit params + grads", gib(m.gathered_params))]
-        dp_line = (f"  data parallel: all-reduce of the 16-bit gradients "
-                   f"{st.all_reduce_bytes / GB:.2f} GB after the step's backward = "
-                   f"{st.comm_s:.3f} s, on the critical path (not overlapped)")
-    else:
-        memory_head = ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward"
-                       if c.reshard_after_forward else
-                       "memory per GPU (FSDP2, blocks kept gathered through the step")
-        state_rows = [(f"params+grads+Adam, sharded (16 B x {tp_part}{shard_part})",
-                       gib(m.sharded_state)),
-                      ("gathered blocks + root in flight" if c.reshard_after_forward else
-                       f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
-                      ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads))]
-        dp_line = (f"  FSDP: all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
-                   f"{st.reduce_scatter_bytes / GB:.2f} GB"
-                   + (f" + all-reduce across nodes {st.all_reduce_bytes / GB:.2f} GB"
-                      if c.hsdp else "")
-                   + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
-                   f"({100 * st.overlapped_fraction:.0f}% overlapped)")
+    memory_head = ("memory per GPU (FSDP2 / ZeRO-3: blocks re-gathered in backward"
+                   if c.reshard_after_forward else
+                   "memory per GPU (FSDP2, blocks kept gathered through the step")
+    state_rows = [(f"params+grads+Adam, sharded (16 B x {tp_part}{shard_part})",
+                   gib(m.sharded_state)),
+                  ("gathered blocks + root in flight" if c.reshard_after_forward else
+                   f"all {cfg.n_layer} blocks + root gathered", gib(m.gathered_params)),
+                  ("unsharded fp32 grads across micro-batches", gib(m.accumulated_grads))]
+    dp_line = (f"  FSDP: all-gather {st.all_gather_bytes / GB:.2f} GB + reduce-scatter "
+               f"{st.reduce_scatter_bytes / GB:.2f} GB"
+               + (f" + all-reduce across nodes {st.all_reduce_bytes / GB:.2f} GB"
+                  if c.hsdp else "")
+               + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
+               f"({100 * st.overlapped_fraction:.0f}% overlapped)")
     lines = [
         f"model     {plan.model_name}: {plan.shape.params / 1e6:,.1f}M params, L={cfg.n_layer} "
         f"H={cfg.n_head} d={cfg.n_embd} T={cfg.seq_len} V={cfg.vocab_size}, "
@@ -124,7 +113,7 @@ def format_report(plan: Plan) -> str:
         f"grads reduced per {c.grad_sync}, reshard_after_forward={c.reshard_policy}",
         "",
         memory_head
-        + (f"; tensor parallel over {c.tp}, {tp_tensors})" if c.tp > 1 else ")"),
+        + (f"; tensor parallel over {c.tp}, sequence parallel)" if c.tp > 1 else ")"),
         *(f"  {label:<50s}{value}" for label, value in [
             *state_rows,
             ("activations, checkpointing off / on",
@@ -208,15 +197,15 @@ def format_report(plan: Plan) -> str:
 
 
 def _fsdp_step_notes(plan: Plan) -> list[str]:
-    """An FSDP-only layout's step, as the calibrated model plans it for this trainer's kernels:
-    how much faster than they ran it plans the published FSDP runs of flash-attention stacks on
-    the same GPU family (planner/published_runs.py), so that the reader knows which way it
-    errs and what measures it instead."""
+    """An FSDP-only layout's step, as the calibrated model plans it: how much faster than they
+    ran it planned the published FSDP runs of flash-attention stacks on the same GPU family
+    (fsdp_step_check.py, frozen), so that the reader knows which way it errs and what measures
+    it instead."""
     c = plan.chosen
-    if not plan.calibrated_trainer_step or c.mesh.pp > 1 or c.tp > 1:
+    if not plan.calibrated_step or c.mesh.pp > 1 or c.tp > 1:
         return []
     family = plan.gpu.name.split("-")[0]
-    least, most, same = fsdp_runs_planned_too_fast(family)
+    least, most, same = planned_over_published(family)
     return [f"step time: this model plans the published FSDP runs of flash-attention stacks "
             f"(torchtitan's, MosaicML's){f' on {family}s' if same else ''} {least:.2f}-"
             f"{most:.2f}x faster than they ran (docs/planner.md, checked against published "

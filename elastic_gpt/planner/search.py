@@ -13,31 +13,26 @@ import dataclasses
 import itertools
 import math
 
-from elastic_gpt.cost_model.memory import (
-    CHECKPOINT_BYTES_PER_PARAM,
-    Memory,
-    ModelShape,
-    memory_per_gpu,
-    training_flops_per_token,
-)
+from elastic_gpt.cost_model.memory import CHECKPOINT_BYTES_PER_PARAM, Memory, memory_per_gpu
+from elastic_gpt.cost_model.mesh import Mesh
+from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.pipeline import (
     pipelined_memory,
     pipelined_step_time,
     rank_shapes,
 )
+from elastic_gpt.cost_model.shape import ModelShape, training_flops_per_token
+from elastic_gpt.cost_model.software import Software
 from elastic_gpt.cost_model.step_time import (
-    DATA_PARALLEL,
     LayoutCandidate,
-    Mesh,
-    Network,
     choice_key,
-    make_mesh,
     step_time,
     time_to_train_s,
 )
+from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GB, GPU, GiB
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
 from elastic_gpt.planner.inputs import PlanError, PlanInputs
 from elastic_gpt.planner.replica_group_model import (
@@ -57,29 +52,21 @@ STAGES_PER_RANK = (1, 2, 4, 8)
 
 
 def pp_problem(pp: int, cfg: GPTConfig, n_gpus: int, tp: int,
-               data_parallel: str = "fsdp2") -> str | None:
-    """Why `pp` pipeline stages cannot run this model on these GPUs at this tp, or None.
-    Megatron-LM 2021 gives every stage the same number of blocks (its ParallelTransformer asserts
-    num_layers % pipeline_model_parallel_size == 0, at a8d172b3); this trainer balances them."""
+               software: Software = TRAINER) -> str | None:
+    """Why `pp` pipeline stages cannot run this model on these GPUs at this tp, or None (the
+    software's own rules for a cut: `Software.pipeline_cut_problem`)."""
     if pp > cfg.n_layer:
         return (f"--pp={pp} stages need at least one block each, and the model has "
                 f"{cfg.n_layer}")
     if n_gpus % (pp * tp):
         return f"--pp={pp} x --tp={tp} does not divide the {n_gpus} GPUs (--gpus) of the run"
-    if data_parallel == "megatron-2021" and cfg.n_layer % pp:
-        return f"Megatron-LM 2021 needs --pp={pp} to divide the model's {cfg.n_layer} blocks"
-    return None
+    return software.pipeline_cut_problem(cfg, pp)
 
 
-def _stages_per_rank_fit(cfg: GPTConfig, pp: int, v: int, data_parallel: str) -> bool:
-    """Whether pp ranks of v stages each can hold the model: a block per stage at least, and for
-    Megatron-LM 2021 its interleaved schedule's rules (arguments.py: pp > 2; transformer.py:
-    each rank's blocks split evenly over its v model chunks)."""
-    if v * pp > cfg.n_layer:
-        return False
-    if data_parallel == "megatron-2021" and v > 1:
-        return pp > 2 and (cfg.n_layer // pp) % v == 0
-    return True
+def _stages_per_rank_fit(cfg: GPTConfig, pp: int, v: int, software: Software) -> bool:
+    """Whether pp ranks of v stages each can hold the model: a block per stage at least, and a
+    cut the software can make."""
+    return v * pp <= cfg.n_layer and software.pipeline_cut_problem(cfg, pp, v) is None
 
 
 def _pp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, tp: int) -> list[tuple[int, int]]:
@@ -89,12 +76,12 @@ def _pp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, tp: int) -> list[tup
     per_rank = STAGES_PER_RANK if p.pp_stages_per_rank is None else (p.pp_stages_per_rank,)
     out = []
     for pp in degrees:
-        if pp_problem(pp, cfg, n_gpus, tp, p.data_parallel):
+        if pp_problem(pp, cfg, n_gpus, tp, p.software):
             continue
         if pp == 1:
             out.append((1, 1))
             continue
-        out += [(pp, v) for v in per_rank if _stages_per_rank_fit(cfg, pp, v, p.data_parallel)]
+        out += [(pp, v) for v in per_rank if _stages_per_rank_fit(cfg, pp, v, p.software)]
     return out
 
 
@@ -123,9 +110,6 @@ def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> li
     """Every tp x pp x HSDP layout to weigh for n_gpus (forced ones only, when forced)."""
     if p.hsdp not in ("auto", "on", "off"):
         raise PlanError(f"--hsdp={p.hsdp!r} must be auto, on or off")
-    if p.data_parallel not in DATA_PARALLEL:
-        raise PlanError(f"data_parallel={p.data_parallel!r} must be one of "
-                        f"{', '.join(DATA_PARALLEL)}")
     gpn = net.gpus_per_node
     spans, whole_nodes = n_gpus > gpn, n_gpus % gpn == 0
     if p.hsdp == "on" and spans and not whole_nodes:
@@ -133,23 +117,20 @@ def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> li
                         f"the {gpn} GPUs per node")
     hsdps = {"off": [False], "on": [True], "auto": [False] + ([True] if spans and whole_nodes
                                                              else [])}[p.hsdp]
-    if p.data_parallel != "fsdp2":  # replicas: no sharding to place
-        hsdps = [False]
     tps = _tp_choices(p, cfg, n_gpus, gpn)
     if p.pp is not None:
-        problems = [pp_problem(p.pp, cfg, n_gpus, tp, p.data_parallel) for tp in tps]
+        problems = [pp_problem(p.pp, cfg, n_gpus, tp, p.software) for tp in tps]
         if problems and all(problems):
             raise PlanError(problems[0])
     v = p.pp_stages_per_rank
     if v is not None and p.pp not in (None, 1) and v * p.pp > cfg.n_layer:
         raise PlanError(f"--pp-stages-per-rank={v} x --pp={p.pp} stages need at least one block "
                         f"each, and the model has {cfg.n_layer}")
-    if (v is not None and p.pp not in (None, 1)
-            and not _stages_per_rank_fit(cfg, p.pp, v, p.data_parallel)):
-        raise PlanError(f"Megatron-LM 2021 interleaves only pipelines of more than 2 stages whose "
-                        f"{cfg.n_layer // p.pp} blocks per rank split evenly into "
-                        f"--pp-stages-per-rank={v} chunks")
-    meshes = [make_mesh(n_gpus, tp, h, gpn, pp, v, p.data_parallel) for tp in tps
+    cut = (p.software.pipeline_cut_problem(cfg, p.pp, v)
+           if v is not None and p.pp not in (None, 1) else None)
+    if cut:
+        raise PlanError(cut)
+    meshes = [p.software.mesh(n_gpus, tp, h, gpn, pp, v) for tp in tps
               for pp, v in _pp_choices(p, cfg, n_gpus, tp)
               for h in hsdps
               # HSDP replicates within a stage: whole nodes of it
@@ -172,8 +153,6 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
         raise PlanError(f"--grad-sync={p.grad_sync!r} must be auto, microbatch or step")
     syncs = ["microbatch", "step"] if p.grad_sync == "auto" else [p.grad_sync]
     reshards = _reshard_choices(p)
-    if p.data_parallel == "megatron-2021":  # replicas: whole weights, one sync after backward
-        syncs, reshards = ["step"], [False]
     if p.micro_batch_size:  # C1 fixed global batch: the micro-batch divides it (one clear line)
         BatchSplit(G, p.micro_batch_size).check_world_size(min(m.dp for m in meshes))
     out = []
@@ -189,31 +168,26 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
                                      reshard_after_forward=reshard,
                                      context_bytes=p.context_gib * GiB,
                                      fragmentation=p.fragmentation, tp=mesh.tp,
-                                     dp_shard=mesh.dp_shard, replicated=mesh.replicated,
-                                     kernel_set=p.kernel_set)
+                                     dp_shard=mesh.dp_shard, software=p.software)
                 st = step_time(shape, gpu, net, p.n_gpus, mb, k, activation_checkpointing=ckpt,
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
-                               kernel_set=p.kernel_set,
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp,
-                               data_parallel=mesh.data_parallel)
+                               software=p.software)
                 out.append(LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh))
     return out
 
 
 def _pipelined_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh,
                           G: int, ckpts: list[bool]) -> list[LayoutCandidate]:
-    """A pipeline mesh's candidates: each micro-batch size whose step fills the pipeline (at least
-    pp micro-batches per data-parallel rank). Torch's schedules keep a stage's weights gathered
-    and sync its gradients once per step (cost_model/pipeline.py `KEPT_GATHERED`): the plan
-    says so (`never`, per step) rather than offering settings the schedule overrides.
-    Megatron-LM 2021's interleaved schedule also needs the micro-batches to be a multiple of pp
-    (its training.py asserts it)."""
+    """A pipeline mesh's candidates: each micro-batch size whose step fills the pipeline (for the
+    trainer's schedules at least pp micro-batches per data-parallel rank). Torch's schedules
+    keep a stage's weights gathered and sync its gradients once per step (cost_model/pipeline.py
+    `KEPT_GATHERED`): the plan says so (`never`, per step) rather than offering settings the
+    schedule overrides."""
     out = []
     for mb in _micro_batch_sizes(p, G, mesh.dp):
         k = BatchSplit(G, mb).slots(mesh.dp)
-        if mesh.replicated and mesh.stages_per_rank > 1 and k % mesh.pp:
-            continue
-        if k >= mesh.pp:
+        if p.software.fills_pipeline(mesh, k):
             out += [_pipelined_candidate(p, shape, gpu, net, mesh, mb, k, ckpt) for ckpt in ckpts]
     return out
 
@@ -222,7 +196,7 @@ def _pipelined_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh, mb: int, k: 
                       ckpt: bool) -> Memory:
     return pipelined_memory(shape, mesh, mb, k, dtype=p.dtype, micro_batches_per_rank=k,
                             activation_checkpointing=ckpt, context_bytes=p.context_gib * GiB,
-                            fragmentation=p.fragmentation, kernel_set=p.kernel_set)
+                            fragmentation=p.fragmentation, software=p.software)
 
 
 def _pipelined_candidate(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, mesh: Mesh,
@@ -230,7 +204,7 @@ def _pipelined_candidate(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Networ
     """A pipeline mesh at micro-batch `mb`, `k` per rank, with the schedules' resharding and
     gradient sync (`KEPT_GATHERED`)."""
     st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
-                             efficiency=p.efficiency, kernel_set=p.kernel_set,
+                             efficiency=p.efficiency, software=p.software,
                              activation_checkpointing=ckpt)
     return LayoutCandidate(mb, ckpt, "step", k, _pipelined_memory(p, shape, mesh, mb, k, ckpt),
                            st, False, mesh)
@@ -252,12 +226,11 @@ def mesh_floor_memory(p: PlanInputs, shape: ModelShape, mesh: Mesh) -> Memory:
                                 dtype=p.dtype, grad_sync="step", micro_batches_per_rank=mesh.pp,
                                 reshard_after_forward=p.reshard_after_forward != "never",
                                 context_bytes=p.context_gib * GiB,
-                                fragmentation=p.fragmentation, kernel_set=p.kernel_set)
+                                fragmentation=p.fragmentation, software=p.software)
     return memory_per_gpu(shape, mesh.world, 1, activation_checkpointing=True, dtype=p.dtype,
                           reshard_after_forward=p.reshard_after_forward != "never",
                           context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
-                          tp=mesh.tp, dp_shard=mesh.dp_shard, replicated=mesh.replicated,
-                          kernel_set=p.kernel_set)
+                          tp=mesh.tp, dp_shard=mesh.dp_shard, software=p.software)
 
 
 def _floor_memory(p: PlanInputs, shape: ModelShape, net: Network, n_gpus: int,
@@ -271,7 +244,7 @@ def _floor_memory(p: PlanInputs, shape: ModelShape, net: Network, n_gpus: int,
         return None
     if not tps or (on and n_gpus > net.gpus_per_node and n_gpus % net.gpus_per_node):
         return None
-    mesh = make_mesh(n_gpus, max(tps), on, net.gpus_per_node, data_parallel=p.data_parallel)
+    mesh = p.software.mesh(n_gpus, max(tps), on, net.gpus_per_node)
     return mesh_floor_memory(p, shape, mesh), mesh
 
 
@@ -285,7 +258,7 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
     pp, v = c.mesh.pp, c.mesh.stages_per_rank
     step = (net.gpus_per_node if c.hsdp else c.tp) * pp
     for w in range(step, p.n_gpus + 1, step):
-        mesh = make_mesh(w, c.tp, c.hsdp, net.gpus_per_node, pp, v, c.mesh.data_parallel)
+        mesh = p.software.mesh(w, c.tp, c.hsdp, net.gpus_per_node, pp, v)
         k = BatchSplit(G, c.micro_batch).slots(mesh.dp)
         if pp > 1:
             mem = pipelined_memory(shape, mesh, c.micro_batch, k,
@@ -293,7 +266,7 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
                                    dtype=p.dtype, grad_sync=c.grad_sync, micro_batches_per_rank=k,
                                    reshard_after_forward=c.reshard_after_forward,
                                    context_bytes=p.context_gib * GiB,
-                                   fragmentation=p.fragmentation, kernel_set=p.kernel_set)
+                                   fragmentation=p.fragmentation, software=p.software)
             if mem.total <= usable:
                 return w
             continue
@@ -302,8 +275,7 @@ def min_workers(p: PlanInputs, shape: ModelShape, c: LayoutCandidate, usable: fl
                              grad_sync=c.grad_sync, micro_batches_per_rank=k,
                              reshard_after_forward=c.reshard_after_forward,
                              context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
-                             tp=c.tp, dp_shard=mesh.dp_shard, replicated=mesh.replicated,
-                             kernel_set=p.kernel_set)
+                             tp=c.tp, dp_shard=mesh.dp_shard, software=p.software)
         if mem.total <= usable:
             return w
     return p.n_gpus
@@ -409,8 +381,7 @@ def _fewest_gpus(p: PlanInputs, shape: ModelShape, net: Network, start: int,
     best = None
     for tp in _tp_choices(q, shape.cfg, net.gpus_per_node, net.gpus_per_node):
         fits = lambda d, tp=tp: mesh_floor_memory(
-            q, shape, make_mesh(d * tp, tp, False, net.gpus_per_node,
-                                data_parallel=p.data_parallel)).total <= usable
+            q, shape, p.software.mesh(d * tp, tp, False, net.gpus_per_node)).total <= usable
         lo = max(1, -(-start // tp))
         hi = next((d for d in itertools.chain([lo], _doublings(lo)) if fits(d)), None)
         if hi is None:
@@ -481,9 +452,8 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
             away_s = step_time(shape, gpu, net, g, c.micro_batch, k_away,
                                activation_checkpointing=c.activation_checkpointing,
                                dtype=p.dtype, grad_sync=c.grad_sync, efficiency=p.efficiency,
-                               kernel_set=p.kernel_set,
                                reshard_after_forward=c.reshard_after_forward, tp=c.tp,
-                               hsdp=c.hsdp).step_s
+                               hsdp=c.hsdp, software=p.software).step_s
         _, ar_away_s = cross_group_allreduce(_rank_shape(shape, mesh), net, mesh, n - lost,
                                              _syncs(c.grad_sync, k_away), W)
         group_nodes = net.nodes(g)
@@ -542,7 +512,7 @@ def _group_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
             k = BatchSplit(G, mb).slots(n * mesh.dp)
             k_away = BatchSplit(G, mb).slots((n - lost) * mesh.dp)
             if mesh.pp > 1:  # every group's pipelines fill at full membership
-                for ckpt in ckpts if k >= mesh.pp else []:
+                for ckpt in ckpts if p.software.fills_pipeline(mesh, k) else []:
                     c = _pipelined_candidate(p, shape, gpu, net, mesh, mb, k, ckpt)
                     away = _pipelined_memory(p, shape, mesh, mb, k_away, ckpt)
                     if c.memory.total <= usable and away.total <= usable:
@@ -552,16 +522,15 @@ def _group_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
                 kw = dict(activation_checkpointing=ckpt, dtype=p.dtype, grad_sync=sync,
                           reshard_after_forward=reshard, context_bytes=p.context_gib * GiB,
                           fragmentation=p.fragmentation, tp=mesh.tp, dp_shard=mesh.dp_shard,
-                          replicated=mesh.replicated, kernel_set=p.kernel_set)
+                          software=p.software)
                 mem = memory_per_gpu(shape, mesh.world, mb, micro_batches_per_rank=k, **kw)
                 if mem.total > usable or memory_per_gpu(
                         shape, mesh.world, mb, micro_batches_per_rank=k_away, **kw).total > usable:
                     continue
                 st = step_time(shape, gpu, net, mesh.world, mb, k, activation_checkpointing=ckpt,
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
-                               kernel_set=p.kernel_set,
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp,
-                               data_parallel=mesh.data_parallel)
+                               software=p.software)
                 yield LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh), k_away
 
 

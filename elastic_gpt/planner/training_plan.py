@@ -13,25 +13,19 @@ import math
 from dataclasses import dataclass, field
 
 from elastic_gpt.config import ElasticSection
-from elastic_gpt.cost_model.memory import (
-    CHECKPOINT_BYTES_PER_PARAM,
-    Memory,
+from elastic_gpt.cost_model.memory import CHECKPOINT_BYTES_PER_PARAM, Memory, memory_per_gpu
+from elastic_gpt.cost_model.mesh import Mesh
+from elastic_gpt.cost_model.network import Network
+from elastic_gpt.cost_model.pipeline import pipelined_memory
+from elastic_gpt.cost_model.shape import (
     ModelShape,
     dtype_bytes,
-    memory_per_gpu,
     model_shape,
     training_flops_per_token,
 )
-from elastic_gpt.cost_model.pipeline import pipelined_memory
-from elastic_gpt.cost_model.step_time import (
-    LayoutCandidate,
-    Mesh,
-    Network,
-    choice_key,
-    time_to_train_s,
-)
+from elastic_gpt.cost_model.step_time import LayoutCandidate, choice_key, time_to_train_s
 from elastic_gpt.hardware import GPU, GiB, get_gpu
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.planner.inputs import (
     DEFAULT_HEARTBEAT_S,
     HOUR,
@@ -89,12 +83,9 @@ class Plan:
     dtype: str
     market: str
     achieved_flops_per_gpu: float | None = None
-    calibrated_trainer_step: bool = False
-    """The step time is the calibrated model's (no --efficiency, no --achieved-tflops) for this
-    trainer's kernels: what the published FSDP runs check (report.py says how it fared)."""
-    kernel_set: str = "trainer"
-    """Whose kernels the step and the memory were counted for (cost_model/memory.py
-    `KERNEL_SETS`): this trainer's, or Megatron-LM 2021's for the published-run checks."""
+    calibrated_step: bool = False
+    """The step time is the calibrated model's (no --efficiency, no --achieved-tflops): what the
+    published FSDP runs check (report.py says how it fared on them)."""
     restart_cost: RestartCost | None = None
     """What one restart of the whole run costs, term by term (`recovery_s` of both markets)."""
     notes: list[str] = field(default_factory=list)
@@ -142,7 +133,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
     name, cfg = resolve_model(p.model, p.seq_len, p.vocab_size)
     if p.market not in ("spot", "on-demand"):
         raise PlanError(f"--market={p.market!r} must be spot or on-demand")
-    shape = dataclasses.replace(model_shape(cfg), partial_gather=p.partial_gather)
+    shape = model_shape(cfg)
     gpu = get_gpu(p.gpu, p.hardware)
     net = _network(p, gpu)
     if p.dtype == "float8":
@@ -190,14 +181,13 @@ def plan_training(inputs: PlanInputs) -> Plan:
                     micro_batches_per_rank=chosen.micro_batches_per_rank,
                     reshard_after_forward=chosen.reshard_after_forward,
                     context_bytes=p.context_gib * GiB, fragmentation=p.fragmentation,
-                    kernel_set=p.kernel_set)
+                    software=p.software)
     at_mb = {ckpt: (pipelined_memory(shape, chosen.mesh, chosen.micro_batch,
                                      chosen.micro_batches_per_rank, activation_checkpointing=ckpt,
                                      **settings) if chosen.mesh.pp > 1 else
                     memory_per_gpu(shape, p.n_gpus, chosen.micro_batch,
                                    activation_checkpointing=ckpt, tp=chosen.tp,
-                                   dp_shard=chosen.mesh.dp_shard,
-                                   replicated=chosen.mesh.replicated, **settings))
+                                   dp_shard=chosen.mesh.dp_shard, **settings))
              for ckpt in (False, True)}
 
     tokens_per_step = G * cfg.seq_len
@@ -258,10 +248,6 @@ def plan_training(inputs: PlanInputs) -> Plan:
                      f"intra-node link; only the gradient all-reduce crosses nodes "
                      f"({net.inter_node_gbps:.0f} GB/s per node, shared by its "
                      f"{net.gpus_per_node} GPUs)")
-    elif nodes > 1 and chosen.mesh.replicated:
-        notes.append(f"{nodes} nodes: the gradient all-reduce runs at the inter-node bandwidth "
-                     f"({net.inter_node_gbps:.0f} GB/s per node, shared by the node's "
-                     f"{chosen.tp} data-parallel groups)")
     elif nodes > 1:
         notes.append(f"{nodes} nodes: FSDP's collectives run at the inter-node bandwidth "
                      f"({net.inter_node_gbps:.0f} GB/s per node"
@@ -297,9 +283,8 @@ def plan_training(inputs: PlanInputs) -> Plan:
         warmup_steps=max(1, min(math.ceil(375e6 / tokens_per_step), max_steps // 10)),
         min_workers=p.min_workers or min_workers(p, shape, chosen, usable, G, net),
         dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
-        calibrated_trainer_step=(p.efficiency is None and not p.achieved_flops_per_gpu
-                                 and p.kernel_set == "trainer"),
-        kernel_set=p.kernel_set, restart_cost=restart_cost,
+        calibrated_step=p.efficiency is None and not p.achieved_flops_per_gpu,
+        restart_cost=restart_cost,
         notes=notes, layouts=layouts, fault_tolerance_by_market=fault_tolerance,
         replica_heartbeat_timeout_s=p.replica_heartbeat_timeout_s)
     if plan.warmup_steps > max_steps:

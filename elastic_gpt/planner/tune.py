@@ -151,11 +151,11 @@ def run_tune(args) -> int:
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from elastic_gpt.cost_model.memory import model_shape
+    from elastic_gpt.cost_model.shape import model_shape
     from elastic_gpt.data.mixture import load_training_manifest
     from elastic_gpt.elastic.launcher import connect_ray
     from elastic_gpt.elastic.worker_group_job import use_gpu, worker_env
-    from elastic_gpt.model.gpt import count_params
+    from elastic_gpt.model.config import count_params
     from elastic_gpt.parallel.fsdp import reshard_label, resolve_dtype
     from elastic_gpt.train.model_config import model_config_for
 

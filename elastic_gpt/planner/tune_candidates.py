@@ -241,8 +241,8 @@ def predicted_bytes(shape, world: int, G: int, cand: TrainSettings, dtype: str, 
     k = BatchSplit(G, cand.micro_batch).slots(dp)
     extra = {} if cuda else {"context_bytes": 0, "fragmentation": 0}
     if cand.pp > 1:
+        from elastic_gpt.cost_model.mesh import Mesh
         from elastic_gpt.cost_model.pipeline import pipelined_memory
-        from elastic_gpt.cost_model.step_time import Mesh
         replicate = dp_replicate or 1
         mesh = Mesh(cand.tp, dp_shard or dp // replicate, replicate, False, cand.pp,
                     cand.stages_per_rank)
@@ -266,9 +266,10 @@ def what_would_fit(gpt_cfg, world: int, G: int, budget_bytes: float, margin: flo
     one line naming what would (more workers, a bigger chip or more memory per worker).
     reshard_after_forward is the run's train setting: `never` keeps every block gathered, so the
     floor is higher (a pipeline keeps its stages gathered whatever it says)."""
-    from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
+    from elastic_gpt.cost_model.memory import memory_per_gpu
+    from elastic_gpt.cost_model.mesh import Mesh
     from elastic_gpt.cost_model.pipeline import pipelined_memory
-    from elastic_gpt.cost_model.step_time import Mesh
+    from elastic_gpt.cost_model.shape import model_shape
     from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.planner.inputs import PlanError, PlanInputs
     from elastic_gpt.planner.search import pp_problem as plan_pp_problem

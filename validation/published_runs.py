@@ -1,27 +1,26 @@
-"""The planner against published runs: each run of planner/published_runs.py planned with its
-own settings by the one-figure (`--efficiency 0.6`) and the calibrated (default) step-time
-model, beside the published TFLOP/s per GPU, as the Markdown table docs/planner.md shows; then
-GPT-3 175B on 1024 A100s left to choose its layout, with this trainer's kernels, with SC21's
-software, with SC21's software in the layouts Megatron-LM 2021 could run, and in the one its
-34 days were measured in (Megatron-LM's GPT-3 example script).
+"""The planner against published runs: each run of runs.py planned with its own settings by the
+one-figure (`--efficiency 0.6`) and the calibrated (default) step-time model, beside the
+published TFLOP/s per GPU, as a Markdown table; then the ZeRO-3 rows bounded by DeepSpeed
+2021's own collectives; then GPT-3 175B on 1024 A100s left to choose its layout, with this
+trainer's software, with SC21's kernels, with SC21's software in the layouts Megatron-LM 2021
+could run, and in the one its 34 days were measured in (Megatron-LM's GPT-3 example script).
+validation/reports/ holds dated records of what it prints.
 
-    .venv/bin/python bench/published_runs.py
+    .venv/bin/python -m validation.published_runs
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import common  # noqa: F401  (puts the repository on sys.path)
-
-from elastic_gpt.planner.published_runs import (
+from elastic_gpt.planner.training_plan import plan_training
+from validation.checks import (
     MEGATRON_GPT3_EXAMPLE,
-    RUNS,
     check,
     gpt3_175b_on_1024,
     zero3_2021_unoverlapped_tflops,
 )
-from elastic_gpt.planner.training_plan import plan_training
+from validation.runs import RUNS
 
 
 def cell(checked) -> str:
@@ -41,7 +40,7 @@ def main() -> None:
               f"{cell(check(run))} |")
     print()
     print("SC21's ZeRO-3 rows with every collective of DeepSpeed 2021's ZeRO-3 after the plan's "
-          "compute, none overlapped (planner/zero3_2021.py):")
+          "compute, none overlapped (deepspeed_zero3_2021.py):")
     for run in RUNS:
         if run.zero3:
             tflops = zero3_2021_unoverlapped_tflops(run)

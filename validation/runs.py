@@ -1,5 +1,5 @@
-"""Published training runs the planner is checked against: the plan for each run's own model,
-GPUs, batch and layout, and its throughput beside the published one.
+"""The published training runs the planner is checked against: each run's model, GPUs, batch,
+layout, network and software, and the throughput it was measured at (checks.py plans them).
 
 - Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
   Megatron-LM" (SC21): Table 1 (GPT models from 1.7B to 1T parameters, tp x pp as given, weak
@@ -8,9 +8,8 @@ GPUs, batch and layout, and its throughput beside the published one.
   (140 TFLOP/s, its 34 days) in the layout of Megatron-LM's GPT-3 example script. Vocabulary
   51,200, sequence 2048, activation recomputation on; throughput is their eq. (3) FLOPs,
   recomputation included, per second per GPU. Their network (sec. 5): 8 A100s per node on
-  NVLink/NVSwitch, 8 HDR InfiniBand NICs of 200 Gb/s per node. Megatron-LM's runs are planned
-  with its data parallelism of 2021 (`data_parallel="megatron-2021"`), ZeRO-3's with FSDP2's
-  sharding.
+  NVLink/NVSwitch, 8 HDR InfiniBand NICs of 200 Gb/s per node. Megatron-LM's runs ran
+  Megatron-LM 2021 (megatron_2021.py), ZeRO-3's DeepSpeed's of 2021 (deepspeed_zero3_2021.py).
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
   Table 5: seconds per iteration of 22B, 175B, 530B and 1T on the same machine, full
   recomputation, micro-batch 1 (22B: 4), one pipeline (data-parallel degree 1).
@@ -18,7 +17,7 @@ GPUs, batch and layout, and its throughput beside the published one.
   16384, 128 heads, sequence 8192, 16M tokens per step) on 8192 and 16384 H100s, tp 8 x pp 16,
   at 43% and 41% BF16 MFU, on RoCE at 400 Gb/s per GPU (the H100 row's network). Planned as the
   GPT of its width, depth and heads (406B parameters; Llama's grouped-query attention and
-  SwiGLU MLP differ in FLOPs by a few percent), with this trainer's kernels; compared as MFU
+  SwiGLU MLP differ in FLOPs by a few percent), with this trainer's software; compared as MFU
   (model FLOPs, no recomputation).
 - torchtitan's benchmarks (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3): Llama
   3.1 8B with FSDP2 and torch.compile, in bf16 and with float8 linears, on 8 and 128 H100s
@@ -35,24 +34,25 @@ GPUs, batch and layout, and its throughput beside the published one.
   them. Compared as model FLOP/s: their tokens per second x the plan's FLOPs per
   token of the GPT of that width and depth (their MFU's count, 6 x the parameters + 12 L h T).
 
-The plan's figure is the same FLOPs over the planned step time, for what these runs ran: for
-Megatron-LM, its dropout of 0.1 and its kernels of 2021 (`kernel_set="megatron-2021"`,
-cost_model/kernels.py).
+torchtitan's and MosaicML's runs are this trainer's kind of software (FSDP, flash attention, no
+tensor or pipeline parallelism): `FSDP_RUNS`, the runs the product's step-time note is frozen
+from (elastic_gpt/planner/fsdp_step_check.py). The plan's figure is the same FLOPs over the
+planned step time, for what these runs ran: for Megatron-LM, its dropout of 0.1 and its
+software of 2021.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
-from elastic_gpt.cost_model.memory import PartialGather, model_shape, training_flops_per_token
-from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY, Network
+from elastic_gpt.cost_model.shape import model_shape
+from elastic_gpt.cost_model.software import Software
+from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GPUS, GiB
-from elastic_gpt.model.gpt import GPTConfig
-from elastic_gpt.planner.inputs import MEMORY_MARGIN, PlanError, PlanInputs
-from elastic_gpt.planner.training_plan import plan_training
-from elastic_gpt.planner.zero3_2021 import collectives
+from elastic_gpt.model.config import GPTConfig
+from validation.deepspeed_zero3_2021 import DEEPSPEED_ZERO3
+from validation.megatron_2021 import MEGATRON_2021
 
 TORCHTITAN_H100 = dataclasses.replace(GPUS["H100"], name="H100-HBM2e-500W", hbm_gbps=2400,
                                       memory_gib=96e9 / GiB)
@@ -65,11 +65,6 @@ SELENE_NIC_GBPS = 8 * 200 / 8 * 0.8
 SELENE_NVLINK_GBPS = 300 * 0.65
 """NVLink3 inside a Selene node, GB/s: 300 per direction at the 0.65 Calculon's A100-80GB
 system file measures for collectives (systems/a100_80g.json)."""
-DEEPSPEED_ZERO3 = PartialGather(live_params=1e9, reduce_bucket_params=5e8)
-"""How SC21's ZeRO-3 runs held parameters: DeepSpeed gathers them module by module, at most
-`stage3_max_live_parameters` at once, and reduces gradients in buckets of `reduce_bucket_size`
-(the defaults of DeepSpeed's configuration reference, deepspeed.ai/docs/config-json; SC21 gives
-no settings)."""
 VOCAB, SEQ = 51200, 2048
 DROPOUT = 0.1
 """Megatron-LM's default hidden and attention dropout."""
@@ -92,8 +87,8 @@ class PublishedRun:
     micro_batch: int | None = None
     """None: the plan chooses (SC21 Table 1 does not give it)."""
     zero3: bool = False
-    """DeepSpeed's ZeRO-3 without model parallelism: FSDP over every GPU, resharded after
-    forward, its parameters gathered module by module (`DEEPSPEED_ZERO3`)."""
+    """DeepSpeed's ZeRO-3 without model parallelism: sharded over every GPU, resharded after
+    forward, its parameters gathered module by module (deepspeed_zero3_2021.py)."""
     fsdp: bool = False
     """PyTorch FSDP's FULL_SHARD without model parallelism: over every GPU, resharded after
     forward, gradients reduce-scattered after every micro-batch."""
@@ -103,16 +98,15 @@ class PublishedRun:
     seq_len: int = SEQ
     vocab_size: int = VOCAB
     dropout: float = DROPOUT
-    kernel_set: str = "megatron-2021"
+    software: Software = MEGATRON_2021
+    """What ran it: Megatron-LM 2021 (the SC21 and Korthikanti rows), DeepSpeed's ZeRO-3 of 2021,
+    or this trainer's kind (`TRAINER`: FSDP, flash attention)."""
     selene: bool = True
     """SC21's network (Selene: NVLink3, 8 x 200 Gb/s per node), which MosaicML's A100 nodes
     match; False: the GPU row's."""
     model_flops: bool = False
     """The published figure is MFU x peak: compare the plan's MFU."""
     dtype: str = "bfloat16"
-    data_parallel: str = "megatron-2021"
-    """Megatron-LM's replicas, gradients all-reduced after backward (cost_model/step_time.py
-    `DATA_PARALLEL`), or "fsdp2" for the runs that sharded (ZeRO-3, FSDP)."""
     stages_per_rank: tuple[int, ...] | None = (1, 2)
     """The pipeline schedules the plan weighs (stages per rank). SC21 does not say which its
     runs used: 1F1B or its interleaved schedule with 2 stages per rank, SC21's own comparison
@@ -152,17 +146,16 @@ def _mpt(label: str, gpus: int, gpu: str, micro_batch: int, accumulation: int,
     tflops = tokens_per_s_per_gpu * model_shape(cfg).model_flops_per_token / 1e12
     return PublishedRun(MOSAICML, f"MPT {label}", n_layer, n_head, n_embd, gpus,
                         micro_batch * accumulation * gpus, 1, 1, tflops, micro_batch, gpu=gpu,
-                        vocab_size=MPT_VOCAB, dropout=0.0, kernel_set="trainer",
+                        vocab_size=MPT_VOCAB, dropout=0.0, software=TRAINER,
                         selene=gpu.startswith("A100"), model_flops=True, stages_per_rank=None,
-                        fsdp=True, activation_checkpointing=checkpointing, data_parallel="fsdp2")
+                        fsdp=True, activation_checkpointing=checkpointing)
 
 
 def _zero3(size: str, gpus: int, batch: int, tflops: float, micro_batch: int) -> PublishedRun:
-    """A ZeRO-3 row of SC21's Table 2: DeepSpeed without model parallelism, sharding as FSDP2
-    does (with DeepSpeed's partial gathers, `DEEPSPEED_ZERO3`)."""
+    """A ZeRO-3 row of SC21's Table 2: DeepSpeed 2021 without model parallelism."""
     n_layer, n_head, n_embd = {"175B": (96, 96, 12288), "530B": (105, 128, 20480)}[size]
     return PublishedRun(SC21_T2, f"{size} ZeRO-3", n_layer, n_head, n_embd, gpus, batch, 1, 1,
-                        tflops, micro_batch, zero3=True, data_parallel="fsdp2")
+                        tflops, micro_batch, zero3=True, software=DEEPSPEED_ZERO3)
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -202,14 +195,14 @@ RUNS: tuple[PublishedRun, ...] = (
                  _iteration_tflops(128, 25600, 512, 512, 94.42), 1, stages_per_rank=(1,)),
     *(PublishedRun(LLAMA3, "405B", 126, 128, 16384, gpus, 2048, 8, 16, mfu * 989,
                    gpu="H100", seq_len=8192, vocab_size=128256, dropout=0.0,
-                   kernel_set="trainer", selene=False, model_flops=True,
-                   stages_per_rank=None, activation_checkpointing=None, data_parallel="fsdp2")
+                   software=TRAINER, selene=False, model_flops=True,
+                   stages_per_rank=None, activation_checkpointing=None)
       for gpus, mfu in ((8192, 0.43), (16384, 0.41))),
     *(PublishedRun(TORCHTITAN, f"8B {dtype}", 32, 32, 4096, gpus, 2 * gpus, 1, 1,
                    tps * LLAMA31_8B_FLOPS_PER_TOKEN / 1e12, 2, gpu=TORCHTITAN_H100.name,
-                   seq_len=8192, vocab_size=128256, dropout=0.0, kernel_set="trainer",
+                   seq_len=8192, vocab_size=128256, dropout=0.0, software=TRAINER,
                    selene=False, model_flops=True, stages_per_rank=None, dtype=dtype,
-                   activation_checkpointing=None, data_parallel="fsdp2")
+                   activation_checkpointing=None)
       for gpus, dtype, tps in ((8, "bfloat16", 6667), (8, "float8", 8532),
                                (128, "bfloat16", 6514), (128, "float8", 8380))),
     # llm-foundry's tables at sequence 2048 on 32 GPUs or more: A100-80GB and A100-40GB on
@@ -240,120 +233,7 @@ model ran at: a check of the memory model (each ran, so the plan must count it w
 memory), not of the step time, which `RUNS` checks at scale."""
 
 
-@dataclass(frozen=True)
-class Checked:
-    run: PublishedRun
-    planned_tflops: float | None
-    """None: the plan refuses the run (`refusal` says why)."""
-    layout: str = ""
-    refusal: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.planned_tflops is None else self.planned_tflops / \
-            self.run.published_tflops
-
-
-def plan_inputs(run: PublishedRun, calibrated: bool = True,
-                stages_per_rank: int | None = None) -> PlanInputs:
-    """The plan of `run` on its network; `calibrated`: by the calibrated model (the default),
-    else by one efficiency for every FLOP (`--efficiency 0.6`). A run that gives its
-    micro-batch and its checkpointing ran with them: its count must fit the GPU's memory, not
-    also the margin the planner keeps for what the count leaves out (`--memory-margin`)."""
-    network = (dict(intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
-               if run.selene else {})
-    return PlanInputs(
-        model=run.config(), gpu=run.gpu, n_gpus=run.gpus, global_batch_size=run.batch,
-        micro_batch_size=run.micro_batch,
-        activation_checkpointing=run.activation_checkpointing, tp=run.tp, pp=run.pp,
-        pp_stages_per_rank=stages_per_rank, hsdp="off",
-        reshard_after_forward="always" if run.zero3 or run.fsdp else "auto",
-        partial_gather=DEEPSPEED_ZERO3 if run.zero3 else None,
-        grad_sync="microbatch" if run.zero3 or run.fsdp else "auto", replica_groups="off",
-        market="on-demand",
-        tokens=300e9, kernel_set=run.kernel_set, dtype=run.dtype, data_parallel=run.data_parallel,
-        memory_margin=(0.0 if run.micro_batch and run.activation_checkpointing is not None
-                       else MEMORY_MARGIN),
-        hardware={**GPUS, TORCHTITAN_H100.name: TORCHTITAN_H100},
-        efficiency=None if calibrated else MATMUL_EFFICIENCY, **network)
-
-
-def gpt3_175b_on_1024(sc21_software: bool, megatron_layouts: bool = False) -> PlanInputs:
-    """GPT-3 175B on 1024 A100-80GB, 300B tokens, SC21's network and batch (1536), left to
-    choose its layout: with this trainer's kernels, or with the software SC21 ran (Megatron-LM's
-    2021 kernels, dropout 0.1, every block recomputed). Megatron-LM took 34 days (SC21 sec.
-    5.1). `megatron_layouts`: only the layouts Megatron-LM ran at this scale: tp=8 (SC21's runs
-    from 18B up), and Megatron-LM 2021's data parallelism and pipelines (`data_parallel=
-    "megatron-2021"`: replicas each holding its tp x pp part of the model state whole, gradients
-    all-reduced after backward; every stage the same number of blocks)."""
-    cfg = GPTConfig(n_layer=96, n_head=96, n_embd=12288, seq_len=SEQ, vocab_size=VOCAB,
-                    dropout=DROPOUT if sc21_software else 0.0)
-    layouts = dict(tp=8, data_parallel="megatron-2021") if megatron_layouts else {}
-    return PlanInputs(model=cfg, gpu="A100-80GB", n_gpus=1024, global_batch_size=1536,
-                      activation_checkpointing=True if sc21_software else None,
-                      kernel_set="megatron-2021" if sc21_software else "trainer",
-                      replica_groups="off", market="on-demand", tokens=300e9,
-                      intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS,
-                      **layouts)
-
-
-MEGATRON_GPT3_EXAMPLE = dict(pp=16, pp_stages_per_rank=1, micro_batch_size=1)
-"""The rest of the layout of SC21's 34 days beside `gpt3_175b_on_1024(True, True)`'s tp=8:
-Megatron-LM's examples/pretrain_gpt3_175B.sh (at a8d172b3), pp=16, micro-batch 1, 1F1B."""
-
-
-def check(run: PublishedRun, calibrated: bool = True) -> Checked:
-    """The plan's throughput for `run`: the fastest of the schedules it weighs."""
-    plans, refusal = [], ""
-    for v in run.stages_per_rank or (None,):
-        try:
-            plans.append(plan_training(plan_inputs(run, calibrated, v if run.pp > 1 else None)))
-        except PlanError as e:
-            refusal = str(e)
-    if not plans:
-        return Checked(run, None, refusal=refusal)
-    plan = min(plans, key=lambda p: p.step_s)
-    c = plan.chosen
-    if run.model_flops:
-        tflops = plan.mfu * plan.gpu.peak_flops / 1e12
-    else:
-        tflops = _sc21_tflops(run, c.step.step_s)
-    layout = f"{c.mesh.short()}, micro-batch {c.micro_batch}"
-    return Checked(run, tflops, layout)
-
-
-def zero3_2021_unoverlapped_tflops(run: PublishedRun) -> float:
-    """A ZeRO-3 row's throughput if every collective DeepSpeed 2021's ZeRO-3 runs
-    (planner/zero3_2021.py) were added to the plan's compute, none overlapped: the slowest step
-    those collectives can make of it."""
-    if not run.zero3:
-        raise ValueError(f"{run.source} {run.label} is not a ZeRO-3 run")
-    p = plan_inputs(run)
-    plan = plan_training(p)
-    c = plan.chosen
-    net = Network(plan.gpu.gpus_per_node, p.intra_node_gbps, p.inter_node_gbps)
-    sent = collectives(run.config(), run.gpus, net, run.dtype, c.activation_checkpointing)
-    step_s = c.step.compute_s + c.step.optimizer_s + c.micro_batches_per_rank * sent.seconds
-    return _sc21_tflops(run, step_s)
-
-
-def _sc21_tflops(run: PublishedRun, step_s: float) -> float:
-    """TFLOP/s per GPU of `run` at `step_s` a step, SC21's way: recomputation counted."""
-    per_token = training_flops_per_token(model_shape(run.config()), True)
-    return per_token * run.batch * run.seq_len / step_s / run.gpus / 1e12
-
-
-def check_all(calibrated: bool = True) -> list[Checked]:
-    return [check(r, calibrated) for r in RUNS]
-
-
-@functools.cache
-def fsdp_runs_planned_too_fast(gpu_family: str) -> tuple[float, float, bool]:
-    """(least, most) planned over published throughput of the FSDP-only runs of flash-attention
-    stacks (torchtitan's and MosaicML's) on GPUs of `gpu_family` ("A100", "H100"), or on any GPU
-    when none ran on that family, and whether they were that family's: how much faster than
-    they ran the calibrated model plans such runs."""
-    fsdp = [r for r in RUNS if r.source in (TORCHTITAN, MOSAICML)]
-    same = [r for r in fsdp if r.gpu.split("-")[0] == gpu_family]
-    ratios = [check(r).ratio for r in same or fsdp]
-    return min(ratios), max(ratios), bool(same)
+FSDP_RUNS = tuple(r for r in RUNS if r.source in (TORCHTITAN, MOSAICML))
+"""torchtitan's and MosaicML's runs at scale: this trainer's kind of software (FSDP, flash
+attention, no tensor or pipeline parallelism), what the product's step-time note is frozen
+from."""

@@ -1,8 +1,14 @@
-"""What DeepSpeed's ZeRO-3 of 2021 sends in a step, counted from its source: a bound on how much
-of SC21's ZeRO-3 rows (Table 2) its own collectives can explain.
+"""DeepSpeed's ZeRO-3 as SC21's ZeRO-3 rows (Table 2) ran it: its memory as the cost model's
+`Software` (`DEEPSPEED_ZERO3`), and what it sends in a step, counted from its source, a bound on
+how much of those rows' throughput its own collectives can explain.
 
 DeepSpeed at c83e49f9 (14 April 2021, v0.3.14; SC21 gives no version), runtime/zero/:
 
+- parameters are gathered module by module, at most `stage3_max_live_parameters` at once, and
+  gradients reduce-scattered in buckets of `reduce_bucket_size` (the defaults of DeepSpeed's
+  configuration reference, deepspeed.ai/docs/config-json; SC21 gives no settings), where FSDP2
+  (this trainer) gathers and reduces a whole block at once. The software counts only the memory
+  this holds; its step is FSDP2's with Megatron-LM 2021's kernels (megatron_2021.py);
 - a parameter of fewer than `stage3_param_persistence_threshold` elements (1e5) is never
   partitioned (stage3.py `persistent_parameters`): a block's norms and biases stay whole;
 - when a module runs, each of its partitioned parameters is all-gathered, one `all_gather` per
@@ -26,14 +32,55 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from elastic_gpt.cost_model.memory import dtype_bytes
-from elastic_gpt.cost_model.step_time import Network, ring_bytes
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.cost_model.network import Network, ring_bytes
+from elastic_gpt.cost_model.shape import FP32, ModelShape, dtype_bytes
+from elastic_gpt.model.config import GPTConfig
+from validation.megatron_2021 import Megatron2021Kernels
+
+OPTIMIZER_BYTES_PER_PARAM = 16
+"""fp32 sharded master params, fp32 grads, Adam m and v, as the trainer's FSDP2 holds them
+(elastic_gpt/cost_model/fsdp.py): ZeRO's stage-3 total."""
 
 PERSISTENCE_THRESHOLD = 100_000
 """`stage3_param_persistence_threshold`'s default at c83e49f9 (elements)."""
 MAX_REUSE_DISTANCE = 1_000_000_000
 """`stage3_max_reuse_distance`'s default at c83e49f9 (elements)."""
+
+
+@dataclass(frozen=True)
+class DeepSpeedZero3(Megatron2021Kernels):
+    """ZeRO-3 as DeepSpeed runs it: parameters gathered module by module, at most `live_params`
+    of them at once (its `stage3_max_live_parameters`), and gradients reduce-scattered in
+    buckets of `reduce_bucket_params` (its `reduce_bucket_size`); with Megatron-LM 2021's
+    kernels. Only the memory held differs from FSDP2's; the more, smaller collectives are not
+    modelled (`collectives` counts them for a bound)."""
+
+    live_params: float
+    reduce_bucket_params: float
+
+    def model_state_bytes(self, shape: ModelShape, tp: int, dp_shard: int, act_bytes: int, *,
+                          grad_sync: str, micro_batches_per_rank: int,
+                          reshard_after_forward: bool) -> tuple[float, float, float]:
+        """FSDP2's count (elastic_gpt/cost_model/fsdp.py `fsdp_state_bytes`) with the gathered
+        parameters capped at `live_params` and the reduced gradients at a bucket when ZeRO-3
+        reshards; blocks kept gathered hold every block whatever the gather unit."""
+        pb, L = act_bytes, shape.cfg.n_layer
+        sharded = OPTIMIZER_BYTES_PER_PARAM * shape.local_params(tp) / dp_shard
+        held_blocks = min(2, L) if reshard_after_forward else L
+        block = shape.block_local(tp)
+        held_params, reduced_params = held_blocks * block, block
+        if reshard_after_forward:
+            held_params = min(held_params, self.live_params)
+            reduced_params = min(block, self.reduce_bucket_params)
+        gathered = (shape.root_local(tp) * (pb + pb + FP32)
+                    + held_params * pb + reduced_params * (pb + FP32))
+        accumulated = (FP32 * shape.local_params(tp)
+                       if grad_sync == "step" and micro_batches_per_rank > 1 else 0.0)
+        return sharded, gathered, accumulated
+
+
+DEEPSPEED_ZERO3 = DeepSpeedZero3(live_params=1e9, reduce_bucket_params=5e8)
+"""How SC21's ZeRO-3 runs held parameters: DeepSpeed's configuration reference's defaults."""
 
 Module = tuple[str, tuple[str, ...]]
 """A module of the trace: its name and the parameters it uses (the output layer uses the word
