@@ -3,8 +3,9 @@
 The layers, lowest first (README "How it works", docs/design.md "Package map"). A module may
 import its own layer's modules (without a circle) and anything below. `data_pipelines/` sits
 beside the package and imports only the dataset format below it; only the CLI, the top, imports
-it. Every import counts, function-level ones too: a lazy import still ties the modules together.
-Pure file reading: nothing is imported.
+it. `validation/` (the published-run checks, not shipped) imports the package and nothing of the
+package imports it. Every import counts, function-level ones too: a lazy import still ties the
+modules together. Pure file reading: nothing is imported.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ MAX_MODULE_LINES = 650
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for root in ("elastic_gpt", "data_pipelines"):
+    for root in ("elastic_gpt", "data_pipelines", "validation"):
         for path in sorted((REPO / root).rglob("*.py")):
             parts = path.relative_to(REPO).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -92,7 +93,10 @@ def test_no_import_runs_up_a_layer():
         if not module.startswith("elastic_gpt"):
             continue
         for target in targets:
-            if target.startswith("data_pipelines"):
+            if target.startswith("validation"):
+                upward.append(f"{module} -> {target} (validation/ checks the package; the "
+                              "package never imports it)")
+            elif target.startswith("data_pipelines"):
                 if module != "elastic_gpt.cli":
                     upward.append(f"{module} -> {target} (only the CLI runs data_pipelines)")
             elif _layer(target) > _layer(module):
@@ -104,6 +108,16 @@ def test_no_import_runs_up_a_layer():
 def test_data_pipelines_import_only_the_dataset_format():
     bad = [f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith("data_pipelines")
            for t in targets if not t.startswith(("data_pipelines", *PIPELINES_MAY_IMPORT))]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_nothing_of_the_package_imports_the_validation_wing():
+    """Spelled out apart from the layers: the product plans this trainer's layouts, and the
+    software of the published runs lives in validation/ only."""
+    assert [m for m in MODULES if m.startswith("validation.")], "validation/ not scanned"
+    bad = [f"{m} -> {t}" for m, targets in GRAPH.items() if m.startswith(("elastic_gpt",
+                                                                             "data_pipelines"))
+           for t in targets if t.startswith("validation")]
     assert not bad, "\n".join(sorted(bad))
 
 
@@ -154,3 +168,8 @@ def test_the_layering_check_sees_a_circle_and_an_upward_import(monkeypatch):
     monkeypatch.setitem(globals(), "MODULES", {m: Path() for m in fake})
     with pytest.raises(AssertionError, match="imports that run up"):
         test_no_import_runs_up_a_layer()
+    wing = {"elastic_gpt.planner.report": {"validation.checks"}, "validation.checks": set()}
+    monkeypatch.setitem(globals(), "GRAPH", wing)
+    monkeypatch.setitem(globals(), "MODULES", {m: Path() for m in wing})
+    with pytest.raises(AssertionError, match="validation.checks"):
+        test_nothing_of_the_package_imports_the_validation_wing()
