@@ -36,5 +36,6 @@ def test_a_plan_runs_without_torch():
     assert not _imports_torch(code)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: seconds
 def test_the_check_sees_torch_when_it_is_imported():
     assert _imports_torch("import elastic_gpt.model.gpt")

@@ -18,12 +18,12 @@ import yaml
 
 from elastic_gpt.cli import build_parser, main
 from elastic_gpt.config import load_config
-from elastic_gpt.cost_model.memory import model_shape
+from elastic_gpt.cost_model.mesh import make_mesh
 from elastic_gpt.cost_model.pipeline import pipelined_memory
-from elastic_gpt.cost_model.step_time import make_mesh
+from elastic_gpt.cost_model.shape import model_shape
 from elastic_gpt.data.manifest import load_manifest
 from elastic_gpt.hardware import GiB
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.planner.tune import pick_winner, tuned_config_dict
 from elastic_gpt.planner.tune_candidates import (
     TrainSettings,
