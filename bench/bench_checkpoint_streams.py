@@ -53,7 +53,8 @@ def _sharded_state(preset: str, world: int, optimizer: bool):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic_gpt.model.gpt import GPT, preset_config
+    from elastic_gpt.model.config import preset_config
+    from elastic_gpt.model.gpt import GPT
     from elastic_gpt.parallel.fsdp import parallelize
     with torch.device("meta"):
         model = GPT(preset_config(preset))

@@ -80,7 +80,8 @@ def bench_tokenization(corpus: str, max_bytes: int, out: str) -> dict:
 
 
 def _model(manifest):
-    from elastic_gpt.model.gpt import GPT, pad_vocab, preset_config, token_losses
+    from elastic_gpt.model.config import pad_vocab, preset_config
+    from elastic_gpt.model.gpt import GPT, token_losses
 
     cfg = preset_config("mini", seq_len=manifest.seq_len, vocab_size=pad_vocab(manifest.vocab_size))
     model = GPT(cfg)

@@ -63,7 +63,8 @@ def run(preset: str, seq_len: int, micro_batch: int, rounds: int, dtype_name: st
 
     from elastic_gpt.config import load_config
     from elastic_gpt.model import gpt
-    from elastic_gpt.model.gpt import GPT, chunked_token_losses, preset_config, token_losses
+    from elastic_gpt.model.config import preset_config
+    from elastic_gpt.model.gpt import GPT, chunked_token_losses, token_losses
     from elastic_gpt.train.optimizer import build_optimizer
 
     _own_mappings()

@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from elastic_gpt.model.gpt import GPT, GPTConfig  # noqa: E402
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 
 CFG = GPTConfig(n_layer=8, n_head=4, n_embd=256, seq_len=128, vocab_size=512)
 

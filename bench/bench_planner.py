@@ -172,11 +172,13 @@ def measure_memory_comm(root: str, steps: int = 2) -> list[dict]:
 
 
 def predict_memory_comm(row: dict) -> dict:
-    from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
-    from elastic_gpt.cost_model.step_time import Network, step_time
+    from elastic_gpt.cost_model.memory import memory_per_gpu
+    from elastic_gpt.cost_model.network import Network
+    from elastic_gpt.cost_model.shape import model_shape
+    from elastic_gpt.cost_model.step_time import step_time
     from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.hardware import GPUS
-    from elastic_gpt.model.gpt import pad_vocab, preset_config
+    from elastic_gpt.model.config import pad_vocab, preset_config
 
     preset, seq, G, mb, ckpt, _ = row["case"]
     # The byte tokenizer's 257 ids (256 bytes + EOS), padded to 320 as the trainer does.
@@ -354,11 +356,13 @@ def measure_tp(root: str, steps: int = 2) -> list[dict]:
 
 
 def predict_tp(row: dict) -> dict:
-    from elastic_gpt.cost_model.memory import model_shape
-    from elastic_gpt.cost_model.step_time import Network, make_mesh, step_time
+    from elastic_gpt.cost_model.mesh import make_mesh
+    from elastic_gpt.cost_model.network import Network
+    from elastic_gpt.cost_model.shape import model_shape
+    from elastic_gpt.cost_model.step_time import step_time
     from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.hardware import GPUS
-    from elastic_gpt.model.gpt import pad_vocab, preset_config
+    from elastic_gpt.model.config import pad_vocab, preset_config
 
     preset, seq, G, mb, ckpt, tp, hsdp, world, nodes = row["case"]
     cfg = preset_config(preset, seq_len=seq, vocab_size=pad_vocab(257))

@@ -51,7 +51,8 @@ def plain_loop(data: str, steps: int, threads: int, warmup: int) -> list[float]:
     from elastic_gpt.data.manifest import load_manifest
     from elastic_gpt.data.order import BatchSplit
     from elastic_gpt.data.stream import open_step_stream
-    from elastic_gpt.model.gpt import GPT, preset_config, token_losses
+    from elastic_gpt.model.config import preset_config
+    from elastic_gpt.model.gpt import GPT, token_losses
 
     torch.set_num_threads(threads)
     manifest = load_manifest(data)
@@ -100,7 +101,8 @@ def _interleaved(data: str, rounds: int, per_round: int) -> dict:
 
     from elastic_gpt.config import load_config
     from elastic_gpt.data.stream import open_step_stream
-    from elastic_gpt.model.gpt import GPT, preset_config, token_losses
+    from elastic_gpt.model.config import preset_config
+    from elastic_gpt.model.gpt import GPT, token_losses
     from elastic_gpt.train.trainer import Trainer
 
     cfg = load_config(_TINY, [
@@ -271,7 +273,7 @@ def run(repeats: int, steps: int, warmup: int, work: str) -> dict:
 
     from elastic_gpt.config import load_config
     from elastic_gpt.elastic.launcher import connect_ray
-    from elastic_gpt.model.gpt import flops_per_token, preset_config
+    from elastic_gpt.model.config import flops_per_token, preset_config
 
     data = prepare_dataset(work)
     tokens_per_step = G * 256
@@ -352,7 +354,7 @@ def cpu_time_matmul_peak(n: int = 512, reps: int = 20) -> float:
 
 
 def _fpt() -> int:
-    from elastic_gpt.model.gpt import flops_per_token, preset_config
+    from elastic_gpt.model.config import flops_per_token, preset_config
     return flops_per_token(preset_config(PRESET, vocab_size=256, seq_len=256))
 
 

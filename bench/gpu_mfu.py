@@ -68,10 +68,12 @@ def bench_model(name: str, batch: int, steps: int, warmup: int, compile: bool, a
     from torch.distributed.device_mesh import init_device_mesh
 
     from elastic_gpt.config import load_config
-    from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
+    from elastic_gpt.cost_model.memory import memory_per_gpu
     from elastic_gpt.cost_model.memory_settings import resolve_memory_settings
+    from elastic_gpt.cost_model.shape import model_shape
     from elastic_gpt.hardware import gpu_for_device
-    from elastic_gpt.model.gpt import GPT, flops_per_token, preset_config
+    from elastic_gpt.model.config import flops_per_token, preset_config
+    from elastic_gpt.model.gpt import GPT
     from elastic_gpt.parallel.fsdp import device_memory_bytes, init_sharded_weights, parallelize
     from elastic_gpt.train.optimizer import build_optimizer
     from elastic_gpt.train.throughput import peak_flops

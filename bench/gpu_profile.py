@@ -102,7 +102,8 @@ def tp_compile_smoke(device: torch.device, compile: bool, steps: int = 3) -> dic
     gradient norms step by step (within bf16's rounding on a GPU)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic_gpt.model.gpt import GPT, GPTConfig
+    from elastic_gpt.model.config import GPTConfig
+    from elastic_gpt.model.gpt import GPT
     from elastic_gpt.parallel.fsdp import init_sharded_weights, parallelize
     from elastic_gpt.parallel.tensor import summed_token_loss
     from elastic_gpt.torch_internals import flatten_mesh

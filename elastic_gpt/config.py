@@ -291,7 +291,7 @@ class ElasticSection:
 
 @dataclass
 class HealthSection:
-    """Loss spikes and non-finite losses, handled without a person (train/health.py,
+    """Loss spikes and non-finite losses, handled without a person (health/recovery.py,
     docs/operations.md "Training health")."""
 
     spike_action: Literal["rollback", "report", "off"] = "rollback"
@@ -330,10 +330,10 @@ class HealthSection:
     """Global batches a run may skip in all; a skip past it stops the run."""
     sdc_every_steps: Annotated[int, Range(0)] = 1
     """Steps between comparisons of the replicas that must hold the same state (HSDP's, across
-    nodes; train/replica_check.py): a replica that disagrees with the majority is overwritten
+    nodes; health/silent_corruption.py): a replica that disagrees with the majority is overwritten
     from it before its corrupted value is used, and its node drained. 0: none."""
     straggler_action: Literal["evict", "report", "off"] = "evict"
-    """A rank whose device computes slower than its peers' (train/stragglers.py): evict drains
+    """A rank whose device computes slower than its peers' (health/stragglers.py): evict drains
     its node (the group restarts without it; the autoscaler replaces it), report only says so."""
     straggler_every_steps: Annotated[int, Range(0)] = 10
     """Steps between straggler probes (every rank times the same fixed matmuls); 0: none."""

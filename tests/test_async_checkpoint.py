@@ -58,7 +58,8 @@ def _toy_state():
     """A tiny GPT under FSDP2 on the default group and one AdamW step."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from elastic_gpt.model.gpt import GPT, GPTConfig
+    from elastic_gpt.model.config import GPTConfig
+    from elastic_gpt.model.gpt import GPT
     from elastic_gpt.parallel.fsdp import init_sharded_weights, parallelize
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64))

@@ -289,7 +289,8 @@ class World:
         from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
         from elastic_gpt.config import load_config, resolve_paths
         from elastic_gpt.data.manifest import load_manifest
-        from elastic_gpt.model.gpt import GPT, GPTConfig
+        from elastic_gpt.model.config import GPTConfig
+        from elastic_gpt.model.gpt import GPT
         from elastic_gpt.tracking.runs import resolve_run
         from elastic_gpt.train.model_config import model_config_for
 

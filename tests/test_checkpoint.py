@@ -27,7 +27,8 @@ from elastic_gpt.checkpoint.sharded import (
 )
 from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore, step_dirname
 from elastic_gpt.config import CheckpointSection
-from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 from elastic_gpt.testing.gloo import run_gloo
 
 CFG = GPTConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=32)

@@ -13,7 +13,8 @@ import pytest
 from elastic_gpt.checkpoint.sharded import save_sharded
 from elastic_gpt.checkpoint.store import CheckpointStore, step_dirname
 from elastic_gpt.cli import main
-from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 
 CLI = [sys.executable, "-m", "elastic_gpt.cli"]
 

@@ -17,7 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from elastic_gpt.config import load_config
-from elastic_gpt.model.gpt import GPT, GPTConfig, preset_config, token_losses
+from elastic_gpt.model.config import GPTConfig, preset_config
+from elastic_gpt.model.gpt import GPT, token_losses
 from elastic_gpt.parallel.fsdp import (
     device_memory_bytes,
     init_sharded_weights,

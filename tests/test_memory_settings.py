@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_gpt.cost_model.memory import model_shape
 from elastic_gpt.cost_model.memory_settings import resolve_memory_settings
+from elastic_gpt.cost_model.shape import model_shape
 from elastic_gpt.hardware import GiB
-from elastic_gpt.model.gpt import preset_config
+from elastic_gpt.model.config import preset_config
 from elastic_gpt.planner.inputs import PlanError, PlanInputs
 from elastic_gpt.planner.training_plan import plan_training
 

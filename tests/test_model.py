@@ -7,15 +7,14 @@ import pytest
 import torch
 
 from elastic_gpt.model import gpt
-from elastic_gpt.model.gpt import (
-    GPT,
+from elastic_gpt.model.config import (
     PRESETS,
     GPTConfig,
     count_params,
     flops_per_token,
     preset_config,
-    token_losses,
 )
+from elastic_gpt.model.gpt import GPT, token_losses
 from elastic_gpt.torch_internals import TorchDispatchMode
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, seq_len=16, vocab_size=64)

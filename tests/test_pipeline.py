@@ -9,7 +9,9 @@ import itertools
 import pytest
 import torch
 
-from elastic_gpt.cost_model.memory import memory_per_gpu, model_shape
+from elastic_gpt.cost_model.memory import memory_per_gpu
+from elastic_gpt.cost_model.mesh import make_mesh
+from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.pipeline import (
     KEPT_GATHERED,
     PipelineLayoutError,
@@ -21,9 +23,11 @@ from elastic_gpt.cost_model.pipeline import (
     stage_costs,
     stage_layers,
 )
-from elastic_gpt.cost_model.step_time import Network, make_mesh, step_time
+from elastic_gpt.cost_model.shape import model_shape
+from elastic_gpt.cost_model.step_time import step_time
 from elastic_gpt.hardware import get_gpu
-from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 from elastic_gpt.testing.gloo import run_gloo
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from elastic_gpt.model import gpt as gpt_module
-from elastic_gpt.model.gpt import GPT, GPTConfig, init_tiles
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT, init_tiles
 from elastic_gpt.testing.gloo import run_gloo
 
 # n_embd 40 over 3 or 4 ranks: uneven shards, some ranks holding a part of a tile row.

@@ -85,7 +85,8 @@ def _block_comms_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from elastic_gpt.model.gpt import GPT, GPTConfig
+    from elastic_gpt.model.config import GPTConfig
+    from elastic_gpt.model.gpt import GPT
     from elastic_gpt.parallel.tensor import apply_tensor_parallel
 
     model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, seq_len=16, vocab_size=128))

@@ -4,7 +4,7 @@ sizing give the same verdict on the same degree (parallel/tp_rules.py)."""
 import pytest
 
 from elastic_gpt.errors import PlacementError
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, usable_degrees, workers_problem
 from elastic_gpt.planner.search import tp_problem as plan_tp_problem

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastic_gpt.cost_model.shape import (
-    ModelShape,
-    dtype_bytes,
-    model_shape,  # noqa: F401  (where callers still import it)
-)
+from elastic_gpt.cost_model.shape import ModelShape, dtype_bytes
 from elastic_gpt.cost_model.software import Software
 from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GiB

@@ -25,12 +25,12 @@ from elastic_gpt.cost_model.memory import (
     FRAGMENTATION,
     MEMORY_MARGIN,
     Memory,
-    ModelShape,
     memory_per_gpu,
 )
 from elastic_gpt.cost_model.mesh import make_mesh
 from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.pipeline import pipelined_memory, pipelined_step_time
+from elastic_gpt.cost_model.shape import ModelShape
 from elastic_gpt.cost_model.step_time import LayoutCandidate, choice_key, step_time
 from elastic_gpt.hardware import GPU, GiB
 

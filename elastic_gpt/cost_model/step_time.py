@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 
 from elastic_gpt.cost_model.kernels import Kernels, head_times
 from elastic_gpt.cost_model.memory import Memory
-from elastic_gpt.cost_model.mesh import (
-    Mesh,
-    make_mesh,  # noqa: F401  (where callers still import it)
-)
+from elastic_gpt.cost_model.mesh import Mesh
 from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.shape import ModelShape, dtype_bytes
 from elastic_gpt.cost_model.software import Software

@@ -355,5 +355,5 @@ def _resolve_mlflow_run(cfg: Config, store, latest, manifest, gpt_cfg) -> str | 
 
 
 def _n_params(gpt_cfg) -> int:
-    from elastic_gpt.model.gpt import count_params
+    from elastic_gpt.model.config import count_params
     return count_params(gpt_cfg)["total"]

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from elastic_gpt.checkpoint.sharded import load_model_weights
 from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore
 from elastic_gpt.errors import user_error_line
-from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 
 
 def resolve_checkpoint(url: str) -> tuple[str, dict]:

@@ -15,17 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # The model's shape and its arithmetic live in model/config.py, which imports no torch (the
-# planner reads them there); they are re-exported here for the code that imports them from gpt.py.
-from elastic_gpt.model.config import (  # noqa: F401
-    GPT2_VOCAB,
-    LOSS_CHUNK_LOGITS,
-    PRESETS,
-    GPTConfig,
-    count_params,
-    flops_per_token,
-    pad_vocab,
-    preset_config,
-)
+# planner reads them there).
+from elastic_gpt.model.config import LOSS_CHUNK_LOGITS, GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

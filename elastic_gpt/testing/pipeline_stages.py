@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 
 
 def cpu_stages(cfg: GPTConfig, mesh: DeviceMesh, stages_per_rank: int, seed: int = 0) -> list:

@@ -11,7 +11,7 @@ import torch
 from elastic_gpt.config import Config
 from elastic_gpt.cost_model.memory_settings import MemorySettings
 from elastic_gpt.data.order import BatchSplit
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.parallel.fsdp import resolve_dtype
 from elastic_gpt.parallel.mesh import ParallelDims
 from elastic_gpt.train.run_memory import resolve_run_memory

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from elastic_gpt.config import Config
-from elastic_gpt.model.gpt import GPT, GPTConfig
+from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.gpt import GPT
 from elastic_gpt.parallel.fsdp import init_sharded_weights, parallelize
 from elastic_gpt.parallel.pipeline import Pipeline
 from elastic_gpt.train.layout import RunLayout

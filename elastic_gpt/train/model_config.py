@@ -8,7 +8,7 @@ torch.distributed.
 from __future__ import annotations
 
 from elastic_gpt.config import Config
-from elastic_gpt.model.gpt import PRESETS, GPTConfig, pad_vocab
+from elastic_gpt.model.config import PRESETS, GPTConfig, pad_vocab
 from elastic_gpt.parallel.tp_rules import model_problem
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from elastic_gpt.config import Config
-from elastic_gpt.cost_model.memory import model_shape
 from elastic_gpt.cost_model.memory_settings import MemorySettings, resolve_memory_settings
+from elastic_gpt.cost_model.shape import model_shape
 from elastic_gpt.hardware import gpu_for_device
-from elastic_gpt.model.gpt import GPTConfig
+from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.parallel.fsdp import group_device_bytes
 from elastic_gpt.parallel.mesh import node_sizes
 

@@ -37,7 +37,7 @@ from elastic_gpt.errors import ElasticRestart, NonFiniteLossError, check_checkpo
 from elastic_gpt.health.faults import FaultInjection, NoFaults
 from elastic_gpt.health.monitor import TrainingHealth
 from elastic_gpt.health.recovery import Rollback
-from elastic_gpt.model.gpt import flops_per_token
+from elastic_gpt.model.config import flops_per_token
 from elastic_gpt.parallel.tensor import summed_token_loss
 from elastic_gpt.train.collaborators import (
     Membership,
