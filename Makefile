@@ -13,7 +13,7 @@ export RAY_TMPDIR ?= /tmp/elastic_gpt_ray
 export RAY_DEDUP_LOGS ?= 0
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION ?= false
 
-.PHONY: venv train data test test-fast lint bench clean
+.PHONY: venv train data test test-fast test-integration test-system test-validation lint bench clean
 
 venv: $(BIN)/elastic-gpt
 $(BIN)/elastic-gpt: pyproject.toml
@@ -50,13 +50,18 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
-# The unit tests only: everything not marked slow (real multi-node clusters, chaos, training
-# runs, MLflow servers that train, most multi-process gloo runs: one 2-rank FSDP, tensor-parallel
-# and evaluation check stays). For the edit-test loop; `make test` runs everything.
+# The tests are split by what they start (tests/<kind>/): unit (nothing: no process, socket,
+# process group or sleep; tests/unit/conftest.py fails one that does, or that runs over its
+# budget), integration (gloo process groups, loopback servers, command-line subprocesses), system
+# (Ray clusters, chaos, jobs) and validation (published runs, benchmark dry runs). `make test` runs
+# them all; `make test-fast` is the unit tests, for the edit-test loop.
 test-fast: venv
-	mkdir -p $(RAY_TMPDIR)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -ra --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q -ra --durations=10 tests/unit
+
+test-integration test-system test-validation: test-%: venv
+	mkdir -p $(RAY_TMPDIR)
+	$(BIN)/python -m pytest -q -ra --durations=15 tests/$*
 
 lint: venv
 	$(BIN)/ruff check .

@@ -22,7 +22,7 @@ Parts, each on real gloo processes of this machine:
              and the seconds the heal took (its step's time against the median step)
 
 The straggler's figures come from the real Ray test that evicts one
-(tests/test_chaos.py::test_a_straggler_is_evicted_and_the_run_goes_on_in_order prints them).
+(tests/system/test_chaos.py::test_a_straggler_is_evicted_and_the_run_goes_on_in_order prints them).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class ElasticGPTRun:
                 f"run.storage_path={root}/ray", "scaling.min_workers=1", "scaling.max_workers=2",
                 "elastic.max_failures_per_hour=1000", "train.log_every=1000",
                 # One node comes back at a time here: the restart machinery is measured, not
-                # the wait that gathers a burst of nodes (tests/test_chaos.py has that).
+                # the wait that gathers a burst of nodes (tests/system/test_chaos.py has that).
                 "elastic.grow_settle_s=1", *self.extra]
         with open(f"{root}/{tag}.log", "w") as log:  # the driver's output, for a failed run
             self.proc = subprocess.Popen(args, cwd=ROOT, env={

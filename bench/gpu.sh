@@ -19,7 +19,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # The same path on the CPU first, with CUDA hidden (seconds): a Python error must cost no GPU
 # minute, and must stop the check here.
-CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -x tests/test_gpu_path.py -p no:cacheprovider 2>&1 | tail -3
+CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -x tests/unit/test_gpu_path.py tests/integration/test_gpu_path.py \
+    -p no:cacheprovider 2>&1 | tail -3
 CUDA_VISIBLE_DEVICES="" "$PY" bench/gpu_mfu.py --cpu-dry-run --models tiny --float8-models tiny \
     --steps 1 --warmup 1 --no-compile --json "$DEST/gpu_dry_run.json" > /dev/null
 CUDA_VISIBLE_DEVICES="" "$PY" bench/gpu_trainer_check.py --cpu-dry-run --steps 6 \

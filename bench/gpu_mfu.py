@@ -17,7 +17,7 @@ the planner's predicted memory beside the measured peak, the --float8-models in 
 of each bf16 model profiled into its parts (bench/gpu_profile.py), and first of all the
 tensor-parallel path compiled on a one-rank mesh, checked against the plain model. The compiler
 is reset before each model. `--cpu-dry-run` runs it all on the CPU (make test does, with
-CUDA hidden: tests/test_gpu_path.py).
+CUDA hidden: tests/unit/test_gpu_path.py).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import sysconfig
 
 import pytest
@@ -75,24 +76,31 @@ def ray_cluster():
     ray.shutdown()
 
 
-def uninterrupted_fingerprints(cfg, steps: int) -> dict[int, float]:
-    """What an uninterrupted run of `cfg` logs as each step's data fingerprint (C2 data order):
-    at step s + 1, the fingerprint of the (s + 1)-th step's G samples."""
-    from elastic_gpt.data.order import BatchSplit
-    from elastic_gpt.data.stream import open_step_stream
+@pytest.fixture(scope="session")
+def stream_dataset(tmp_path_factory):
+    """A byte dataset of 12 small files in several shards, for the step-stream tests."""
+    from data_pipelines.tokenize_job import prepare_data
 
-    plan = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    with open_step_stream(cfg.data.path, batch_split=plan, rank=0, world_size=1, start_step=0,
-                          seed=cfg.data.seed, shuffle_window=cfg.data.shuffle_window) as stream:
-        return {s + 1: float(next(stream).fingerprint) for s in range(steps)}
+    root = tmp_path_factory.mktemp("stream")
+    rng = random.Random(0)
+    (root / "raw").mkdir()
+    for i in range(12):
+        words = [rng.choice(["alpha", "beta", "gamma", "δέλτα", "\n", "x" * rng.randint(1, 9)])
+                 for _ in range(rng.randint(50, 400))]
+        (root / "raw" / f"{i:02d}.txt").write_text(" ".join(words))
+    prepare_data(str(root / "raw"), str(root / "ds"), "bytes", 16, engine="local",
+                 progress=False, part_bytes=2000)
+    return str(root / "ds")
 
 
-def metric_by_step(uri: str, run_id: str, key: str) -> dict[int, float]:
-    """The last value logged for each step (a step re-done after a failure is logged twice)."""
-    import mlflow
+@pytest.fixture(scope="session")
+def dataset_with_val(tmp_path_factory) -> str:
+    """30 standard-library modules, byte-tokenized, with 20% held out for evaluation."""
+    from data_pipelines.tokenize_job import prepare_data
 
-    history = mlflow.MlflowClient(uri).get_metric_history(run_id, key)
-    out = {}
-    for m in sorted(history, key=lambda m: m.timestamp):
-        out[m.step] = m.value
+    out = str(tmp_path_factory.mktemp("evaldata") / "ds")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(stdlib, f) for f in os.listdir(stdlib) if f.endswith(".py"))[:30]
+    prepare_data(files, out, tokenizer="bytes", seq_len=32, engine="local", progress=False,
+                 max_bytes=300_000, val_fraction=0.2, val_seed=1)
     return out

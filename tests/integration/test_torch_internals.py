@@ -1,0 +1,53 @@
+"""The private PyTorch APIs that need a process group (gloo ranks): DTensor's strided shards keep
+their parts through a matmul, and a flattened mesh dimension is registered with its root."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic_gpt.torch_internals import (
+    StridedShard,
+    flatten_mesh,
+)
+
+
+def changed(what: str) -> str:
+    return (f"torch {torch.__version__}: {what}. elastic-gpt uses it through "
+            "elastic_gpt/torch_internals.py and is tested with the torch range in pyproject.toml")
+
+
+def test_strided_shard_splits_parts_and_the_matmul_keeps_it():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from elastic_gpt.testing.gloo import gloo_group
+
+    placement = StridedShard(0, split_factor=3)
+    assert (placement.dim, placement.split_factor) == (0, 3), changed("_StridedShard's fields")
+    assert placement == StridedShard(0, split_factor=3) and not isinstance(placement, Shard), \
+        changed("_StridedShard's equality or its relation to Shard")
+    with gloo_group():  # a mesh of one: the placement's bookkeeping, not its communication
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.arange(24.0).reshape(6, 4)
+        weight = distribute_tensor(w, mesh, [placement])
+        assert torch.equal(weight.full_tensor(), w), changed("distribute_tensor(_StridedShard)")
+        x = DTensor.from_local(torch.ones(2, 3, 4), mesh, (Replicate(),))
+        y = torch.nn.functional.linear(x, weight)
+        # parallel/tensor.py's FusedColwiseParallel relies on this to compute q, k, v locally.
+        assert y.placements == (StridedShard(2, split_factor=3),), changed(
+            f"linear() of a _StridedShard weight gives {y.placements}")
+
+
+def test_a_flattened_mesh_dim_is_registered_with_its_root():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_gpt.testing.gloo import gloo_group
+
+    with gloo_group():
+        root = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+        flat = flatten_mesh(root["b", "c"], "b_c")
+        assert flat.mesh_dim_names == ("b_c",) and flat.size() == 1, changed("_flatten()")
+        assert root["b_c"].mesh_dim_names == ("b_c",), changed(
+            "a flattened dim is found by name on its root mesh")
+
+
