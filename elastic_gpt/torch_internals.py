@@ -1,7 +1,7 @@
 """The private PyTorch APIs elastic-gpt relies on, imported here and nowhere else.
 
 PyTorch may move or change these between releases without notice, which is why pyproject.toml
-pins torch to the range the tests ran on. tests/test_torch_internals.py checks every signature and
+pins torch to the range the tests ran on. tests/unit/test_torch_internals.py checks every signature and
 attribute the code uses, so an upgrade fails there, by name, rather than mid-run; an import that
 moved fails here, at import, naming the torch version.
 

@@ -4,7 +4,7 @@ Every use in elastic-gpt of a Ray API that is not public goes through this modul
 `ray._raylet`, the `_internal_kv_*` functions, the generated protobufs, `ray.train.v2._internal.*`,
 and the private members of public classes. A Ray upgrade has one file to read, and
 `check_ray_internals()` (the launcher calls it before a run) verifies every entry of
-`PRIVATE_APIS` and `PRIVATE_MEMBERS`; tests/test_ray_internals.py checks those and `TEST_APIS`
+`PRIVATE_APIS` and `PRIVATE_MEMBERS`; tests/unit/test_ray_internals.py checks those and `TEST_APIS`
 (Ray's cluster tooling, which only the tests of our deploy files use), and that the tables list
 exactly what this module imports.
 
@@ -97,7 +97,7 @@ PRIVATE_APIS: tuple[Api, ...] = (
 
 # Private Ray tooling only the tests use, to read our deploy files the way `ray up`, KubeRay's
 # autoscaler and `ray job submit` do. check_ray_internals() leaves them out: a driver never loads
-# them (the AWS ones need boto3); tests/test_ray_internals.py checks them.
+# them (the AWS ones need boto3); tests/unit/test_ray_internals.py checks them.
 TEST_APIS: tuple[Api, ...] = (
     Api("ray.autoscaler._private.util", "prepare_config", params={"": ("config",)}),
     Api("ray.autoscaler._private.util", "validate_config", params={"": ("config",)}),
