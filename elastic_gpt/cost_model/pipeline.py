@@ -31,7 +31,7 @@ from elastic_gpt.cost_model.software import Software
 from elastic_gpt.cost_model.step_time import StepTime, step_time
 from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GB, GPU
-from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.config import ModelConfig, block_matmul_params
 
 
 class PipelineLayoutError(ValueError):
@@ -41,15 +41,16 @@ class PipelineLayoutError(ValueError):
 # ---- where the layers go (parallel/pipeline.py cuts the model so) --------------------------------
 
 
-def stage_costs(cfg: GPTConfig) -> tuple[float, float]:
+def stage_costs(cfg: ModelConfig) -> tuple[float, float]:
     """(one block, the output layer and loss) in forward FLOPs per token: what `stage_layers`
-    balances. A block's matmuls are 24 d^2 and its attention 4 T d; the output layer's 2 V d.
-    The embedding lookups cost no FLOPs."""
+    balances. A block's matmuls are twice its weights (GPT-2's 24 d^2; the family's linears,
+    model/config.py) and its attention 4 T d; the output layer's 2 V d. The embedding lookups
+    cost no FLOPs."""
     d, T, V = cfg.n_embd, cfg.seq_len, cfg.vocab_size
-    return 24 * d * d + 4 * T * d, 2 * V * d
+    return 2 * block_matmul_params(cfg) + 4 * T * d, 2 * V * d
 
 
-def stage_layers(cfg: GPTConfig, num_stages: int) -> list[range]:
+def stage_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
     """The blocks of each of `num_stages` contiguous stages, at least one each: the costliest
     stage (the last one counting the output layer) as cheap as it can be, and among the cuts
     that reach that, the most even one (the least sum of squared stage costs)."""
@@ -155,20 +156,26 @@ def rank_shapes(shape: ModelShape, pp: int, stages_per_rank: int = 1,
     number of blocks a rank holds, the first rank that holds that many (under 1F1B it keeps the
     most micro-batches in flight of those), and the last rank (the output layer and the loss).
     Their blocks are as parallel/pipeline.py's `stage_layers` cuts them (stages r, r + pp, ...);
-    the embedding root is on the first and the last (each holds the tied wte: the memory of the
-    whole root is counted on both), on no rank between, and the output layer's FLOPs are on the
-    last only. When the blocks do not divide evenly a middle rank holds more than the first or
-    the last, and it sets the pace."""
+    a tied root is on the first and the last (each holds the tied wte: the memory of the whole
+    root is counted on both), an untied one split between them (the embedding on the first, the
+    final norm and the output layer on the last), on no rank between, and the output layer's
+    FLOPs are on the last only. When the blocks do not divide evenly a middle rank holds more
+    than the first or the last, and it sets the pace."""
     layers = stage_layers(shape.cfg, pp * stages_per_rank)
     blocks = [sum(len(layers[i]) for i in rank_stages(r, pp, stages_per_rank)) for r in range(pp)]
     first_with: dict[int, int] = {}
     for rank, n in enumerate(blocks):
         first_with.setdefault(n, rank)
 
+    tied = shape.cfg.tie_embeddings
+
     def held(rank: int) -> ModelShape:
-        root = shape.root_params if rank in (0, pp - 1) else 0
+        embedding = shape.embedding_params if rank == 0 else 0
+        head = shape.root_params - shape.embedding_params if rank == pp - 1 else 0
+        root = (shape.root_params if rank in (0, pp - 1) else 0) if tied else embedding + head
         return dataclasses.replace(
             shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks[rank]), root_params=root,
+            embedding_params=root if tied else embedding,
             params=root + blocks[rank] * shape.block_params,
             head_fwd_flops_per_token=shape.head_fwd_flops_per_token if rank == pp - 1 else 0.0)
 
