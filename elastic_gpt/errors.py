@@ -76,7 +76,8 @@ def check_checkpoint_shape(state: dict, gpt_cfg, url: str) -> None:
     # A shape without a family is GPT-2's: checkpoints held no family before there were more.
     saved = {"family": "gpt2", **state.get("model_shape", {})}
     want = {"family": gpt_cfg.family, **gpt_cfg.shape()}
-    diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    diff = {k: (saved.get(k), v) for k, v in want.items()
+            if saved.get(k) != v and k not in gpt_cfg.free_fields}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
         raise CheckpointMismatchError(

@@ -42,6 +42,8 @@ class GPTConfig:
     """0 for pretraining, as in GPT-2/3 at scale: more data beats regularisation."""
 
     family: ClassVar[str] = "gpt2"
+    free_fields: ClassVar[tuple[str, ...]] = ()
+    """Shape fields a checkpoint may differ in and still resume (no weight depends on them)."""
     tie_embeddings: ClassVar[bool] = True
     position_embedding: ClassVar[bool] = True
     """Learned positions (`wpe`, seq_len x n_embd): tensor parallelism splits them too."""
@@ -134,6 +136,8 @@ class LlamaConfig:
     dropout: float = 0.0
 
     family: ClassVar[str] = "llama"
+    free_fields: ClassVar[tuple[str, ...]] = ("seq_len",)
+    """Rotary positions have no table: a checkpoint resumes at any context length."""
     position_embedding: ClassVar[bool] = False
 
     def __post_init__(self):
