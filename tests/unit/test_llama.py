@@ -1,0 +1,174 @@
+"""The Llama 3 family on its own, in one process: the published shapes' parameter and FLOP
+counts, the kv-head tensor-parallel rule's one line, a meta build materialised and initialised
+as the trainer does it equal to an eager build (logits included: the rotary tables are no
+buffer), the parts that make it Llama (grouped-query attention, Llama 3.1's frequency scaling,
+tied or untied output), and Hugging Face config.json read in transformers 4's and 5's layouts.
+Equality with transformers' own LlamaForCausalLM is tests/integration/test_hf_checkpoints.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elastic_gpt.config import load_config
+from elastic_gpt.model.config import (
+    PRESETS,
+    LlamaConfig,
+    config_from_shape,
+    count_params,
+    flops_per_token,
+    make_config,
+    preset_config,
+)
+from elastic_gpt.model.families import FAMILIES, build_model, config_from_hf
+from elastic_gpt.model.hf_layouts import HFLayoutError
+from elastic_gpt.model.llama import Llama, rope_frequencies
+from elastic_gpt.parallel.tp_rules import model_problem
+from elastic_gpt.train.model_config import check_tensor_parallel
+
+CFG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, seq_len=16, vocab_size=64,
+                  ffn_hidden=48, rope_original_seq_len=8)
+
+
+@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.030), ("llama3-70b", 70.554),
+                                           ("llama3-405b", 405.853), ("llama3.2-1b", 1.236)])
+def test_presets_have_the_published_parameter_counts(name, billions):
+    cfg = preset_config(name)
+    assert cfg.vocab_size == 128256 and cfg.rope_theta == 500000.0 and cfg.n_kv_head == 8
+    assert round(count_params(cfg)["total"] / 1e9, 3) == billions
+
+
+def test_the_flop_count_is_the_published_training_compute():
+    """Llama 3's 405B took 3.8e25 FLOPs on 15.6T tokens (Dubey et al. 2024, sec. 3.2.1): 6 FLOPs
+    per matmul weight per token; this count adds attention's 12 L d T on top."""
+    cfg = preset_config("llama3-405b")
+    d, L, T = cfg.n_embd, cfg.n_layer, cfg.seq_len
+    attention = 12 * L * d * T
+    matmuls = count_params(cfg)["total"] - cfg.vocab_size * d - (2 * L + 1) * d  # not lookups, norms
+    assert flops_per_token(cfg) == 6 * matmuls + attention
+    assert (flops_per_token(cfg) - attention) * 15.6e12 == pytest.approx(3.8e25, rel=0.01)
+
+
+def test_a_small_llama_counts_what_it_builds():
+    for cfg in (CFG, make_config("llama", {**CFG.shape(), "tie_embeddings": True})):
+        model = Llama(cfg)
+        assert count_params(cfg)["total"] == sum(p.numel() for p in model.parameters())
+    assert set(PRESETS) >= {"llama3-tiny", "llama3-mini", "llama3-8b", "llama3-70b", "llama3-405b"}
+
+
+def test_tp_must_divide_the_kv_heads_in_one_line_naming_the_key():
+    one_kv = make_config("llama", {**CFG.shape(), "n_kv_head": 1})
+    with pytest.raises(ValueError) as e:
+        check_tensor_parallel(one_kv, 2)
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("parallel.tp=2 does not divide model.n_kv_head=1 (each tensor-parallel "
+                           "rank needs whole key/value heads")
+    assert "use parallel.tp in {1}" in line
+    odd = make_config("llama", {**CFG.shape(), "ffn_hidden": 51})
+    assert "model.ffn_hidden=50" in model_problem(4, n_head=4, seq_len=16, n_kv_head=4,
+                                                  ffn_hidden=50)
+    check_tensor_parallel(CFG, 2)  # 4 heads, 2 kv heads, 48 hidden units: tp=2 splits them
+    with pytest.raises(ValueError, match="model.ffn_hidden=51"):
+        check_tensor_parallel(odd, 2)
+
+
+def test_a_meta_build_materialised_and_initialised_is_the_eager_build():
+    eager = Llama(CFG)
+    eager.init_weights(seed=5)
+    with torch.device("meta"):
+        meta = build_model(CFG)
+    meta.to_empty(device="cpu")  # garbage everywhere, as the trainer's shards start
+    meta.init_weights(seed=5)
+    for (n, p), (_, q) in zip(eager.named_parameters(), meta.named_parameters()):
+        assert torch.equal(p, q), n
+    assert not list(meta.buffers())  # nothing that to_empty would leave as garbage
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    assert torch.equal(eager.eval()(x), meta.eval()(x))
+
+
+def test_rope_scaling_changes_only_the_low_frequencies():
+    standard = make_config("llama", {**CFG.shape(), "n_embd": 512, "rope_original_seq_len": 8192})
+    plain = rope_frequencies(make_config("llama", {**standard.shape(), "rope_factor": None}))
+    scaled = rope_frequencies(standard)
+    assert torch.equal(scaled[0], plain[0])  # the highest frequency is left alone
+    assert scaled[-1] == pytest.approx(plain[-1] / 8.0)  # the lowest slowed 8 times
+    assert not torch.equal(scaled, plain)
+    model = Llama(CFG).eval()
+    unscaled = Llama(make_config("llama", {**CFG.shape(), "rope_factor": None})).eval()
+    unscaled.load_state_dict(model.state_dict())
+    x = torch.randint(0, CFG.vocab_size, (1, CFG.seq_len))
+    assert not torch.allclose(model(x), unscaled(x), atol=1e-4)
+
+
+def test_grouped_query_attention_and_the_output_layer():
+    model = Llama(CFG)
+    attn = model.h[0].self_attn
+    assert attn.k_proj.weight.shape == (CFG.n_kv_head * CFG.head_dim, CFG.n_embd)
+    assert not any(n.endswith("bias") for n, _ in model.named_parameters())
+    assert "lm_head.weight" in dict(model.named_parameters())
+    tied = Llama(make_config("llama", {**CFG.shape(), "tie_embeddings": True}))
+    assert tied.lm_head.weight is tied.wte.weight
+    assert "lm_head.weight" not in dict(tied.named_parameters())
+    # the residual projections start scaled down, as GPT-2's
+    big = Llama(LlamaConfig(n_layer=8, n_head=4, n_embd=256, seq_len=8, vocab_size=64))
+    assert big.h[0].mlp.down_proj.weight.std().item() == pytest.approx(0.02 / 4, abs=1e-3)
+    assert big.h[0].mlp.up_proj.weight.std().item() == pytest.approx(0.02, abs=1e-3)
+
+
+def test_a_checkpoint_shape_reads_back_into_its_family():
+    assert config_from_shape(CFG.shape()) == CFG
+    gpt = preset_config("tiny")
+    assert config_from_shape(gpt.shape()) == gpt  # no family key: GPT-2's
+
+
+def test_model_family_switches_a_preset_to_llama(tmp_path):
+    from elastic_gpt.train.model_config import model_config_for
+
+    class Manifest:
+        seq_len, vocab_size = 128, 257
+
+        def check_model(self, vocab_size):
+            pass
+
+    cfg = load_config(None, ["data.path=unused", "model.family=llama"])
+    llama = model_config_for(cfg, Manifest())
+    assert llama.family == "llama" and (llama.n_layer, llama.n_embd) == (2, 64)
+    assert llama.ffn_hidden == 256 and llama.vocab_size == 320
+    with pytest.raises(ValueError, match="model.n_kv_head is not a setting of the gpt2 family"):
+        load_config(None, ["data.path=unused", "model.n_kv_head=2"])
+
+
+LLAMA_HF = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 16}
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8}
+
+
+def test_config_json_in_transformers_4_and_5_layouts_is_the_same_model():
+    v4 = {**LLAMA_HF, "rope_theta": 500000.0, "rope_scaling": SCALING}
+    v5 = {**LLAMA_HF, "rope_parameters": {**SCALING, "rope_theta": 500000.0}}
+    assert config_from_hf(v4, None, "v4") == config_from_hf(v5, None, "v5") == CFG
+    old_key = {**v4, "rope_scaling": {**{k: v for k, v in SCALING.items() if k != "rope_type"},
+                                      "type": "llama3"}}
+    assert config_from_hf(old_key, None, "old") == CFG
+    plain = config_from_hf({**LLAMA_HF, "rope_theta": 500000.0}, None, "plain")
+    assert plain.rope_factor is None
+    # what export writes reads back
+    assert config_from_hf(FAMILIES["llama"].hf_config(CFG, 1), 16, "export") == CFG
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"model_type": "mistral"}, "model_type='mistral' is not one this trainer builds"),
+    ({"attention_bias": True}, "attention_bias=true, and Llama has no biases"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn' is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+])
+def test_a_config_json_this_trainer_cannot_build_is_one_line(change, words):
+    with pytest.raises(HFLayoutError) as e:
+        config_from_hf({**LLAMA_HF, "rope_theta": 500000.0, **change}, None, "DIR/config.json")
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("DIR/config.json: ")
