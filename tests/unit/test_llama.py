@@ -172,3 +172,65 @@ def test_a_config_json_this_trainer_cannot_build_is_one_line(change, words):
         config_from_hf({**LLAMA_HF, "rope_theta": 500000.0, **change}, None, "DIR/config.json")
     assert words in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith("DIR/config.json: ")
+
+
+def test_the_planner_counts_a_llama_block(monkeypatch):
+    """plan --model llama3-70b: its kv heads and MLP width in the report, and this block's
+    arithmetic: no learned positions to split or gather, two norm gains per block (their
+    gradients all-reduced per sync), no fused bias, the untied output layer in the root."""
+    from elastic_gpt.cost_model.shape import model_shape
+    from elastic_gpt.cost_model.tensor_parallel import tp_traffic
+    from elastic_gpt.planner.inputs import PlanInputs
+    from elastic_gpt.planner.report import format_report
+    from elastic_gpt.planner.training_plan import plan_training
+
+    plan = plan_training(PlanInputs(model="llama3-70b", gpu="H100", n_gpus=64, tp=8, pp=1,
+                                    hsdp="off", replica_groups="off"))
+    line = format_report(plan).splitlines()[0]
+    assert "70,553.7M params" in line and "kv_heads=8" in line and "mlp=28672" in line
+    cfg = preset_config("llama3-70b")
+    shape = model_shape(cfg)
+    d, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    assert shape.block_replicated_params == 2 * d and shape.block_fused_bias_params == 0
+    assert shape.root_params == 2 * V * d + d and shape.embedding_params == V * d
+    traffic = tp_traffic(shape, 1, 8, activation_checkpointing=False, act_bytes=2, grad_bytes=4)
+    assert (traffic.all_gathers, traffic.reduce_scatters) == (4 * L + 2, 4 * L + 2)
+    assert traffic.sync_collectives == 2 * L + 1
+    gpt = model_shape(preset_config("gpt3-175b"))  # GPT-2's: positions, LayerNorm biases, c_attn
+    gpt_traffic = tp_traffic(gpt, 1, 8, activation_checkpointing=False, act_bytes=2,
+                             grad_bytes=4)
+    assert gpt_traffic.all_gathers == 4 * gpt.cfg.n_layer + 3
+    assert gpt_traffic.sync_collectives == 5 * gpt.cfg.n_layer + 2
+
+
+def test_init_from_refuses_a_dataset_of_another_tokenizer(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from elastic_gpt.train.model_config import model_config_for
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_HF, "vocab_size": 320}))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)} | {"</s>": 300},
+                                     unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    class Manifest:
+        url, tokenizer, seq_len = "data/bytes", "bytes", 16
+
+        def __init__(self, vocab_size):
+            self.vocab_size = vocab_size
+
+    cfg = load_config(None, ["data.path=unused", f"checkpoint.init_from={tmp_path}"])
+    with pytest.raises(ValueError, match=r"was tokenized with 'bytes' \(257 ids\), not "
+                                         r"checkpoint.init_from's tokenizer \(301 ids\)"):
+        model_config_for(cfg, Manifest(257))
+    with pytest.raises(ValueError, match="a vocabulary of 400 ids"):
+        model_config_for(cfg, Manifest(400))
+    llama = model_config_for(cfg, Manifest(301))  # the directory's own tokenizer
+    assert (llama.family, llama.vocab_size, llama.seq_len, llama.n_kv_head) == ("llama", 320, 16, 2)
+    bad = load_config(None, ["data.path=unused", f"checkpoint.init_from={tmp_path}",
+                             "model.n_layer=3"])
+    with pytest.raises(ValueError, match="model.n_layer=3 disagrees with checkpoint.init_from"):
+        model_config_for(bad, Manifest(301))
