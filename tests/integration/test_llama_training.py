@@ -166,3 +166,24 @@ def test_a_resized_llama_run_keeps_the_data_order_and_the_losses(stdlib_dataset,
         torch.testing.assert_close(hf(x).logits, tp_session["logits"], rtol=1e-4, atol=1e-4)
     text = sample_text(str(ckpt), "def ", max_new_tokens=8, temperature=0)
     assert text.startswith("def ") and len(text) > len("def ")
+
+
+# ---- evaluation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ("parallel.tp=2", "scaling.min_workers=2")),  # vocab-parallel loss on the untied head
+    (2, ("parallel.pp=2", "scaling.min_workers=2")),  # through the stages
+])
+def test_llama_evaluation_is_the_same_at_any_layout(world, extra, dataset_with_val, tmp_path):
+    from tests.integration.test_eval import _eval_worker, _overrides
+
+    llama = ("model.preset=llama3-tiny", *extra)
+    single = run_gloo(_eval_worker, 1, _overrides(dataset_with_val, 1, str(tmp_path / "w1"),
+                                                  ("model.preset=llama3-tiny",)))[0]
+    got = run_gloo(_eval_worker, world, _overrides(dataset_with_val, world, str(tmp_path),
+                                                   llama))
+    losses = [r["loss"] for r in got]
+    assert all(v == pytest.approx(single["loss"], rel=1e-6) for v in losses)
+    assert all(r["bpb"] == pytest.approx(single["bpb"], rel=1e-6) for r in got)
+    assert all(r["training"] and r["same_step_after_eval"] for r in got)
