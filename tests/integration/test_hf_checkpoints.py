@@ -226,10 +226,12 @@ def test_an_imported_directory_resumes_at_any_layout(imported, family, layout, s
     check_resumed(resume(stdlib_dataset, ckpt, layout, keys, x), logits, loss, layout)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_init_from_reads_the_directory_into_each_ranks_shards(imported, layout, stdlib_dataset,
-                                                             tmp_path):
-    hf, _, _, directory = imported["llama"]
+@pytest.mark.parametrize("family,layout", [("llama", "tp2"), ("llama", "pp2"), ("gpt2", "tp2")])
+def test_init_from_reads_the_directory_into_each_ranks_shards(imported, family, layout,
+                                                             stdlib_dataset, tmp_path):
+    """Each rank reads its own slices: GPT-2's fused c_attn at tp=2 is three runs of rows of
+    each rank's heads, read from the columns of Hugging Face's transposed Conv1D weight."""
+    hf, _, _, directory = imported[family]
     x = tokens(4)
     x = torch.cat([x, x[:, :1]], dim=1)
     logits, loss = expected(hf, x)

@@ -234,3 +234,36 @@ def test_init_from_refuses_a_dataset_of_another_tokenizer(tmp_path):
                              "model.n_layer=3"])
     with pytest.raises(ValueError, match="model.n_layer=3 disagrees with checkpoint.init_from"):
         model_config_for(bad, Manifest(301))
+
+
+def test_a_shard_reads_only_its_own_slices_of_a_safetensors_weight(tmp_path):
+    """What `checkpoint.init_from` relies on for a model larger than a host: a rank's shard of
+    a weight (here rows of three parts, as tensor parallelism's fused q|k|v shard is, stored
+    transposed as GPT-2's Conv1D) is read as those runs alone, never the whole tensor."""
+    from safetensors.torch import save_file
+
+    from elastic_gpt.checkpoint.hf_weights import HFWeights
+
+    full = torch.arange(12 * 6, dtype=torch.float32).reshape(12, 6)  # ours: (out 12, in 6)
+    save_file({"w": full.t().contiguous()}, str(tmp_path / "model.safetensors"))
+    weights = HFWeights(str(tmp_path))
+    read = []
+    handle = weights._handle("model.safetensors")
+
+    class Recording:
+        def get_slice(self, name):
+            part = handle.get_slice(name)
+
+            class Slice:
+                def __getitem__(self, index):
+                    out = part[index]
+                    read.append(out.numel())
+                    return out
+            return Slice()
+
+    weights._open["model.safetensors"] = Recording()
+    rows = torch.tensor([2, 3, 6, 7, 10, 11])  # rank 1 of 2: its half of each of 3 parts
+    cols = torch.arange(6)
+    got = weights.read("w", [rows, cols], transposed=True)
+    assert torch.equal(got, full[rows])
+    assert read == [12, 12, 12]  # three runs of 2 rows x 6 columns: the shard's 36 elements
