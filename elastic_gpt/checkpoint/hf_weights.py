@@ -97,7 +97,7 @@ class HFWeights:
             path = os.path.join(self.directory, file)
             try:
                 self._open[file] = safe_open(path, framework="pt")
-            except (OSError, Exception) as e:  # safetensors raises its own error types
+            except Exception as e:  # safetensors raises its own error types, and OSError
                 raise HFLayoutError(f"{path} cannot be read as safetensors "
                                     f"({str(e).splitlines()[0] if str(e) else type(e).__name__});"
                                     " re-download or re-save it") from None

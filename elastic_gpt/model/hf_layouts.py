@@ -138,8 +138,8 @@ def _llama_rope(hf: dict, where: str) -> dict:
     """LlamaConfig's rope fields from either layout: transformers 5's rope_parameters (theta
     inside), or transformers 4's rope_theta plus rope_scaling (None: plain RoPE)."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "rope_type" not in params and params:
-        params = next(iter(params.values()))  # per-layer-type maps: one type in Llama
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = next(iter(params.values()))  # a map per layer type: Llama has one type
     if params is None:
         scaling = hf.get("rope_scaling") or {}
         params = {**scaling, "rope_theta": hf.get("rope_theta", 10000.0)}

@@ -267,3 +267,11 @@ def test_a_shard_reads_only_its_own_slices_of_a_safetensors_weight(tmp_path):
     got = weights.read("w", [rows, cols], transposed=True)
     assert torch.equal(got, full[rows])
     assert read == [12, 12, 12]  # three runs of 2 rows x 6 columns: the shard's 36 elements
+
+
+def test_rope_parameters_without_a_type_or_per_layer_type():
+    v5 = {**LLAMA_HF, "rope_parameters": {"rope_theta": 10000.0}}
+    assert config_from_hf(v5, None, "v5").rope_factor is None
+    per_type = {**LLAMA_HF, "rope_parameters": {"full_attention": {**SCALING,
+                                                                   "rope_theta": 500000.0}}}
+    assert config_from_hf(per_type, None, "per-type") == CFG
