@@ -66,12 +66,12 @@ def rope_frequencies(cfg: LlamaConfig, device: torch.device | str | None = None)
 def rope_tables(cfg: LlamaConfig, seq_len: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (seq_len, head_dim) in fp32: positions 0..seq_len-1 times the inverse
-    frequencies, the angle of frequency i at columns i and i + head_dim / 2."""
-    with torch.autocast(device.type, enabled=False):
-        freqs = (torch.arange(seq_len, device=device).float()[:, None]
-                 * rope_frequencies(cfg, device)[None, :])
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+    frequencies, the angle of frequency i at columns i and i + head_dim / 2. Elementwise fp32
+    products (autocast leaves them in fp32), so it runs on any device, "meta" included."""
+    freqs = (torch.arange(seq_len, device=device).float()[:, None]
+             * rope_frequencies(cfg, device)[None, :])
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

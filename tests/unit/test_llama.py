@@ -83,6 +83,11 @@ def test_a_meta_build_materialised_and_initialised_is_the_eager_build():
     for (n, p), (_, q) in zip(eager.named_parameters(), meta.named_parameters()):
         assert torch.equal(p, q), n
     assert not list(meta.buffers())  # nothing that to_empty would leave as garbage
+    with torch.device("meta"):  # and a model that stays on "meta" runs (shapes only)
+        on_meta = build_model(CFG)
+        idx = torch.zeros(2, CFG.seq_len, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert on_meta(idx).shape == (2, CFG.seq_len, CFG.vocab_size)
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
     assert torch.equal(eager.eval()(x), meta.eval()(x))
 
