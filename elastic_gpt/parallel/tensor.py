@@ -120,12 +120,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     docstring). A pipeline stage has only some of the trunk's modules: each gets its plan if it
     is there."""
     spec = spec_of(model.cfg)
-    parallelize_module(model, tp_mesh, {name: STYLES[style]()
-                                        for name, style in spec.outer_tp_plan.items()
-                                        if getattr(model, name, None) is not None})
+    outer = {name: style for name, style in spec.outer_tp_plan.items()
+             if getattr(model, name, None) is not None}
+    parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in outer.items()})
+    for name, style in outer.items():
+        if style == "vocab_embedding":
+            getattr(model, name).register_forward_hook(_settled_output)
     for block in (model.h.values() if isinstance(model.h, nn.ModuleDict) else model.h):
         parallelize_module(block, tp_mesh, {leaf: STYLES[style]()
                                             for leaf, style in spec.block_tp_plan.items()})
+
+
+def _settled_output(module, inputs, output):
+    """The vocab-parallel embedding's output as a plain tensor. RowwiseParallel hands back its
+    reduce-scatter still in flight (an asynchronous collective's tensor, waited on by the next op
+    that reads it). A compiled block that takes that tensor straight as its input (Llama's:
+    nothing runs between the embedding and the first block, where GPT-2 adds its positions)
+    sends back a gradient the collective's backward cannot take: the embedding's gradient is
+    zero under FSDP, and without it the backward fails. A copy of this rank's (b, s / tp, h)
+    waits for it in eager code and costs one activation's write."""
+    return output.clone() if type(output) is not torch.Tensor else output
 
 
 def local_boxes(t) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] | None:
