@@ -93,7 +93,7 @@ GPT2 = ModelSpec(
 
 LLAMA = ModelSpec(
     name="llama", config_type=LlamaConfig, module=_llama,
-    embedding=("wte",), head=("ln_f", "lm_head"),
+    embedding=("wte", "drop"), head=("ln_f", "lm_head"),
     block_tp_plan={"input_layernorm": "sequence", "self_attn": GATHERED,
                    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
                    "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",

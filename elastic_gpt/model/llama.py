@@ -148,6 +148,7 @@ class Llama(Decoder):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)  # model.dropout's "on the embeddings", as GPT-2's
         self.h = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
         self.ln_f = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.lm_head = (TiedLMHead(self.wte) if cfg.tie_embeddings
@@ -156,4 +157,4 @@ class Llama(Decoder):
             self.init_weights()
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx)
+        return self.drop(self.wte(idx))

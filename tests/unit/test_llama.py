@@ -121,6 +121,19 @@ def test_grouped_query_attention_and_the_output_layer():
     assert big.h[0].mlp.up_proj.weight.std().item() == pytest.approx(0.02, abs=1e-3)
 
 
+def test_model_dropout_reaches_the_embeddings_as_gpt2s():
+    model = Llama(make_config("llama", {**CFG.shape(), "dropout": 0.5}))
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    looked_up = model.wte(x)
+    torch.manual_seed(0)
+    dropped = model.train().embed(x)
+    kept = dropped != 0
+    assert 0 < kept.float().mean() < 1
+    torch.testing.assert_close(dropped[kept], 2 * looked_up[kept])
+    torch.testing.assert_close(model.eval().embed(x), looked_up)
+    assert "drop" in FAMILIES["llama"].first_stage(CFG)  # a pipeline's first stage drops too
+
+
 def test_a_checkpoint_shape_reads_back_into_its_family():
     assert config_from_shape(CFG.shape()) == CFG
     gpt = preset_config("tiny")
