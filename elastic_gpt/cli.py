@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=_export_hf)
 
     for name, module, text in [("plan", "elastic_gpt.planner.cli", "capacity plan: memory, speed, cost"),
+                               ("dry-run", "elastic_gpt.dry_run.cli",
+                                "the trainer's build and step at full scale, on one CPU"),
                                ("tune", "elastic_gpt.planner.tune", "measure candidates on the cluster")]:
         try:
             mod = __import__(module, fromlist=["add_cli_arguments"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from elastic_gpt.cost_model.memory import LOGIT_BYTES
 from elastic_gpt.cost_model.shape import dtype_bytes
 from elastic_gpt.cost_model.step_time import LayoutCandidate
 from elastic_gpt.hardware import GB, PRICES_AS_OF, GiB
@@ -119,8 +120,9 @@ def format_report(plan: Plan) -> str:
             ("activations, checkpointing off / on",
              f"{gib(plan.memory_at_chosen[False].activations)} / "
              f"{gib(plan.memory_at_chosen[True].activations)}"),
-            ("logits for the loss (12 B x B x T x V" + (f" / {c.tp})" if c.tp > 1 else ")"),
-             gib(m.logits)),
+            (f"logits for the loss ({LOGIT_BYTES} B x B x T x V / {c.tp})"
+             if c.tp > 1 or c.mesh.pp > 1 else
+             "logits for the loss (their gradient, and one chunk)", gib(m.logits)),
             ("CUDA context + fragmentation", gib(m.overhead)),
             ("total", f"{gib(m.total)}  of {plan.usable_bytes / GiB:.1f} GiB usable "
                       f"({plan.gpu.memory_gib:.1f} minus margin)"),

@@ -135,7 +135,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
         raise PlanError(f"--market={p.market!r} must be spot or on-demand")
     shape = model_shape(cfg)
     gpu = get_gpu(p.gpu, p.hardware)
-    net = _network(p, gpu)
+    net = network(p, gpu)
     if p.dtype == "float8":
         p = _float8_inputs(p, gpu)
     if p.n_gpus < 1:
@@ -355,7 +355,8 @@ def _float8_inputs(p: PlanInputs, gpu: GPU) -> PlanInputs:
     return dataclasses.replace(p, tp=1)
 
 
-def _network(p: PlanInputs, gpu: GPU) -> Network:
+def network(p: PlanInputs, gpu: GPU) -> Network:
+    """The network the plan times collectives on: the inputs' figures, else the GPU's."""
     return Network(gpus_per_node=p.gpus_per_node or gpu.gpus_per_node,
                    intra_node_gbps=p.intra_node_gbps or gpu.intra_node_gbps,
                    inter_node_gbps=p.inter_node_gbps or gpu.inter_node_gbps,
