@@ -280,3 +280,37 @@ def test_a_measured_calibration_replaces_the_default(tmp_path):
     assert f"calibration measured: {path}" in format_report(measured)
     with pytest.raises(PlanError, match="was measured on H100; this plan is for L4"):
         plan_training(PlanInputs(model="gpt3-1.3b", gpu="L4", n_gpus=8, calibration=cal))
+
+
+def test_tune_writes_every_candidate_that_ran_as_a_calibration(tmp_path):
+    """`elastic-gpt tune --write-calibration`: the rows that ran to the end (not the ones out of
+    memory, refused or failed), each with its layout, its micro-batches per rank, the trainer's
+    recomputation and its tokens per second per worker, on the workers' GPU row and placement;
+    the planner reads it back."""
+    from elastic_gpt.config import load_config
+    from elastic_gpt.planner.tune import write_tune_calibration
+
+    cfg = load_config(None, ["data.path=unused", "train.global_batch_size=64"])
+    gpt = preset_config("gpt3-1.3b")
+    base = dict(oom=False, error=None, grad_sync="microbatch", reshard_after_forward=True,
+                compile=True, hsdp=False, pp=1, stages_per_rank=1)
+    rows = [dict(base, tp=1, micro_batch=4, activation_checkpointing=False, step_s=2.0,
+                 tokens_per_s=64 * 2048 / 2.0),
+            dict(base, tp=2, micro_batch=8, activation_checkpointing=True, step_s=2.5,
+                 tokens_per_s=64 * 2048 / 2.5, compile=False),
+            dict(base, tp=1, micro_batch=16, activation_checkpointing=False, step_s=None,
+                 tokens_per_s=None, oom=True),
+            dict(base, tp=8, micro_batch=1, activation_checkpointing=False, step_s=None,
+                 tokens_per_s=None, refused="a node holds 4 workers")]
+    path = tmp_path / "tuned.json"
+    write_tune_calibration(str(path), rows, H100, gpt, cfg, world=16, nodes=2)
+    doc = json.loads(path.read_text())
+    assert doc["written_by"] == "elastic-gpt tune" and doc["gpu"] == "H100"
+    first, second = doc["runs"]
+    assert (first["tp"], first["micro_batches_per_rank"], first["recompute"],
+            first["compiled"]) == (1, 1, 0.0, True)
+    assert (second["tp"], second["micro_batches_per_rank"], second["recompute"],
+            second["compiled"]) == (2, 1, 1.0, False)
+    assert second["tokens_per_s_per_gpu"] == pytest.approx(64 * 2048 / 2.5 / 16)
+    assert first["network"]["gpus_per_node"] == 8
+    assert set(load_calibration(str(path), dict(GPUS)).families) == {"H100"}
