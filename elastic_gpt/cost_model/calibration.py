@@ -11,9 +11,10 @@ recomputation fell further behind than runs with it, as if the backward pass rea
 kernel model than the forward did. Two terms describe them:
 
 - `backward`: the fraction of the kernel model's speed a block's and the output layer's backward
-  reach; the forward (and its recomputation) run as the kernel model costs them. Fitted with the
-  forward free, the published runs put the forward at or above the kernel model, whose ceiling is
-  the measured matmul peak: the forward is held there and only the backward is fitted.
+  reach; the forward (and its recomputation) run as the kernel model costs them. An exploratory
+  fit with a forward term as well put the forward above the kernel model (1.3x on H100), past
+  the measured matmul peak the kernel model is topped at: the forward is held at the kernel model
+  and only the backward is fitted.
 - `eager_elementwise`: the fraction of the modelled HBM bandwidth a block's elementwise kernels
   (norms, activation, residual adds) reach when the blocks run eager (`train.compile` off), each
   op its own kernel with its own reads and writes. Compiled blocks, and stacks with their own
@@ -100,11 +101,6 @@ class Calibration:
         nearest = min(self.families, key=lambda f: datasheet_distance(gpu, _datasheet(f)))
         near = self.families[nearest]
         return FamilyCalibration(family, near.terms, near.evidence, nearest)
-
-    def throughput_range(self, value: float) -> tuple[float, float]:
-        """A throughput (tokens/s, MFU) as the spread puts it: (least, most)."""
-        lo, hi = self.spread or (1.0, 1.0)
-        return value * lo, value * hi
 
 
 def gpu_family(name: str) -> str:
