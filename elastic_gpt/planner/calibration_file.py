@@ -21,8 +21,9 @@ the kernel model changes. Format, version 1:
 
 The fit: the backward term (cost_model/calibration.py) over the file's runs, the eager term kept
 from the default calibration (it is the software's, measured where eager and compiled runs of
-one model sit side by side); the spread over the file's runs. Bad input is one line naming the
-file, the field and what would do.
+one model sit side by side); the spread over the file's runs. Runs no backward term in the fit's
+range explains (a cluster's tokens per second given per GPU, say) are refused. Bad input is one
+line naming the file, the field and what would do.
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ from pathlib import Path
 from elastic_gpt.cost_model.calibration import (
     DEFAULT_CALIBRATION,
     Calibration,
+    ComputeTerms,
     gpu_family,
 )
 from elastic_gpt.hardware import GPU, get_gpu
 from elastic_gpt.planner.calibration_fit import (
+    TERM_BOUNDS,
     MeasuredRun,
     ModelSpec,
     fit_family,
+    planned_over_measured,
     spread,
 )
 
@@ -119,14 +123,21 @@ def load_calibration(path: str, hardware: dict[str, GPU]) -> Calibration:
         raise CalibrationFileError(f"{where}: \"runs\" must be a non-empty list of measured "
                                    f"runs{fix}")
     runs = [_run(f"{where}: runs[{i}]", raw, gpu) for i, raw in enumerate(raw_runs)]
-    for i, run in enumerate(runs):
-        _check_plannable(f"{where}: runs[{i}]", run, hardware)
-    family = gpu_family(gpu.name)
     start = DEFAULT_CALIBRATION.for_gpu(gpu).terms
+    for i, run in enumerate(runs):
+        _check_plannable(f"{where}: runs[{i}]", run, hardware, start)
+    family = gpu_family(gpu.name)
     written_by = str(doc.get("written_by") or "unknown")
     evidence = (f"fitted on {len(runs)} run(s) measured by {written_by}; the eager term is the "
                 "default's")
     family_cal = fit_family(runs, hardware, start, evidence)
+    lo, hi = TERM_BOUNDS["backward"]
+    fitted = family_cal.terms.backward
+    if not 1.01 * lo < fitted < 0.99 * hi:
+        raise CalibrationFileError(
+            f"{where}: its runs ran {'slower' if fitted < 1 else 'faster'} than the kernel model "
+            f"on {gpu.name} explains with a backward at any {lo}-{hi} of its speed: check that "
+            "tokens_per_s_per_gpu is per GPU, and that gpu, layout and dtype are what ran")
     device = (doc.get("environment") or {}).get("device") if isinstance(
         doc.get("environment"), dict) else None
     name = str(doc.get("name") or f"measured: {path} ({len(runs)} run(s) on "
@@ -185,9 +196,10 @@ def _run(where: str, raw, gpu: GPU) -> MeasuredRun:
         network=_network(f"{where}.network", raw.get("network")))
 
 
-def _check_plannable(where: str, run: MeasuredRun, hardware: dict[str, GPU]) -> None:
+def _check_plannable(where: str, run: MeasuredRun, hardware: dict[str, GPU],
+                     terms: ComputeTerms) -> None:
     """A run the cost model can plan: its GPUs split into tp x pp, its heads by tp, a block
-    for every stage."""
+    for every stage, and then planned."""
     cfg = run.model
     if run.gpus % (run.tp * run.pp):
         raise CalibrationFileError(f"{where}: gpus {run.gpus} is not a multiple of tp x pp = "
@@ -200,6 +212,10 @@ def _check_plannable(where: str, run: MeasuredRun, hardware: dict[str, GPU]) -> 
     if run.dtype == "float8" and not get_gpu(run.gpu, hardware).fp8_peak_flops:
         raise CalibrationFileError(f"{where}: dtype float8 on {run.gpu}, which has no float8 "
                                    "tensor cores")
+    try:
+        planned_over_measured(run, hardware, terms)
+    except (ValueError, ArithmeticError) as e:  # a layout the cost model cannot build
+        raise CalibrationFileError(f"{where} cannot be planned: {e}") from None
 
 
 def _count(where: str, value) -> int:
