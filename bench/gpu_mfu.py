@@ -285,9 +285,13 @@ def report_calibration(path: str, row: str) -> None:
     """What the planner fits to the file just written, beside the default's terms."""
     from elastic_gpt.cost_model.calibration import DEFAULT_CALIBRATION
     from elastic_gpt.hardware import GPUS, get_gpu
-    from elastic_gpt.planner.calibration_file import load_calibration
+    from elastic_gpt.planner.calibration_file import CalibrationFileError, load_calibration
 
-    cal = load_calibration(path, dict(GPUS))
+    try:
+        cal = load_calibration(path, dict(GPUS))
+    except CalibrationFileError as e:  # the figures above stand; say why the planner won't fit
+        print(f"[gpu] {e}", flush=True)
+        return
     (family, fc), = cal.families.items()
     default = DEFAULT_CALIBRATION.for_gpu(get_gpu(row))
     print(f"[gpu] calibration {path}: {family} backward at {fc.terms.backward:.3f} of the kernel "
