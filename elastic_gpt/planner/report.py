@@ -211,8 +211,10 @@ def calibration_line(plan: Plan) -> str:
         return f"calibration {plan.calibration.name}"
     scaled = (f"; no run measured on {fc.family}: {fc.scaled_from}'s terms, the family nearest "
               "it by datasheet (peak FLOP/s and HBM bandwidth)" if fc.scaled_from else "")
+    compiled = "compiled" if plan.dtype == "float8" else "eager"
     return (f"calibration {plan.calibration.name}\n          {fc.family}: {fc.terms.describe()} "
-            f"({fc.evidence}{scaled})")
+            f"({fc.evidence}{scaled}); this plan's blocks run {compiled}, as its written config "
+            "has them")
 
 
 def plan_ranges(plan: Plan) -> dict | None:
