@@ -227,8 +227,8 @@ def memory_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimize
     them at the peak of the device's total. torch's tracker takes one root module (it walks its
     `_root_mod.modules()`): several are given to it as one module list. It follows one forward
     and backward of a root (`_fsdp_state_pre_forward` refuses a second); a step runs one per
-    micro-batch, so its per-module records start again at each root forward, and the peak over
-    the whole step is kept."""
+    micro-batch, so a root's record starts again at each of its forwards, and the peak over the
+    whole step is kept."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
@@ -240,7 +240,9 @@ def memory_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimize
                 parents = self._mod_tracker.parents - {self._mod_tracker.get_known_fqn(fsdp_mod)}
                 if (fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw
                         and parents == {"Global"}):
-                    self.reset_mod_stats()
+                    # This root's record only: a pipeline's other micro-batches are still
+                    # between their forward and backward, their blocks' records in use.
+                    del self.memory_tracking[fsdp_mod]
                 return inner(*args, **kwargs)
             return again
 

@@ -78,7 +78,6 @@ def run_from_args(args) -> int:
 
 
 def dry_run_rank(plan: Plan, inputs: PlanInputs, cfg, rank: int) -> RankComparison:
-    from elastic_gpt.dry_run.rank_step import simulate_rank
     from elastic_gpt.train.model_config import model_config_for
 
     gpt_cfg = model_config_for(cfg, _Sizes(plan.cfg.seq_len, plan.cfg.vocab_size))
@@ -87,11 +86,31 @@ def dry_run_rank(plan: Plan, inputs: PlanInputs, cfg, rank: int) -> RankComparis
     # caches per process, and a second fake world in one process would meet the first's.
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
-        result = pool.apply(simulate_rank, (cfg, gpt_cfg, plan.gpu), dict(
+        result, error = pool.apply(_simulate_rank_reporting, (cfg, gpt_cfg, plan.gpu), dict(
             world_size=plan.n_gpus,
             gpus_per_node=inputs.gpus_per_node or plan.gpu.gpus_per_node, rank=rank))
+    if error is not None:
+        kind, text = error
+        # A layout the trainer refuses is the user's to change (one line, exit 2); anything
+        # else is a bug, reported with the rank's own traceback.
+        raise ValueError(text) if kind == "ValueError" else RuntimeError(
+            f"rank {rank} failed in its dry run:\n{text}")
     result.seconds = time.perf_counter() - t0
     return compare_rank(plan, inputs, result)
+
+
+def _simulate_rank_reporting(*args, **kwargs):
+    """simulate_rank in the rank's process, its failure sent back as text: torch's exceptions
+    can hold what does not pickle."""
+    import traceback
+
+    from elastic_gpt.dry_run.rank_step import simulate_rank
+    try:
+        return simulate_rank(*args, **kwargs), None
+    except ValueError as e:
+        return None, ("ValueError", str(e))
+    except Exception:
+        return None, ("bug", traceback.format_exc())
 
 
 def ranks_that_differ(plan: Plan) -> list[int]:

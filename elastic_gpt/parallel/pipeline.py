@@ -207,8 +207,10 @@ class TiedEmbedding:
     gradients summed over the pair of ranks that hold them, every step, so both copies take the
     same update. Collective over the whole group at construction (each pair's process group)."""
 
-    def __init__(self, mesh: DeviceMesh, stages: list[GPTStage]):
-        """`mesh`: the whole named mesh, "pp" its first dim."""
+    def __init__(self, mesh: DeviceMesh, stages: list[GPTStage], grid: list):
+        """`mesh`: the whole named mesh, "pp" its first dim; `grid`: its ranks as nested lists,
+        read when the pipeline was built (the mesh's rank tensor is made on each read, and under
+        a dry run's fake tensors would have no values)."""
         pp = mesh.size(0)
         self.weight = next((s.wte.weight for s in stages if s.holds_tied_embedding), None)
         self.group = None
@@ -217,9 +219,6 @@ class TiedEmbedding:
         if pp == 2:  # the pipeline's own group is the pair: no communicator more
             self.group = mesh["pp"].get_group()
             return
-        # Plain lists: the mesh's rank tensor is read, never computed on (a dry run's fake
-        # tensors would have no values).
-        grid = mesh.mesh.tolist()
         first, last = _flat(grid[0]), _flat(grid[pp - 1])
         for column in range(len(first)):  # every rank makes every pair's group, in order
             pair = [first[column], last[column]]
@@ -311,6 +310,7 @@ class Pipeline:
             parallelize(stage)
         self.model = RankModel(self.stages)
         self.mesh, self.schedule_name = mesh, schedule
+        self._rank_grid = mesh.mesh.tolist()
         self.first = any(s.first for s in self.stages)
         self.last = any(s.last for s in self.stages)
         self._schedule = None
@@ -355,7 +355,7 @@ class Pipeline:
             summed_loss(scale), self.schedule_name, io)
         self._scale = scale
         if self._tied is None:
-            self._tied = TiedEmbedding(self.mesh, self.stages)
+            self._tied = TiedEmbedding(self.mesh, self.stages, self._rank_grid)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, compute_dtype: torch.dtype,
