@@ -3,16 +3,18 @@ loopback (elastic_gpt/testing/slurm.py, Debian's packages installed when missing
 scripts submitted with sbatch as a user submits them, training the small job on a Ray cluster the
 scripts start on the emulated nodes.
 
-Two runs carry the slow tests (each Ray start on two busy cores costs tens of seconds, so each run
-serves several tests):
+One main job carries the slow tests through every event, in this order (each Ray start on two
+busy cores costs tens of seconds, so one run serves them all):
 
-* the time-limit run: a job on n1 and n2 whose time limit is brought close at step 3, so that
-  Slurm itself sends the warning; it drains, checkpoints, requeues, and the rerun resumes and
-  trains to the end (the config it rereads is shortened while it waits in the queue: the step the
-  warning lands on depends on Slurm's 30-second timer, the rerun's length should not);
-* the membership run: a job on n1 and n2 whose n2 Ray step is SIGKILLed (the run shrinks, no
-  requeue), then a grow job on n3 (the run grows back to 2 workers) whose own warning shrinks it
-  again with no step lost; then the main job is cancelled and takes its pending grow job with it.
+1. it starts on n1 and n2 and trains at W=2; a shell without the job's token is refused;
+2. n2's Ray step is SIGKILLed: the run shrinks to W=1, the job is not requeued;
+3. a grow job on n3 joins: the run grows back to W=2; its own warning drains n3 only: a
+   checkpoint at the step boundary, back to W=1 with no step lost, and the grow job ends;
+4. with a second grow job pending, the main job's time limit is brought close so that Slurm
+   itself sends the warning: drain, checkpoint, requeue (the pending grow job is cancelled), and
+   the rerun on two nodes resumes from that step and trains to the end (the config it rereads
+   is shortened while it waits in the queue: the step the warning lands on depends on Slurm's
+   30-second timer, the rerun's length should not).
 """
 
 from __future__ import annotations
@@ -42,9 +44,6 @@ MAIN_SCRIPT = os.path.join(SLURM, "elastic-gpt.sbatch")
 GROW_SCRIPT = os.path.join(SLURM, "grow.sbatch")
 SCRIPTS = ["deploy/slurm/elastic-gpt.sbatch", "deploy/slurm/grow.sbatch",
            "deploy/slurm/ray-node.sh", "deploy/slurm/fabric.sh"]
-STEP_LINE = r"\[elastic-gpt\] step (\d+)/\d+ .*\| W=(\d+) "
-
-
 def step_at(world_size: int) -> str:
     """A step line at this world size; group 1 is the step."""
     return rf"\[elastic-gpt\] step (\d+)/\d+ .*\| W={world_size} "
@@ -215,28 +214,25 @@ def job_env(cluster: SlurmCluster, root: str, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def write_config(path: str, data: str, root: str, name: str, **sections) -> str:
-    """The small job: the tiny preset, 16 samples of 64 tokens a step, a step line each step."""
+def write_config(path: str, data: str, root: str, **train) -> str:
+    """The small job: the tiny preset, 16 samples of 64 tokens a step, a step line each step, a
+    checkpoint every 5 steps."""
     cfg = {"model": {"preset": "tiny"}, "data": {"path": data, "seed": 1234},
            "train": {"global_batch_size": 16, "micro_batch_size": 8, "max_steps": 5000,
-                     "warmup_steps": 2, "lr": 3e-3, "log_every": 1},
+                     "warmup_steps": 2, "lr": 3e-3, "log_every": 1, **train},
            "scaling": {"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1},
            "eval": {"samples": 0},
-           "checkpoint": {"path": f"{root}/ckpt", "every_steps": 5000, "keep": 3},
+           "checkpoint": {"path": f"{root}/ckpt", "every_steps": 5, "keep": 3},
            "tracking": {"uri": f"sqlite:///{root}/mlflow.db", "log_model": False},
-           "run": {"name": name, "storage_path": f"{root}/ray"},
+           "run": {"name": RUN_NAME, "storage_path": f"{root}/ray"},
            "elastic": {"grow_settle_s": 0, "worker_start_timeout_s": 60},
            "health": {"straggler_every_steps": 0}}
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     return path
 
 
-def steps_seen(text: str) -> list[tuple[int, int]]:
-    """(step, world size) of every step line, in order."""
-    return [(int(s), int(w)) for s, w in re.findall(STEP_LINE, text)]
+RUN_NAME = "slurm-run"
 
 
 def seconds(runtime: str) -> int:
@@ -245,99 +241,6 @@ def seconds(runtime: str) -> int:
     h, m, s = (int(x) for x in hms.split(":"))
     return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
-
-def mlflow_steps(uri: str, run_name: str):
-    import mlflow
-
-    client = mlflow.MlflowClient(uri)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                f"attributes.run_name = '{run_name}'")
-    history = client.get_metric_history(run.info.run_id, mn.TRAIN_LOSS)
-    return run, history
-
-
-@pytest.fixture(scope="module")
-def time_limit_run(slurm, stdlib_dataset, tmp_path_factory):
-    """The time-limit run (module docstring). Returns what the tests check."""
-    root = str(tmp_path_factory.mktemp("time_limit"))
-    config = write_config(f"{root}/run.yaml", stdlib_dataset, root, "slurm-time-limit")
-    # The lead the scripts document: from a step and a checkpoint write (generous for this
-    # machine's sub-second steps and checkpoints).
-    lead = slurm_helpers.lead_seconds(step_s=1.0, checkpoint_s=5.0)
-    job = BatchJob(slurm, f"{root}/job.out", "--nodes=2", "--time=30", f"--signal=B:USR1@{lead}",
-                   MAIN_SCRIPT, "--config", config, env=job_env(slurm, root), cwd=REPO)
-    job.wait_for(r"\[elastic-gpt\] step 3/", timeout_s=300)
-    # Bring the end of the allocation close: Slurm sends the warning `lead` seconds before it (at
-    # its next periodic check, at most 30 s later).
-    state = job.state()
-    limit = seconds(state["RunTime"]) + lead + 2
-    slurm.run("scontrol", "update", f"JobId={job.id}",
-              f"TimeLimit={limit // 3600}:{limit // 60 % 60:02d}:{limit % 60:02d}")
-    updated_at = len(job.text())
-    warned = job.wait_for(r"warning received", timeout_s=90, after=updated_at)
-    stop = job.wait_for(r"planned restart after step (\d+): preemption", timeout_s=120,
-                        after=warned.end())
-    step = int(stop.group(1))
-    requeued = job.wait_for(r"requeueing job", timeout_s=120, after=stop.end())
-    # While the job waits in the queue: its rerun trains 6 more steps and ends, under the time
-    # limit it was submitted with (a requeued job keeps the one it had).
-    write_config(config, stdlib_dataset, root, "slurm-time-limit", train={"max_steps": step + 6})
-    slurm.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=30")
-    final = slurm.wait_for_state(job.id, ENDED, timeout_s=400)
-    return {"job": job, "root": root, "config": config, "step": step, "lead": lead,
-            "state": final, "text": job.text(), "warned": warned, "requeued": requeued}
-
-
-@pytest.mark.slow
-def test_batch_script_trains_on_two_emulated_nodes_to_completion(time_limit_run, slurm):
-    run, text = time_limit_run, time_limit_run["text"]
-    state = run["state"]
-    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", text[-3000:]
-    end = run["step"] + 6
-    assert f"[elastic-gpt] done: step {end}, checkpoint" in text
-    assert "elastic-gpt train exited 0" in text
-    # Both runs of the job: a head and a worker on each of the two nodes, W=2 throughout.
-    assert len(re.findall(r"Ray head at \S+ on n1, workers on n1 n2", text)) == 2
-    assert len(re.findall(r"2 Ray worker node\(s\) of job \d+ joined", text)) == 2
-    assert {w for _, w in steps_seen(text)} == {2}
-    store = CheckpointStore(f"{run['root']}/ckpt")
-    assert store.latest().step == end
-    mlrun, _ = mlflow_steps(f"sqlite:///{run['root']}/mlflow.db", "slurm-time-limit")
-    assert mlrun.info.status == "FINISHED"
-    # Nothing of the job is left running.
-    assert not slurm.steps(run["job"].id)
-
-
-@pytest.mark.slow
-def test_time_limit_warning_drains_checkpoints_requeues_and_resumes(time_limit_run, slurm):
-    run, text, step = time_limit_run, time_limit_run["text"], time_limit_run["step"]
-    job_id = run["job"].id
-    assert run["state"]["Restarts"] == "1"  # requeued once, by the script, never TIMEOUT
-    # In order: Slurm's warning, the drain of both worker nodes (by their labels), the
-    # checkpoint at the step boundary, the requeue, the rerun resuming from that step.
-    at = run["warned"].end()
-    for line in (f"drained 2 of 2 Ray worker node(s) with elastic-gpt/slurm-run={job_id}",
-                 "the run left the drained nodes", f"requeueing job {job_id}",
-                 f"job {job_id} run 1: Ray head", f"resuming from step {step}"):
-        found = text.find(line, at)
-        assert found > 0, f"{line!r} missing after position {at}:\n{text[at:at + 4000]}"
-        at = found
-    # The just-in-time checkpoint: a step no cadence would save (every_steps is 5000).
-    store = CheckpointStore(f"{run['root']}/ckpt")
-    assert step in store.step_dirs() and store.verify(step) is None
-    # C2 data order: every step of both runs trained the uninterrupted run's samples; at most the
-    # step in flight was trained twice.
-    cfg = load_config(run["config"])
-    expected = uninterrupted_fingerprints(cfg, step + 6)
-    uri = f"sqlite:///{run['root']}/mlflow.db"
-    mlrun, history = mlflow_steps(uri, "slurm-time-limit")
-    assert metric_by_step(uri, mlrun.info.run_id, mn.DATA_FINGERPRINT) == expected
-    trained = [m.step for m in history]
-    assert len(trained) - len(set(trained)) <= 1
-    assert set(trained) == set(range(1, step + 7))
-
-
-# ---- membership: a lost node step, a grow job and its warning ---------------------------------------
 
 def worker_fabric(job_ids: set[str]) -> dict[str, set[str]]:
     """NCCL_IB_HCA of the live Ray Train workers, by the Slurm job whose node runs them (read from
@@ -375,33 +278,35 @@ def start_without_the_token(root: str, job_id: str, data: str) -> list[subproces
     procs = []
     for name, extra in (("none", {}), ("wrong", {"RAY_AUTH_MODE": "token",
                                                  "RAY_AUTH_TOKEN": uuid.uuid4().hex})):
-        proc = subprocess.Popen(
+        procs.append(subprocess.Popen(
             [os.path.join(BIN, "elastic-gpt"), "train", "--config", "jobs/configs/mini.yaml",
              "model.preset=tiny", f"data.path={data}", f"checkpoint.path={root}/{name}/ckpt",
              f"tracking.uri=sqlite:///{root}/{name}.db", "train.max_steps=2"],
             cwd=REPO, env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)
-        procs.append(proc)
+            text=True))
     return procs
 
 
 @pytest.fixture(scope="module")
-def membership_run(slurm, stdlib_dataset, tmp_path_factory):
-    """The membership run (module docstring). Returns what the tests check."""
-    root = str(tmp_path_factory.mktemp("membership"))
-    name = "slurm-membership"
-    config = write_config(f"{root}/run.yaml", stdlib_dataset, root, name,
-                          checkpoint={"every_steps": 5})
+def run(slurm, stdlib_dataset, tmp_path_factory):
+    """One main job through every Slurm event (the module docstring's order); returns what the
+    tests check. One run because each Ray start on two busy cores costs tens of seconds."""
+    root = str(tmp_path_factory.mktemp("run"))
+    config = write_config(f"{root}/run.yaml", stdlib_dataset, root)
+    # The lead the scripts document: from a step and a checkpoint write (generous for this
+    # machine's sub-second steps and checkpoints).
+    lead = slurm_helpers.lead_seconds(step_s=1.0, checkpoint_s=5.0)
     # The main job's user exported an HCA for the whole job; the grow job's node has other HCAs.
-    no_ib = fake_sysfs(f"{root}/sys-main", {})
+    main_ib = fake_sysfs(f"{root}/sys-main", {})
     grow_ib = fake_sysfs(f"{root}/sys-grow", {"mlx5_4/1": ("4: ACTIVE", "InfiniBand"),
                                               "mlx5_5/1": ("1: DOWN", "InfiniBand")})
-    job = BatchJob(slurm, f"{root}/job.out", "--nodes=2", "--time=30", MAIN_SCRIPT,
-                   "--config", config, cwd=REPO,
-                   env=job_env(slurm, root, NCCL_IB_HCA="mlx5_0", ELASTIC_GPT_SYSFS=no_ib))
-    seen = {"job": job, "root": root, "config": config, "name": name}
-    first = job.wait_for(r"\[elastic-gpt\] step 3/\d+ .*\| W=2 ", timeout_s=300)
+    job = BatchJob(slurm, f"{root}/job.out", "--nodes=2", "--time=30", f"--signal=B:USR1@{lead}",
+                   MAIN_SCRIPT, "--config", config, cwd=REPO,
+                   env=job_env(slurm, root, NCCL_IB_HCA="mlx5_0", ELASTIC_GPT_SYSFS=main_ib))
+    seen = {"job": job, "root": root, "config": config, "lead": lead}
+    job.wait_for(step_at(2), timeout_s=300)
     seen["refused"] = start_without_the_token(root, job.id, stdlib_dataset)
+    first = job.wait_for(r"\[elastic-gpt\] step 7/", timeout_s=120)  # step 5 is committed
 
     # A node's Ray step killed (SIGKILL to its raylet and everything under it): a hard loss.
     steps = slurm.run("squeue", "-h", "-s", "-j", job.id, "-o", "%i %j").stdout.splitlines()
@@ -420,88 +325,153 @@ def membership_run(slurm, stdlib_dataset, tmp_path_factory):
 
     # The grow job's own warning (the signal Slurm sends it before its time limit).
     slurm.run("scancel", "--batch", "--signal=USR1", grow.id)
-    stop = job.wait_for(r"planned restart after step (\d+): preemption", timeout_s=120,
-                        after=grown.end())
-    back = job.wait_for(step_at(1), timeout_s=180, after=stop.end())
-    seen.update(grow_stop=int(stop.group(1)), back=back,
+    grow_stop = job.wait_for(r"planned restart after step (\d+): preemption", timeout_s=120,
+                             after=grown.end())
+    back = job.wait_for(step_at(1), timeout_s=180, after=grow_stop.end())
+    seen.update(grow_stop=grow_stop, back=back,
                 grow_final=slurm.wait_for_state(grow.id, ENDED, timeout_s=120))
 
-    # The main job ends (cancelled here) and takes its grow jobs with it, pending ones too.
+    # Another grow job, still pending when the main job's allocation ends.
     pending = BatchJob(slurm, f"{root}/pending.out", "--nodes=1", "--begin=now+3600",
                        f"--job-name=elastic-gpt-grow-{job.id}", GROW_SCRIPT, job.id, cwd=REPO,
                        env=job_env(slurm, root))
-    slurm.run("scancel", job.id)
-    seen["main_final"] = slurm.wait_for_state(job.id, ENDED, timeout_s=120)
-    seen["pending_final"] = slurm.wait_for_state(pending.id, ENDED, timeout_s=60)
+    # The end of the allocation comes close: Slurm sends the warning `lead` seconds before it (at
+    # its next periodic check, at most 30 s later).
+    limit = seconds(job.state()["RunTime"]) + lead + 2
+    slurm.run("scontrol", "update", f"JobId={job.id}",
+              f"TimeLimit={limit // 3600}:{limit // 60 % 60:02d}:{limit % 60:02d}")
+    updated_at = len(job.text())
+    warned = job.wait_for(r"warning received", timeout_s=90, after=updated_at)
+    stop = job.wait_for(r"planned restart after step (\d+): preemption", timeout_s=120,
+                        after=warned.end())
+    requeued = job.wait_for(r"requeueing job", timeout_s=120, after=stop.end())
+    step = int(stop.group(1))
+    seen.update(warned=warned, stop=stop, requeued=requeued, step=step,
+                pending_final=slurm.wait_for_state(pending.id, ENDED, timeout_s=60))
+    # While the job waits in the queue: its rerun trains 6 more steps and ends, under the time
+    # limit it was submitted with (a requeued job keeps the one it had).
+    write_config(config, stdlib_dataset, root, max_steps=step + 6)
+    slurm.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=30")
+    seen["final"] = slurm.wait_for_state(job.id, ENDED, timeout_s=400)
     seen["text"], seen["grow_text"] = job.text(), grow.text()
     seen["refused"] = [(p.communicate(timeout=300)[1], p.returncode) for p in seen["refused"]]
+    import mlflow
+
+    uri = f"sqlite:///{root}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  f"attributes.run_name = '{RUN_NAME}'")
+    seen.update(mlrun=mlrun, fingerprints=metric_by_step(uri, mlrun.info.run_id,
+                                                         mn.DATA_FINGERPRINT),
+                # Every step record in the order it was logged: (step, world size).
+                trained=[(m.step, m.value) for m in sorted(
+                    client.get_metric_history(mlrun.info.run_id, mn.TRAIN_WORLD_SIZE),
+                    key=lambda m: m.timestamp)])
     return seen
 
 
+def trained_once(trained: list[tuple[int, float]], first: int, last: int) -> bool:
+    """Whether every step from `first` to `last` was trained exactly once."""
+    steps = [s for s, _ in trained if first <= s <= last]
+    return sorted(steps) == list(range(first, last + 1))
+
+
 @pytest.mark.slow
-def test_killed_node_step_shrinks_the_run_without_requeue(membership_run):
-    run, text = membership_run, membership_run["text"]
-    after = run["after_kill"]
+def test_batch_script_trains_on_two_emulated_nodes_to_completion(run, slurm):
+    text, final = run["text"], run["final"]
+    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", text[-3000:]
+    end = run["step"] + 6
+    assert f"[elastic-gpt] done: step {end}, checkpoint" in text
+    assert "elastic-gpt train exited 0" in text
+    # Each run of the job: a head, and a worker on each of its two nodes, all joined.
+    heads = re.findall(r"job \d+ run (\d): Ray head at \S+ on (n\d), workers on (n\d) (n\d)", text)
+    assert [r for r, *_ in heads] == ["0", "1"] and all(a != b for _, _, a, b in heads)
+    assert len(re.findall(r"2 Ray worker node\(s\) of job \d+ joined", text)) == 2
+    # The rerun trained on both: W=2 from its first step to the last.
+    rerun = [w for s, w in run["trained"] if s > run["step"]]
+    assert rerun and set(rerun) == {2}
+    assert CheckpointStore(f"{run['root']}/ckpt").latest().step == end
+    assert run["mlrun"].info.status == "FINISHED"
+    assert not slurm.steps(run["job"].id)  # nothing of the job is left running
+
+
+@pytest.mark.slow
+def test_killed_node_step_shrinks_the_run_without_requeue(run):
+    text, after = run["text"], run["after_kill"]
     # The job lives on (--no-kill): running, never requeued, the killed step gone, the others up.
     assert after["JobState"] == "RUNNING" and after["Restarts"] == "0"
     assert run["killed_step"] not in run["steps_after_kill"]
     assert len(run["steps_after_kill"]) >= 2  # the head and n1's worker
-    # A failure charged to the budget, and the run went on with one worker from the newest
-    # committed checkpoint (a hard loss: the steps after it are trained again).
+    # A failure charged to the budget; the run went on with one worker from the newest committed
+    # checkpoint, on the cadence (checkpoint.every_steps=5), at or before the last step trained
+    # at W=2 (from MLflow: a killed node takes the lines its log monitor had not sent yet).
     assert "elastic-gpt: failure 1 in the last hour" in text[:run["shrunk"].start()]
-    # The last step trained at W=2 (from MLflow: a killed node takes the lines its log monitor
-    # had not sent yet), and the step the run went on from at W=1: a committed checkpoint on the
-    # cadence (checkpoint.every_steps=5), at or before it.
-    import mlflow
-
-    uri = f"sqlite:///{run['root']}/mlflow.db"
-    mlrun, _ = mlflow_steps(uri, run["name"])
-    sizes = sorted(mlflow.MlflowClient(uri).get_metric_history(mlrun.info.run_id,
-                                                                mn.TRAIN_WORLD_SIZE),
-                   key=lambda m: m.timestamp)
-    first_w1 = next(i for i, m in enumerate(sizes) if m.value == 1)
-    last_w2 = max(m.step for m in sizes[:first_w1])
-    resumed_from = sizes[first_w1].step - 1
+    first_w1 = next(i for i, (_, w) in enumerate(run["trained"]) if w == 1)
+    last_w2 = max(s for s, _ in run["trained"][:first_w1])
+    resumed_from = run["trained"][first_w1][0] - 1
     assert resumed_from == int(run["shrunk"].group(1)) - 1
     assert resumed_from % 5 == 0 and resumed_from <= last_w2
     assert f"resumed from file://{run['root']}/ckpt/step_{resumed_from:08d}" in text
 
 
 @pytest.mark.slow
-def test_grow_job_grows_the_run_and_its_warning_shrinks_it_with_no_step_lost(membership_run):
-    run, text = membership_run, membership_run["text"]
-    grow_id, main_id = run["grow"].id, run["job"].id
+def test_grow_job_grows_the_run_and_its_warning_shrinks_it_with_no_step_lost(run):
+    text, grow_id, main_id = run["text"], run["grow"].id, run["job"].id
     assert run["grow_state"]["JobName"] == f"elastic-gpt-grow-{main_id}"
+    # Grown to two workers: one on the main job's n1, one on the grow job's n3, each with its own
+    # node's fabric settings (the job-wide HCA of the main job never reached the grow job's node).
+    assert run["fabric"] == {main_id: {"mlx5_0"}, grow_id: {"=mlx5_4:1"}}
+    # Its warning drained its node only: a checkpoint at the step boundary, back to one worker
+    # from that very step; the grow job ended by itself.
     assert f"drained 1 of 1 Ray worker node(s) with elastic-gpt/slurm-job={grow_id}" in \
         run["grow_text"]
-    # Grown to two workers: one on the main job's n1, one on the grow job's n3, each with its own
-    # node's fabric settings (the head's job-wide HCA never reached the grow job's node).
-    assert run["fabric"] == {main_id: {"mlx5_0"}, grow_id: {"=mlx5_4:1"}}
-    # Its warning: a checkpoint at the step boundary, back to one worker from that very step.
-    k = run["grow_stop"]
+    k = int(run["grow_stop"].group(1))
     assert int(run["back"].group(1)) == k + 1
-    assert f"at step {k} (saved by 2 workers" in text
-    assert run["grow_final"]["JobState"] == "COMPLETED"  # it ended by itself once drained
-    # C2 data order through all of it (the re-done steps after the kill included), and between
-    # the grow and its warning no step trained twice.
-    cfg = load_config(run["config"])
-    uri = f"sqlite:///{run['root']}/mlflow.db"
-    mlrun, history = mlflow_steps(uri, run["name"])
-    logged = metric_by_step(uri, mlrun.info.run_id, mn.DATA_FINGERPRINT)
-    assert logged == {s: f for s, f in uninterrupted_fingerprints(cfg, max(logged)).items()
-                      if s in logged}
-    grown_from = int(run["grown"].group(1))
-    window = [m.step for m in history if grown_from <= m.step <= k + 1]
-    assert len(window) == len(set(window))
+    assert f"resumed from file://{run['root']}/ckpt/step_{k:08d} at step {k} (saved by 2" in text
+    assert run["grow_final"]["JobState"] == "COMPLETED"
+    # No step trained twice from the grow to the step after the shrink.
+    assert trained_once(run["trained"], int(run["grown"].group(1)), k + 1)
 
 
 @pytest.mark.slow
-def test_train_tells_a_refused_token_from_an_unreachable_cluster(membership_run):
+def test_time_limit_warning_drains_checkpoints_requeues_and_resumes(run):
+    text, step, job_id = run["text"], run["step"], run["job"].id
+    # Requeued once, by the script, before the time limit (never TIMEOUT).
+    assert run["final"]["Restarts"] == "1"
+    # In order: Slurm's warning, the drain of the run's worker node (by label), the checkpoint at
+    # the step boundary, the requeue, the rerun resuming from that step.
+    at = run["warned"].end()
+    for line in (f"drained 1 of 1 Ray worker node(s) with elastic-gpt/slurm-run={job_id}",
+                 f"planned restart after step {step}: preemption",
+                 "the run left the drained nodes", f"requeueing job {job_id}",
+                 f"job {job_id} run 1: Ray head", f"resuming from step {step}"):
+        found = text.find(line, at)
+        assert found > 0, f"{line!r} missing after position {at}:\n{text[at:at + 4000]}"
+        at = found
+    # The just-in-time checkpoint, committed.
+    store = CheckpointStore(f"{run['root']}/ckpt")
+    assert step in store.step_dirs() and store.verify(step) is None
+    # C2 data order: every step of both runs, the re-done ones after the killed node included,
+    # trained the uninterrupted run's samples; none twice from the shrink back to one worker to
+    # the end (the step in flight at the warning was finished and saved, not lost).
+    cfg = load_config(run["config"])
+    assert run["fingerprints"] == uninterrupted_fingerprints(cfg, step + 6)
+    assert trained_once(run["trained"], int(run["back"].group(1)), step + 6)
+
+
+@pytest.mark.slow
+def test_main_job_cancels_its_grow_jobs_when_it_ends(run):
+    # The requeue ended the allocation: the grow job still pending was cancelled with it.
+    assert run["pending_final"]["JobState"] == "CANCELLED"
+    assert "cancelling grow job(s)" in run["text"][run["warned"].end():run["requeued"].end()]
+
+
+@pytest.mark.slow
+def test_train_tells_a_refused_token_from_an_unreachable_cluster(run):
     """The run's head refuses a shell without the job's token: one line that names the token and
     its fix, not "cannot reach the Ray cluster" (tests/test_bad_input.py has that one), exit 2,
     and no MLflow store created."""
-    root = membership_run["root"]
-    (none, wrong) = membership_run["refused"]
+    (none, wrong) = run["refused"]
     for (stderr, code), says, name in (
             (none, "set RAY_AUTH_MODE=token", "none"),
             (wrong, "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the token the head", "wrong")):
@@ -510,11 +480,4 @@ def test_train_tells_a_refused_token_from_an_unreachable_cluster(membership_run)
         assert len(errors) == 1, stderr[-3000:]
         assert "refused this process's auth token" in errors[0] and says in errors[0]
         assert "cannot reach" not in errors[0]
-        assert not os.path.exists(f"{root}/{name}.db")
-
-
-@pytest.mark.slow
-def test_main_job_cancels_its_grow_jobs_when_it_ends(membership_run):
-    assert membership_run["main_final"]["JobState"] == "CANCELLED"
-    assert membership_run["pending_final"]["JobState"] == "CANCELLED"
-    assert "cancelling grow job(s)" in membership_run["text"]
+        assert not os.path.exists(f"{run['root']}/{name}.db")

@@ -58,7 +58,7 @@ elastic_gpt_fabric() {
         fi
     done
     if ((${#hcas[@]})); then
-        echo "[elastic-gpt] fabric on $(hostname) (${SLURMD_NODENAME:-}): NCCL_IB_HCA=$NCCL_IB_HCA" \
+        echo "[elastic-gpt] fabric on $(hostname) (${SLURMD_NODENAME:-}): NCCL_IB_HCA=\"$NCCL_IB_HCA\"" \
              "NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GPUDirect-RDMA=$gdr SHARP=$sharp" >&2
     else
         echo "[elastic-gpt] fabric on $(hostname) (${SLURMD_NODENAME:-}): no active InfiniBand port" \

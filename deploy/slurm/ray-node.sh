@@ -67,39 +67,50 @@ python=${ELASTIC_GPT_PYTHON:-python}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 ip=$(node_ip)
+[[ -n $ip ]] || usage "no address for ${SLURMD_NODENAME}; set ELASTIC_GPT_RAY_IFACE"
 # Per job, per run of it (a requeued job reruns under the same id) and per node: a fresh session
 # folder, and several raylets on one host never share one. Short: Ray's socket paths must stay
 # under 107 bytes.
 tmp=${ELASTIC_GPT_RAY_TMP:-/tmp}/egpt-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}-${SLURMD_NODENAME}-$role
 mkdir -p "$tmp"
-# Every port this node listens on, free on this host now: other jobs (and other Ray clusters)
-# may share the node.
-mapfile -t port < <("$python" -m elastic_gpt.elastic.slurm free-ports 7)
 labels="elastic-gpt/slurm-job=$SLURM_JOB_ID,elastic-gpt/slurm-run=$run_job,elastic-gpt/node-role=$role"
-common=(--block --disable-usage-stats --node-ip-address="$ip" --temp-dir="$tmp"
-        --node-manager-port="${port[0]}" --object-manager-port="${port[1]}"
-        --runtime-env-agent-port="${port[2]}" --metrics-export-port="${port[3]}"
-        --dashboard-agent-grpc-port="${port[4]}" --dashboard-agent-listen-port="${port[5]}")
-
 if [[ $role == head ]]; then
     # A lost node is declared dead after ~1.5 s instead of Ray's ~30 s (as the cloud clusters run).
     health='{"health_check_period_ms":500,"health_check_timeout_ms":500,"health_check_failure_threshold":3}'
-    exec ray start --head --port="$3" --num-cpus=0 --num-gpus=0 \
-        --include-dashboard=true --dashboard-host=127.0.0.1 --dashboard-port="$4" \
-        --ray-client-server-port="${port[6]}" --labels="$labels" --system-config="$health" \
-        --object-store-memory="${ELASTIC_GPT_RAY_OBJECT_STORE_BYTES:-200000000}" "${common[@]}"
+    node=(--head --port="$3" --num-cpus=0 --num-gpus=0 --include-dashboard=true
+          --dashboard-host=127.0.0.1 --dashboard-port="$4" --labels="$labels"
+          --system-config="$health"
+          --object-store-memory="${ELASTIC_GPT_RAY_OBJECT_STORE_BYTES:-200000000}")
+else
+    # This node's fabric settings, before its raylet starts: its workers inherit them.
+    # shellcheck source=deploy/slurm/fabric.sh
+    source "$here/fabric.sh"
+    if [[ -n ${ELASTIC_GPT_FABRIC_ENV:-} ]]; then
+        # shellcheck source=/dev/null
+        source "$ELASTIC_GPT_FABRIC_ENV"
+    fi
+    node=(--address="$3" --num-cpus="${ELASTIC_GPT_RAY_CPUS:-${SLURM_CPUS_ON_NODE:-1}}"
+          --labels="$labels,elastic-gpt/slurm-node=$SLURMD_NODENAME")
+    if [[ -n ${ELASTIC_GPT_RAY_OBJECT_STORE_BYTES:-} ]]; then
+        node+=(--object-store-memory="$ELASTIC_GPT_RAY_OBJECT_STORE_BYTES")
+    fi
 fi
 
-# This node's fabric settings, before its raylet starts: its workers inherit them.
-# shellcheck source=deploy/slurm/fabric.sh
-source "$here/fabric.sh"
-if [[ -n ${ELASTIC_GPT_FABRIC_ENV:-} ]]; then
-    # shellcheck source=/dev/null
-    source "$ELASTIC_GPT_FABRIC_ENV"
-fi
-store=()
-if [[ -n ${ELASTIC_GPT_RAY_OBJECT_STORE_BYTES:-} ]]; then
-    store=(--object-store-memory="$ELASTIC_GPT_RAY_OBJECT_STORE_BYTES")
-fi
-exec ray start --address="$3" --num-cpus="${ELASTIC_GPT_RAY_CPUS:-${SLURM_CPUS_ON_NODE:-1}}" \
-    --labels="$labels,elastic-gpt/slurm-node=$SLURMD_NODENAME" "${store[@]}" "${common[@]}"
+# Ray gives a starting node 30 s to register with the GCS (fixed in Ray 2.60), which a busy
+# head can miss; the allocation is still ours, so a start that failed is tried again. A node that
+# ran and then ended is not started again: the job's end, or a fault the run reacts to.
+for try in 1 2 3; do
+    # Every port this node listens on, free on this host now: other jobs (and other Ray
+    # clusters) may share the node.
+    mapfile -t port < <("$python" -m elastic_gpt.elastic.slurm free-ports 7)
+    started=$SECONDS
+    rc=0
+    ray start --block --disable-usage-stats --node-ip-address="$ip" --temp-dir="$tmp" \
+        --node-manager-port="${port[0]}" --object-manager-port="${port[1]}" \
+        --runtime-env-agent-port="${port[2]}" --metrics-export-port="${port[3]}" \
+        --dashboard-agent-grpc-port="${port[4]}" --dashboard-agent-listen-port="${port[5]}" \
+        --ray-client-server-port="${port[6]}" "${node[@]}" || rc=$?
+    ((rc != 0 && SECONDS - started < 90)) || exit "$rc"
+    echo "[elastic-gpt] ray start failed on ${SLURMD_NODENAME} (try $try of 3, exit $rc)" >&2
+done
+exit "$rc"
