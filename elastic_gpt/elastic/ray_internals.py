@@ -206,14 +206,15 @@ def alive_node_labels(address: str | None = None) -> dict[str, tuple[dict[str, s
 def nodes_in_use(address: str | None = None) -> set[str]:
     """Node ids on which anything holds resources now: a task, an actor, a placement group's
     bundle (a Ray Train group keeps its actors and bundles until its controller starts the next
-    group)."""
+    group). Objects in a node's store are not work: its object store memory is left out."""
     from ray.core.generated.autoscaler_pb2 import GetClusterResourceStateReply
 
     reply = GetClusterResourceStateReply()
     reply.ParseFromString(gcs_client(address).get_cluster_resource_state())
     return {node.node_id.hex() for node in reply.cluster_resource_state.node_states
             if any(node.available_resources.get(name, 0.0) < total
-                   for name, total in node.total_resources.items())}
+                   for name, total in node.total_resources.items()
+                   if name != "object_store_memory")}
 
 
 def kv_items_at(address: str | None, namespace: str) -> dict[bytes, bytes]:

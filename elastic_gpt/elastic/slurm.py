@@ -16,8 +16,10 @@ until the job ends.
 
 What a warning costs (docs/slurm.md): the trainer sees the drain within a membership poll, ends
 the step in flight, takes its just-in-time checkpoint at that step boundary (C2 data order: the
-rerun resumes at that step, nothing is repeated or skipped) and leaves the drained nodes, which
-then exit. The batch script requeues the main job once they are gone; a grow job just ends.
+rerun resumes at that step, nothing is repeated or skipped) and leaves the drained nodes. A
+drained raylet does not exit by itself (Ray Train keeps a stopped group's actors until it starts
+the next), so `drain` waits for the run's record of that stop instead; then the batch script
+requeues the main job, or a grow job ends, and the job's end stops its Ray steps.
 
 The command line the batch scripts call:
 
@@ -50,10 +52,10 @@ JOB_LABEL = "elastic-gpt/slurm-job"
 RUN_LABEL = "elastic-gpt/slurm-run"
 ROLE_LABEL = "elastic-gpt/node-role"
 
-# The parts of the warning's lead that do not scale with the model (seconds, each a bound seen on
-# a busy node): the drain helper's start (Python, then Ray's GCS client), the workers leaving the
-# drained nodes and those raylets exiting, and the requeue (the driver closing its MLflow run,
-# `scontrol requeue`).
+# The parts of the warning's lead that do not scale with the model (seconds; allowances of several
+# times what tests/test_slurm.py's run takes on two busy cores): the drain helper's start (Python,
+# then Ray's GCS client), the run's stop being seen, and the requeue (the driver closing its MLflow
+# run, `scontrol requeue`).
 HELPER_START_S = 10.0
 LEAVE_S = 10.0
 REQUEUE_S = 10.0
