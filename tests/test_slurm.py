@@ -96,37 +96,46 @@ def test_scripts_help_shows_the_submission():
         assert out.returncode == 0 and shows in out.stdout and "#SBATCH" not in out.stdout
 
 
-def test_lead_from_flags_and_from_a_plan(tmp_path):
+def lead(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic_gpt.elastic.slurm", "lead", *argv],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_lead_from_a_step_and_a_checkpoint_write(tmp_path, capsys):
     """The warning's lead: two steps and a checkpoint write with margin, plus what does not
-    scale with the model; from flags, or from `elastic-gpt plan --json`."""
-    def lead(*argv):
-        return subprocess.run([sys.executable, "-m", "elastic_gpt.elastic.slurm", "lead", *argv],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
-
-    out = lead("--step-s", "2", "--checkpoint-s", "30")
+    scale with the model; bad flags are one line and exit 2."""
+    out = lead("--step-s", "2", "--checkpoint-s", "30")  # as a user runs it
     assert out.returncode == 0 and int(out.stdout) == slurm_helpers.lead_seconds(2, 30)
-    # 1.5 x (2 steps of 2 s + 30 s) + 30 s fixed.
-    assert slurm_helpers.lead_seconds(2, 30) == 81
+    assert slurm_helpers.lead_seconds(2, 30) == 81  # 1.5 x (2 x 2 s + 30 s) + 30 s
     assert slurm_helpers.lead_seconds(4, 30) > slurm_helpers.lead_seconds(2, 30)
+    for argv, says in ((["--step-s", "2"], "pass --plan plan.json, or both --step-s and"),
+                       (["--plan", "p.json", "--step-s", "1"], "not both"),
+                       (["--plan", str(tmp_path / "none.json")], "does not exist"),
+                       (["--step-s", "-1", "--checkpoint-s", "1"], "argument --step-s")):
+        try:
+            code = slurm_helpers.main(["lead", *argv])
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and len(err.splitlines()) == 1, err
 
-    plan = tmp_path / "plan.json"
+
+@pytest.mark.slow
+def test_lead_from_a_plan(tmp_path):
+    """`elastic-gpt plan --json` gives the step and the checkpoint write the lead is made of."""
     made = subprocess.run([os.path.join(BIN, "elastic-gpt"), "plan", "--model", "gpt2-1.5b",
                            "--gpu", "H100", "--gpus", "64", "--tokens", "30e9", "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
+    plan = tmp_path / "plan.json"
     plan.write_text(made.stdout)
     summary = json.loads(made.stdout)
     out = lead("--plan", str(plan))
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == slurm_helpers.lead_seconds(summary["step_s"], summary["ckpt_write_s"])
-
-    for argv, says in ((["--step-s", "2"], "pass --plan plan.json, or both --step-s and"),
-                       (["--plan", str(plan), "--step-s", "1"], "not both"),
-                       (["--plan", str(tmp_path / "none.json")], "does not exist"),
-                       (["--step-s", "-1", "--checkpoint-s", "1"], "argument --step-s")):
-        out = lead(*argv)
-        assert out.returncode == 2 and says in out.stderr and len(out.stderr.splitlines()) == 1, \
-            out.stderr
+    plan.write_text("{}")
+    out = lead("--plan", str(plan))
+    assert out.returncode == 2 and "is not an `elastic-gpt plan --json` output" in out.stderr
 
 
 def test_time_left_is_read_as_squeue_writes_it():
@@ -214,6 +223,9 @@ def job_env(cluster: SlurmCluster, root: str, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+RUN_NAME = "slurm-run"
+
+
 def write_config(path: str, data: str, root: str, **train) -> str:
     """The small job: the tiny preset, 16 samples of 64 tokens a step, a step line each step, a
     checkpoint every 5 steps."""
@@ -231,8 +243,6 @@ def write_config(path: str, data: str, root: str, **train) -> str:
         yaml.safe_dump(cfg, f)
     return path
 
-
-RUN_NAME = "slurm-run"
 
 
 def seconds(runtime: str) -> int:
