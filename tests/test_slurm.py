@@ -252,9 +252,9 @@ def seconds(runtime: str) -> int:
     return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
 
-def worker_fabric(job_ids: set[str]) -> dict[str, set[str]]:
-    """NCCL_IB_HCA of the live Ray Train workers, by the Slurm job whose node runs them (read from
-    their environment, as NCCL in them would)."""
+def worker_fabric(cluster: SlurmCluster, job_ids: set[str]) -> dict[str, set[str]]:
+    """NCCL_IB_HCA of the live Ray Train workers of this Slurm cluster's jobs, by the job whose
+    node runs them (read from their environment, as NCCL in them would)."""
     found: dict[str, set[str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -268,7 +268,7 @@ def worker_fabric(job_ids: set[str]) -> dict[str, set[str]]:
         except OSError:
             continue
         job = env.get(b"SLURM_JOB_ID", b"").decode()
-        if job in job_ids:
+        if env.get(b"SLURM_CONF") == cluster.conf.encode() and job in job_ids:
             found.setdefault(job, set()).add(env.get(b"NCCL_IB_HCA", b"").decode())
     return found
 
@@ -331,7 +331,7 @@ def run(slurm, stdlib_dataset, tmp_path_factory):
                     GROW_SCRIPT, job.id, cwd=REPO, env=job_env(slurm, root, ELASTIC_GPT_SYSFS=grow_ib))
     grown = job.wait_for(step_at(2), timeout_s=180, after=shrunk.end())
     seen.update(grow=grow, grown=grown, grow_state=grow.state(),
-                fabric=worker_fabric({job.id, grow.id}))
+                fabric=worker_fabric(slurm, {job.id, grow.id}))
 
     # The grow job's own warning (the signal Slurm sends it before its time limit). What the run
     # says of it is read from n1's worker: n3's lines may not be sent before n3 goes.
