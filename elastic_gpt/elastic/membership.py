@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "elastic_gpt"
 POLL_S = 0.25
+STOP_RECORDS = ("last_restart", "last_failure")
+"""`RunRecords`' records of why an attempt ended (read from outside the run by elastic/slurm.py)."""
 PLACEMENT_GROUP = "placement_group"
 """`RunRecords`' record of a replica group's current placement group."""
 

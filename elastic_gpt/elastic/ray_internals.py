@@ -56,12 +56,21 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("ray._raylet", "RAY_NODE_ID_KEY"),
     # GcsClient forwards attribute access to InnerGcsClient, where its methods are defined.
     Api("ray._raylet", "InnerGcsClient",
-        members=("drain_node", "get_draining_nodes", "get_all_node_info"),
-        params={"drain_node": ("node_id", "reason", "reason_message", "deadline_timestamp_ms")},
+        members=("drain_node", "get_draining_nodes", "get_all_node_info", "internal_kv_keys",
+                 "internal_kv_multi_get", "get_cluster_resource_state"),
+        params={"drain_node": ("node_id", "reason", "reason_message", "deadline_timestamp_ms"),
+                "internal_kv_keys": ("prefix", "namespace"),
+                "internal_kv_multi_get": ("keys", "namespace")},
         imported=False),
+    # The autoscaler's view of each node: its free and total resources (node_resources_in_use).
+    Api("ray.core.generated.autoscaler_pb2", "GetClusterResourceStateReply",
+        members=("cluster_resource_state",)),
+    Api("ray.core.generated.autoscaler_pb2", "NodeState",
+        members=("node_id", "available_resources", "total_resources"), imported=False),
     Api("ray.core.generated.autoscaler_pb2", "DrainNodeReason",
         members=("Value", "DRAIN_NODE_REASON_PREEMPTION", "DRAIN_NODE_REASON_IDLE_TERMINATION")),
-    Api("ray.core.generated.gcs_pb2", "GcsNodeInfo", members=("ALIVE",)),
+    # A protobuf message: its fields are checked by name (alive_node_labels reads these two).
+    Api("ray.core.generated.gcs_pb2", "GcsNodeInfo", members=("ALIVE", "labels", "is_head_node")),
     Api("ray.experimental.internal_kv", "_internal_kv_put",
         params={"": ("key", "value", "overwrite", "namespace")}),
     Api("ray.experimental.internal_kv", "_internal_kv_get", params={"": ("key", "namespace")}),
@@ -182,6 +191,38 @@ def alive_nodes(address: str | None = None) -> dict[str, Raylet]:
     infos = gcs_client(address).get_all_node_info()
     return {nid.hex(): Raylet(info.node_manager_address, info.node_manager_port)
             for nid, info in infos.items() if info.state == GcsNodeInfo.ALIVE}
+
+
+def alive_node_labels(address: str | None = None) -> dict[str, tuple[dict[str, str], bool]]:
+    """Live `{node_id_hex: (labels, is_head)}` of the alive nodes: the labels `ray start --labels`
+    gave each node (and Ray's own `ray.io/*` ones), and whether it is the head."""
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    infos = gcs_client(address).get_all_node_info()
+    return {nid.hex(): (dict(info.labels), bool(info.is_head_node))
+            for nid, info in infos.items() if info.state == GcsNodeInfo.ALIVE}
+
+
+def nodes_in_use(address: str | None = None) -> set[str]:
+    """Node ids on which anything holds resources now: a task, an actor, a placement group's
+    bundle (a Ray Train group keeps its actors and bundles until its controller starts the next
+    group). Objects in a node's store are not work: its object store memory is left out."""
+    from ray.core.generated.autoscaler_pb2 import GetClusterResourceStateReply
+
+    reply = GetClusterResourceStateReply()
+    reply.ParseFromString(gcs_client(address).get_cluster_resource_state())
+    return {node.node_id.hex() for node in reply.cluster_resource_state.node_states
+            if any(node.available_resources.get(name, 0.0) < total
+                   for name, total in node.total_resources.items()
+                   if name != "object_store_memory")}
+
+
+def kv_items_at(address: str | None, namespace: str) -> dict[bytes, bytes]:
+    """Every key and value of one namespace of the GCS key-value store at `address`, through a
+    GCS client (no ray.init: the Slurm helpers read it from outside the run)."""
+    client = gcs_client(address)
+    keys = client.internal_kv_keys(b"", namespace=namespace.encode())
+    return dict(client.internal_kv_multi_get(keys, namespace=namespace.encode())) if keys else {}
 
 
 # Ray's drain reasons by the names elastic-gpt uses for them.
@@ -363,8 +404,10 @@ def api_problems(api: Api) -> list[str]:
     except (ImportError, AttributeError) as e:
         return [f"{api.qualname} is gone ({e})"]
     problems = []
+    fields = getattr(getattr(obj, "DESCRIPTOR", None), "fields_by_name", {})  # a protobuf's
     for member in api.members:
-        if not (hasattr(obj, member) or member in getattr(obj, "__dataclass_fields__", {})):
+        if not (hasattr(obj, member) or member in getattr(obj, "__dataclass_fields__", {})
+                or member in fields):
             problems.append(f"{api.qualname}.{member} is gone")
     for member, names in api.params.items():
         target = getattr(obj, member, None) if member else obj

@@ -422,6 +422,9 @@ def plan_summary(plan: Plan) -> dict:
         "max_steps": plan.max_steps, "time_to_train_s": plan.time_to_train_s,
         "goodput_on_demand": plan.on_demand.goodput, "goodput_spot": plan.spot.goodput,
         "ckpt_every_steps": plan.reliability.every_steps,
+        # The blocking checkpoint write: with step_s, what a warning before a scheduler's end
+        # must leave time for (elastic/slurm.py's lead).
+        "ckpt_write_s": plan.reliability.ckpt_write_s,
         "replica_groups": rg.layout.n_groups if rg else "off",
         "fault_tolerance": {market: _fault_tolerance_summary(ft)
                             for market, ft in plan.fault_tolerance_by_market.items()},
