@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastic_gpt.cost_model.memory import Memory, memory_per_gpu
 from elastic_gpt.cost_model.pipeline import KEPT_GATHERED, in_flight, p2p_bytes, rank_shape
 from elastic_gpt.cost_model.shape import dtype_bytes
 from elastic_gpt.cost_model.step_time import StepTime, step_time
-from elastic_gpt.dry_run.rank_step import RankResult
 from elastic_gpt.hardware import GiB
 from elastic_gpt.planner.inputs import PlanInputs
 from elastic_gpt.planner.training_plan import Plan, network
+
+if TYPE_CHECKING:  # the simulation imports torch; comparing its figures needs none
+    from elastic_gpt.dry_run.rank_step import RankResult
 
 # The memory tracker's categories (torch's FSDPMemTracker), grouped as the planner counts.
 TRACKER_GROUPS = {
