@@ -17,11 +17,11 @@ Why a window and not a count of slow checks in a row: slowness comes steady, in 
 than a step, or periodic, and a window's total counts it however it is spread in time; the
 window's slowest steps are left out so that a single slow step (a page-fault storm, a checkpoint
 write's contention) never makes a straggler, whatever its length. The bound: a rank slowed by at
-least the threshold from step s on fills a whole window with slowed steps by step s + window, and
-is named at the first share after that, so by step s + `straggler_window` +
-`straggler_every_steps` (at the slowed pace: the group's steps take the straggler's time); its
-node's drain is seen within a poll and the group stops at the next step boundary
-(docs/operations.md, "Training health").
+least the threshold from step s on (s past its attempt's first `WARMUP_STEPS`, which are not
+judged) fills a whole window with slowed steps by step s + window, and is named at the first share
+after that, so by step s + `straggler_window` + `straggler_every_steps` (at the slowed pace: the
+group's steps take the straggler's time); its node's drain is seen within a poll and the group
+stops at the next step boundary (docs/operations.md, "Training health").
 
 With replica groups each group's figure (its slowest rank's) is compared with the other groups'
 too: every `straggler_every_steps` steps the groups sum a vector with a slot per group in one
@@ -72,6 +72,11 @@ from elastic_gpt.tracking import metric_names as mn
 
 # The answer's checksum travels in float64 with the times: its residue below 2**52 is exact.
 ANSWER_MODULUS = 1 << 52
+
+WARMUP_STEPS = 3
+"""An attempt's first steps, not timed: one-off set-up (the first step's lazy initialisation,
+caches and allocators warming, the first checkpoint's writers starting) that lands on some ranks
+more than on others."""
 
 # The probe's work: n square matmuls of this size. On a GPU about a millisecond of an H100's
 # bf16 tensor cores; on a CPU thread tens of milliseconds.
@@ -155,7 +160,7 @@ class StragglerWatch:
         self.groups = groups if groups is not None and groups.group_count > 1 else None
         self.window = ComputeWindow(cfg.straggler_window)
         self.timer: ComputeTimer | None = None
-        self._steps = 0  # steps timed in this attempt (its first is not: one-off set-up)
+        self._steps = 0  # steps this attempt has taken (its first WARMUP_STEPS are not judged)
         self.evicted: set[int] = set()
         self.group_left = False  # replica groups: this group was found slow and leaves
         self.worst_ratio = 1.0
@@ -267,7 +272,7 @@ class StragglerWatch:
         if self.timer is not None:
             seconds = self.timer.end_step()
             self._steps += 1
-            if self._steps > 1:  # the attempt's first step carries one-off set-up
+            if self._steps > WARMUP_STEPS:
                 self.window.add(seconds)
         if self.groups is not None and self.active:
             self._judge_groups(self.groups.take_group_compute(), step, ledger)

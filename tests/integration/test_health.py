@@ -216,8 +216,8 @@ def test_the_skip_budget_stops_a_run_that_keeps_diverging(garbage_data, tmp_path
 def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
     """The default job (jobs/configs/mini.yaml: its model, batch, schedule, two workers and the
     default health settings) on the test corpus: no loss is flagged, not even one alone, no rank
-    is a straggler at any of the 14 shares of the ranks' compute, and the goodput ledger counts
-    next to no time as slow."""
+    is a straggler at any of the 14 shares of the ranks' compute (a window of 20 steps from the
+    4th step on), and the goodput ledger counts next to no time as slow."""
     from elastic_gpt.testing.gloo import run_gloo
 
     steps = 160
@@ -234,7 +234,7 @@ def test_the_default_job_trains_without_a_false_flag(stdlib_dataset, tmp_path):
     probes = [line for line in lines if "probe_s" in line]
     assert [p["step"] for p in probes] == list(range(10, steps + 1, 10))
     assert all(len(p["probe_s"]) == 2 and min(p["probe_s"]) > 0 for p in probes)
-    # The first share with a full window of 20 steps (the attempt's first step is not timed).
+    # The first share with a full window of 20 steps (the attempt's first steps are not judged).
     shares = [p for p in probes if "compute_s" in p]
     assert [p["step"] for p in shares] == list(range(30, steps + 1, 10))
     assert all(min(p["compute_s"]) > 0 for p in shares)
