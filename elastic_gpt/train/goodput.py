@@ -160,6 +160,10 @@ class GoodputLedger:
             # events after the checkpoint this attempt restored (whose ledger ends at its step),
             # and the work since then is moved from productive to lost below.
             self._take(newer)
+        elif newer is not None:
+            # A replica group back behind its peers restores a checkpoint they wrote since: its
+            # totals are theirs, and what only its previous attempt saw (why it left) is kept.
+            self.events = merge_events(self.events, newer.get("events") or [])
         lost_steps = max(0, (previous or {}).get("step", restored_step) - restored_step)
         lost_s = lost_steps * (previous or {}).get("avg_step_s", 0.0)
         # The previous attempt counted those steps as productive; they are being re-done.

@@ -80,3 +80,20 @@ def test_the_pace_is_per_world_size_and_travels_with_the_ledger():
     again.on_step(2.0)  # judged against the pace at W=2 at once
     assert again.slow_s == pytest.approx(1.0)
     assert again.pace_s(2, degraded=True) is None  # fewer replica groups: a pace of its own
+
+
+def test_a_group_back_behind_its_peers_keeps_the_events_only_it_saw():
+    """A replica group that left (found slow, drained) and came back restores a checkpoint its
+    peers wrote since: its totals are theirs, and why it left stays in the run's events."""
+    mine = _attempt(1)
+    mine.events.append({"kind": "straggler", "at": 50.0, "groups": [1]})
+    peers = _attempt(1)
+    for _ in range(30):
+        peers.on_step(1.0)
+    back = GoodputLedger.from_dict(peers.to_dict())
+    back.on_resume(restored_step=60, world_size=1, attempt_started=100.0,
+                   previous={"step": 18, "world_size": 1, "avg_step_s": 1.0, "at": 60.0,
+                             "ledger": mine.to_dict()},
+                   cause={"kind": "preemption", "reason": "node draining", "at": 61.0})
+    assert [e["kind"] for e in back.events] == ["straggler"]
+    assert back.productive_s == peers.productive_s and back.lost_steps == 0
