@@ -30,6 +30,7 @@ def _train(args) -> int:
     g = summary["goodput"]
     say(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}")
     say(f"[elastic-gpt] goodput {g['goodput']:.1%}: productive {g['productive_s']:.0f}s, "
+        f"slow {g.get('slow_s', 0):.0f}s, "
         f"recovery {g['recovery_s']:.0f}s, checkpoint {g['checkpoint_s']:.0f}s, "
         f"evaluation {g.get('eval_s', 0):.0f}s, lost "
         f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)"

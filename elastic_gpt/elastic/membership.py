@@ -48,6 +48,8 @@ class RunRecords:
     resize           the controller's request to restart at another size
     last_restart     why the previous attempt ended, if it was a planned restart
     last_failure     the same for a failure
+    group_start      when the scaling policy sized the newest group (its attempt's start-up
+                     breakdown)
     placement_group  a replica group's placement group, published by its rank 0: the driver
                      removes it when it stops the group's run for a fallback (replica_group_driver.py)
     """
