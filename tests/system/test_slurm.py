@@ -120,7 +120,6 @@ def test_lead_from_a_step_and_a_checkpoint_write(tmp_path, capsys):
         assert code == 2 and says in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.slow
 def test_lead_from_a_plan(tmp_path):
     """`elastic-gpt plan --json` gives the step and the checkpoint write the lead is made of."""
     made = subprocess.run([os.path.join(BIN, "elastic-gpt"), "plan", "--model", "gpt2-1.5b",
@@ -386,7 +385,6 @@ def trained_once(trained: list[tuple[int, float]], first: int, last: int) -> boo
     return sorted(steps) == list(range(first, last + 1))
 
 
-@pytest.mark.slow
 def test_batch_script_trains_on_two_emulated_nodes_to_completion(run, slurm):
     text, final = run["text"], run["final"]
     assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", text[-3000:]
@@ -405,7 +403,6 @@ def test_batch_script_trains_on_two_emulated_nodes_to_completion(run, slurm):
     assert not slurm.steps(run["job"].id)  # nothing of the job is left running
 
 
-@pytest.mark.slow
 def test_killed_node_step_shrinks_the_run_without_requeue(run):
     text, after = run["text"], run["after_kill"]
     # The job lives on (--no-kill): running, never requeued, the killed step gone, the others up.
@@ -425,7 +422,6 @@ def test_killed_node_step_shrinks_the_run_without_requeue(run):
     assert f"resumed from file://{run['root']}/ckpt/step_{resumed_from:08d}" in text
 
 
-@pytest.mark.slow
 def test_grow_job_grows_the_run_and_its_warning_shrinks_it_with_no_step_lost(run):
     text, grow_id, main_id = run["text"], run["grow"].id, run["job"].id
     assert run["grow_state"]["JobName"] == f"elastic-gpt-grow-{main_id}"
@@ -444,7 +440,6 @@ def test_grow_job_grows_the_run_and_its_warning_shrinks_it_with_no_step_lost(run
     assert trained_once(run["trained"], int(run["grown"].group(1)), k + 1)
 
 
-@pytest.mark.slow
 def test_time_limit_warning_drains_checkpoints_requeues_and_resumes(run):
     text, step, job_id = run["text"], run["step"], run["job"].id
     # Requeued once, by the script, before the time limit (never TIMEOUT).
@@ -469,14 +464,12 @@ def test_time_limit_warning_drains_checkpoints_requeues_and_resumes(run):
     assert trained_once(run["trained"], int(run["back"].group(1)), step + 6)
 
 
-@pytest.mark.slow
 def test_main_job_cancels_its_grow_jobs_when_it_ends(run):
     # The requeue ended the allocation: the grow job still pending was cancelled with it.
     assert run["pending_final"]["JobState"] == "CANCELLED"
     assert "cancelling grow job(s)" in run["text"][run["warned"].end():run["requeued"].end()]
 
 
-@pytest.mark.slow
 def test_train_tells_a_refused_token_from_an_unreachable_cluster(run):
     """The run's head refuses a shell without the job's token: one line that names the token and
     its fix, not "cannot reach the Ray cluster" (tests/test_bad_input.py has that one), exit 2,
