@@ -1,13 +1,15 @@
 """Restart cost: the time from a worker's start to its first step, fresh and resumed, split into
-the weight init, the checkpoint read and the rest.
+the weight init, the checkpoint read and the rest. (A node lost under a running group, from the
+kill to the first step at W-1 with every part of the restart: bench/bench_node_loss.py.)
 
     .venv/bin/python bench/bench_restart.py [--preset gpt2-774m] [--workers 2] [--code DIR]
                                             [--json out.json]
 
 W real Trainers over gloo, one process each: a fresh attempt trains one step and commits its
-checkpoint; a second attempt resumes from it and trains one more. The init and the read are timed
-around the Trainer's own calls (`init_sharded_weights` and `load_sharded`, as
-elastic_gpt.train.trainer looks them up), the first step from the Trainer's construction to the
+checkpoint; a second attempt resumes from it and trains one more. The init and the read are the
+Trainer's own figures (`Trainer.startup`), or for older code that lacks them timed around its calls
+(`init_sharded_weights` and `load_sharded`, as elastic_gpt.train.trainer looked them up), the
+first step from the Trainer's construction to the
 start of its first `train_step`: so the same script times older code too (`--code DIR`: a
 checkout of it, first on the path of every process). Figures are rank 0's; the checkpoint goes to
 a local folder (its write is not part of either attempt's startup).
@@ -46,7 +48,10 @@ def _attempt(rank: int, world: int, code: str | None, overrides: list[str]) -> d
                 times[name] += time.perf_counter() - t0
         return run
 
-    trainer_module.init_sharded_weights = timed("init_s", trainer_module.init_sharded_weights)
+    # Code that reports its own start by part (`Trainer.startup`) is read after the attempt;
+    # older code is timed around the calls it made.
+    if hasattr(trainer_module, "init_sharded_weights"):
+        trainer_module.init_sharded_weights = timed("init_s", trainer_module.init_sharded_weights)
     trainer_module.load_sharded = timed("checkpoint_read_s", trainer_module.load_sharded)
     step = trainer_module.Trainer.train_step
 
@@ -58,6 +63,8 @@ def _attempt(rank: int, world: int, code: str | None, overrides: list[str]) -> d
     started = time.perf_counter()
     trainer = trainer_module.Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
     trainer.train()
+    own = getattr(trainer, "startup", {})
+    times.update({k: own[k] for k in ("init_s", "checkpoint_read_s") if k in own})
     times["rest_s"] = times["to_first_step_s"] - times["init_s"] - times["checkpoint_read_s"]
     times["n_params"] = trainer.n_params
     return times

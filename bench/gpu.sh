@@ -7,7 +7,9 @@
 # copies; the tensor-parallel path compiled on a one-rank mesh against the plain model. First the
 # real Trainer at W=1 over NCCL: 30 steps, an async save, a resume. Under
 # 9 minutes on one H200 (most of it is compilation). Figures go to $OUT (or bench/) as
-# gpu_trainer_check.json and gpu_results.json, with the environment they were measured in.
+# gpu_trainer_check.json and gpu_results.json, with the environment they were measured in, and
+# the runs as the planner's measured calibration of this GPU, calibration.json
+# (`elastic-gpt plan --gpu <its row> --calibration calibration.json`, docs/planner.md).
 #
 #   bash bench/gpu.sh [extra args for bench/gpu_mfu.py, e.g. --models gpt2-124m --steps 10]
 set -euo pipefail
@@ -22,10 +24,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -x tests/unit/test_gpu_path.py tests/integration/test_gpu_path.py \
     -p no:cacheprovider 2>&1 | tail -3
 CUDA_VISIBLE_DEVICES="" "$PY" bench/gpu_mfu.py --cpu-dry-run --models tiny --float8-models tiny \
-    --steps 1 --warmup 1 --no-compile --json "$DEST/gpu_dry_run.json" > /dev/null
+    --steps 1 --warmup 1 --no-compile --json "$DEST/gpu_dry_run.json" --gpu H100 \
+    --calibration "$DEST/calibration_dry_run.json" > /dev/null
 CUDA_VISIBLE_DEVICES="" "$PY" bench/gpu_trainer_check.py --cpu-dry-run --steps 6 \
     --json "$DEST/gpu_trainer_dry_run.json" > /dev/null
 # The real Trainer on the GPU over NCCL: it learns, saves asynchronously, resumes (a minute).
 timeout 120 "$PY" bench/gpu_trainer_check.py --json "$DEST/gpu_trainer_check.json"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-timeout 390 "$PY" bench/gpu_mfu.py --json "$DEST/gpu_results.json" "$@"
+timeout 390 "$PY" bench/gpu_mfu.py --json "$DEST/gpu_results.json" \
+    --calibration "$DEST/calibration.json" "$@"

@@ -18,6 +18,11 @@ of each bf16 model profiled into its parts (bench/gpu_profile.py), and first of 
 tensor-parallel path compiled on a one-rank mesh, checked against the plain model. The compiler
 is reset before each model. `--cpu-dry-run` runs it all on the CPU (make test does, with
 CUDA hidden: tests/unit/test_gpu_path.py).
+
+`--calibration FILE` also writes the runs as a measured calibration of the planner
+(elastic_gpt/planner/calibration_file.py; `elastic-gpt plan --calibration FILE`): each model's
+throughput with the trainer's host read per step, on the planner's row for this chip (or
+`--gpu`), and prints the terms the planner fits to it beside the default's.
 """
 
 from __future__ import annotations
@@ -163,6 +168,11 @@ def main() -> None:
     ap.add_argument("--json", default="bench/gpu_results.json")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="run the same code on CPU with gloo (checks the script, not a figure)")
+    ap.add_argument("--calibration", metavar="FILE",
+                    help="also write the runs as a measured calibration for `elastic-gpt plan "
+                    "--calibration FILE`")
+    ap.add_argument("--gpu", help="the planner's GPU row the calibration is for (default: the "
+                    "row of the chip torch reports)")
     args = ap.parse_args()
     with one_rank_group(args.cpu_dry_run, "bench/gpu_mfu.py", 29533) as device:
         run(args, device)
@@ -183,6 +193,7 @@ def run(args, device: torch.device) -> None:
         json.dump(out, f, indent=1)
     if not smoke["equal"]:
         sys.exit("bench/gpu_mfu.py: the tensor-parallel path's losses differ from the plain one's")
+    row = calibration_row(args, out["environment"]["device"], device)
     # Each model in bf16 (one step of each profiled); 1.3b also in float8.
     runs = [(m, False) for m in args.models.split(",")]
     runs += [(m, True) for m in args.models.split(",") if m in args.float8_models.split(",")]
@@ -216,6 +227,77 @@ def run(args, device: torch.device) -> None:
         out["results"].append(r)
         with open(args.json, "w") as f:  # partial results survive a timeout
             json.dump(out, f, indent=1)
+        if row:  # so does the calibration of the runs so far
+            write_measured_calibration(args.calibration, row, out)
+    if row and args.cpu_dry_run:  # CPU figures on a GPU's row: the planner refuses to fit them
+        print(f"[gpu] calibration {args.calibration} written (a dry run's CPU figures: not one "
+              "to plan with)", flush=True)
+    elif row:
+        report_calibration(args.calibration, row)
+
+
+def measured_run(r: dict):
+    """One result as a run the planner can calibrate on: one GPU, FSDP2 on a world of one, no
+    recomputation, the trainer's host read per step."""
+    from elastic_gpt.model.config import preset_config
+    from elastic_gpt.planner.calibration_fit import MeasuredRun, ModelSpec
+
+    cfg = preset_config(r["model"], seq_len=r["seq_len"])
+    model = ModelSpec(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                      seq_len=cfg.seq_len, vocab_size=cfg.vocab_size)
+    return MeasuredRun(
+        f"{r['model']}{' float8' if r['float8'] else ''}, micro-batch {r['batch']}", model,
+        "", 1, r["batch"], r["host_sync_tokens_per_s"],
+        recompute=1.0 if r["activation_checkpointing"] else 0.0,
+        dtype="float8" if r["float8"] else "bfloat16", eager=not r["compile"],
+        reshard_after_forward=bool(r["reshard_after_forward"]))
+
+
+def calibration_row(args, device_name: str, device: torch.device) -> str | None:
+    """The planner's GPU row a --calibration is written for, or None (none asked for, or the
+    chip has no row and no --gpu names one: said once, and the benchmark goes on)."""
+    from elastic_gpt.hardware import get_gpu, gpu_for_device
+
+    if not args.calibration:
+        return None
+    if args.gpu:
+        return get_gpu(args.gpu).name
+    gpu = gpu_for_device(device_name) if device.type == "cuda" else None
+    if gpu is None:
+        print(f"[gpu] no calibration written: {device_name} has no row in the planner's GPU "
+              "table; pass --gpu NAME to say which row it is for", flush=True)
+        return None
+    return gpu.name
+
+
+def write_measured_calibration(path: str, row: str, out: dict) -> None:
+    import datetime
+
+    from elastic_gpt.planner.calibration_file import calibration_document, write_calibration
+
+    runs = [measured_run(r) for r in out["results"]]
+    write_calibration(path, calibration_document(
+        row, runs, written_by="bench/gpu_mfu.py", environment=out["environment"],
+        date=datetime.date.today().isoformat()))
+
+
+def report_calibration(path: str, row: str) -> None:
+    """What the planner fits to the file just written, beside the default's terms."""
+    from elastic_gpt.cost_model.calibration import DEFAULT_CALIBRATION
+    from elastic_gpt.hardware import GPUS, get_gpu
+    from elastic_gpt.planner.calibration_file import CalibrationFileError, load_calibration
+
+    try:
+        cal = load_calibration(path, dict(GPUS))
+    except CalibrationFileError as e:  # the figures above stand; say why the planner won't fit
+        print(f"[gpu] {e}", flush=True)
+        return
+    (family, fc), = cal.families.items()
+    default = DEFAULT_CALIBRATION.for_gpu(get_gpu(row))
+    print(f"[gpu] calibration {path}: {family} backward at {fc.terms.backward:.3f} of the kernel "
+          f"model (the default's: {default.terms.backward:.3f}), its runs {cal.spread[0]:.2f}-"
+          f"{cal.spread[1]:.2f}x its plans; `elastic-gpt plan --gpu {row} --calibration "
+          f"{path}` plans with it", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,7 @@ def _train(args) -> int:
     g = summary["goodput"]
     say(f"[elastic-gpt] done: step {summary['step']}, checkpoint {summary['checkpoint']}")
     say(f"[elastic-gpt] goodput {g['goodput']:.1%}: productive {g['productive_s']:.0f}s, "
+        f"slow {g.get('slow_s', 0):.0f}s, "
         f"recovery {g['recovery_s']:.0f}s, checkpoint {g['checkpoint_s']:.0f}s, "
         f"evaluation {g.get('eval_s', 0):.0f}s, lost "
         f"{g['lost_s']:.0f}s ({g['lost_steps']} steps re-done), {g['events']} event(s)"
@@ -140,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     im.set_defaults(func=_import_hf)
 
     for name, module, text in [("plan", "elastic_gpt.planner.cli", "capacity plan: memory, speed, cost"),
+                               ("dry-run", "elastic_gpt.dry_run.cli",
+                                "the trainer's build and step at full scale, on one CPU"),
                                ("tune", "elastic_gpt.planner.tune", "measure candidates on the cluster")]:
         try:
             mod = __import__(module, fromlist=["add_cli_arguments"])

@@ -279,10 +279,11 @@ class ElasticSection:
     worker_start_timeout_s: float = 20.0
     """How long to wait for a worker group's resources before retrying at the live size."""
     grow_settle_s: Annotated[float, Range(0)] = 30.0
-    """When capacity appears under a running group, wait this long after the first new node
-    before deciding on a grow, then size it to every node up by then: the nodes of a burst (a
-    cloud's batch of instances registers with Ray over tens of seconds) cost one restart, not one
-    each. A lost node is acted on at once."""
+    """When capacity appears under a running group and Ray's autoscaler reports more launches
+    in flight, wait for them at most this long after the first new node, then size the grow to
+    every node up by then: the nodes of a burst (a cloud's batch of instances registers with Ray
+    over tens of seconds) cost one restart, not one each. With none reported the group grows at
+    once. A lost node is acted on at once."""
     node_mtbf_h: Annotated[float, Range(0.001)] = 200.0
     """A node's mean time between losses, in hours, that the grow rule assumes until the run has
     a record of its own changes: a grow is made only when the larger group repays its restart
@@ -359,16 +360,20 @@ class HealthSection:
     nodes; health/silent_corruption.py): a replica that disagrees with the majority is overwritten
     from it before its corrupted value is used, and its node drained. 0: none."""
     straggler_action: Literal["evict", "report", "off"] = "evict"
-    """A rank whose device computes slower than its peers' (health/stragglers.py): evict drains
-    its node (the group restarts without it; the autoscaler replaces it), report only says so."""
+    """A rank whose compute is slower than its peers' (health/stragglers.py): evict drains its
+    node (the group restarts without it; the autoscaler replaces it; with replica groups the
+    slow group leaves), report only says so."""
     straggler_every_steps: Annotated[int, Range(0)] = 10
-    """Steps between straggler probes (every rank times the same fixed matmuls); 0: none."""
+    """Steps between shares of every rank's compute figure (one float each, in the all-reduce of
+    the device probe's known answer); 0: neither."""
+    straggler_window: Annotated[int, Range(2)] = 20
+    """The steps a rank's compute is judged over: the mean of its last this-many steps' compute,
+    its slowest tenth (at least one step) left out so that a single slow step never makes a
+    straggler. A rank slowed from step s on is named by step s + straggler_window +
+    straggler_every_steps; a shorter window names it sooner, and is moved more by noise."""
     straggler_slowdown: Annotated[float, Range(1)] = 1.5
-    """A rank whose probe takes this many times the ranks' median is slow (NVIDIA's resiliency
-    extension flags a GPU below 0.7 of the median performance, 1.43x)."""
-    straggler_checks: AtLeastOne = 5
-    """Consecutive slow probes that make a straggler: a rank slowed once (a page fault storm, a
-    neighbour's burst) is left alone."""
+    """A rank whose window's compute is this many times the ranks' (lower) median is a straggler
+    (NVIDIA's resiliency extension flags a GPU below 0.7 of the median performance, 1.43x)."""
 
 
 @dataclass

@@ -39,6 +39,22 @@ moved fails here, at import, naming the torch version.
   device mesh's, on gloo and NCCL alike; `collective_timeouts` reads back what each group's
   backends have (their `options._timeout`).
 
+- The dry run's pieces (elastic_gpt/dry_run/), imported only when one runs:
+  `fake_process_group` (torch's fake process group, `torch.testing._internal.distributed.fake_pg`:
+  one rank of any world size in one process, every collective a no-op), `fake_tensors`
+  (`FakeTensorMode`: tensors with shapes and no storage), `memory_tracker` (FSDP2's
+  `FSDPMemTracker`: every allocation by category, at its peak), `collective_of` (the process group
+  and bytes of a collective op, `fake_collectives.CollectiveOp`), and `fake_tensor_patches`, the
+  corrections torch needs to run the trainer's step on fake tensors: DTensor's sharding
+  propagation runs each op on whole (unsharded) fake tensors to learn its output's shape, which the
+  memory tracker would count as allocations (`ShardingPropagator._propagate_tensor_meta_non_cached`
+  is run with the tracker set aside); a strided shard's offsets are computed from a tensor of
+  indices that must hold values (`_StridedShard.local_shard_size_and_offset` runs outside the
+  fake mode); and a pipeline schedule's first step votes over the stages whether their shapes
+  are given up front (`_PipelineSchedule._warmup_p2p`, which reads the vote's value): on the fake
+  group no vote can be read, and the trainer gives every stage's shapes (parallel/pipeline.py
+  `StageIO`), so every stage is set static without one.
+
 The names are torch's own, so a reader can look them up. Nothing here knows about elastic-gpt.
 """
 
@@ -72,7 +88,8 @@ __all__ = ["CheckpointWrapper", "DefaultReduceScatter", "FsspecReader", "FsspecW
            "_create_cpu_state_dict",
            "bind_default_group", "checkpoint_wrapper", "collective_timeouts", "enable_async_tp",
            "flatten_mesh", "local_indices", "set_collective_timeout",
-           "set_element"]
+           "set_element", "fake_process_group", "fake_tensors", "memory_tracker", "collective_of",
+           "fake_tensor_patches"]
 
 
 def enable_async_tp(group_name: str) -> None:
@@ -178,3 +195,120 @@ def local_indices(shape, mesh, placements) -> list[torch.Tensor]:
                 len(indices[d]), mesh.size(mesh_dim), coordinate[mesh_dim])
             indices[d] = indices[d][offset:offset + size]
     return indices
+
+
+# ---- the dry run's pieces (imported when a dry run runs) -----------------------------------
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int):
+    """This process as rank `rank` of `world_size` on torch's fake process group for the
+    with-block: every collective returns at once and moves nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_tensors():
+    """A FakeTensorMode: tensors made in it have shapes, dtypes and devices, and no storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def memory_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
+    """FSDP2's memory tracker of the FSDP roots `roots` (the model, or a pipeline rank's stages)
+    and `optimizer`: a context manager that counts every allocation by category; `peak()` gives
+    them at the peak of the device's total. torch's tracker takes one root module (it walks its
+    `_root_mod.modules()`): several are given to it as one module list. It follows one forward
+    and backward of a root (`_fsdp_state_pre_forward` refuses a second); a step runs one per
+    micro-batch, so a root's record starts again at each of its forwards, and the peak over the
+    whole step is kept."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    class Tracker(FSDPMemTracker):
+        def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+            def again(*args, **kwargs):
+                parents = self._mod_tracker.parents - {self._mod_tracker.get_known_fqn(fsdp_mod)}
+                if (fsdp_mod in self.memory_tracking and not self._mod_tracker.is_bw
+                        and parents == {"Global"}):
+                    # This root's record only: a pipeline's other micro-batches are still
+                    # between their forward and backward, their blocks' records in use.
+                    del self.memory_tracking[fsdp_mod]
+                return inner(*args, **kwargs)
+            return again
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # Only the device's peak is read (`peak()`): torch's also walks every module's record
+            # on every op for per-module peaks, which at 96 checkpointed blocks is most of the
+            # dry run's time.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        def peak(self) -> dict[str, int]:
+            snapshot = self.get_tracker_snapshot("peak")
+            by_device = next(iter(snapshot.values()), {})
+            return {str(getattr(k, "value", k)): int(v) for k, v in by_device.items()}
+
+    tracker = Tracker(roots[0], optimizer)
+    if len(roots) > 1:
+        tracker._root_mod = torch.nn.ModuleList(roots)
+    return tracker
+
+
+def collective_of(func, args, kwargs, result):
+    """(process group, bytes of the tensor it moves) of a collective op seen in a dispatch mode,
+    or None for any other op. Bytes: the whole tensor an all-gather makes, the whole tensor a
+    reduce-scatter starts from, an all-reduce's tensor, a send's or receive's tensor."""
+    from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
+
+    if func not in collective_ops or func in sync_ops:
+        return None
+    return (CollectiveOp.get_process_group(func, args),
+            CollectiveOp.get_comm_tensor_size(func, result, args, kwargs))
+
+
+@contextlib.contextmanager
+def fake_tensor_patches():
+    """The corrections of the module docstring, for the with-block."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+    offsets = StridedShard.local_shard_size_and_offset
+    vote = _PipelineSchedule._warmup_p2p
+
+    def static_without_a_vote(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    def propagate_aside(self, op_schema):
+        with _disable_current_modes():  # no tracker: shapes only
+            return propagate(self, op_schema)
+
+    def offsets_with_values(*args, **kwargs):
+        with unset_fake_temporarily():
+            return offsets(*args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_aside
+    StridedShard.local_shard_size_and_offset = offsets_with_values
+    _PipelineSchedule._warmup_p2p = static_without_a_vote
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        StridedShard.local_shard_size_and_offset = offsets
+        _PipelineSchedule._warmup_p2p = vote

@@ -260,6 +260,16 @@ CASES = [
          "--write-config under /proc"),
     Case("plan-write-config-folder", ("plan", "--write-config", "{w.root}"), "is a folder",
          "--write-config names a folder"),
+    # ---- dry-run
+    Case("dry-run-float8", ("dry-run", "--gpu", "H100-80GB", "--dtype", "float8"),
+         "the dry run runs bf16 linears", "`--dtype float8` (torchao needs a GPU to trace)"),
+    Case("dry-run-config-missing", ("dry-run", "--config", "missing.yaml"),
+         "config file missing.yaml does not exist", "--config names no file"),
+    Case("dry-run-rank-beyond-world", ("dry-run", "--model", "gpt2-124m", "--gpus", "8",
+                                       "--ranks", "0,8"),
+         "--ranks 0,8 must be comma-separated ranks in [0, 8)", "a rank past the world"),
+    Case("dry-run-ranks-not-numbers", ("dry-run", "--ranks", "first"),
+         "--ranks first must be comma-separated ranks", "`--ranks first`"),
     # ---- prepare-data
     Case("prepare-no-input", ("prepare-data", "--input", "{w.root}/nothing-*.txt", "--output",
                               "{w.root}/out"),

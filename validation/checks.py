@@ -1,12 +1,15 @@
 """The published runs (runs.py) planned with their own settings: the plan's throughput beside the
 measured one, the bound DeepSpeed 2021's own collectives put on its ZeRO-3 rows, GPT-3 175B on
-1024 A100s left to choose its layout, and the range the product's step-time note is frozen from.
+1024 A100s left to choose its layout. These check the kernel model itself (uncalibrated: the
+speeds of the tuned stacks it was built on); the calibration of this trainer's software on top of
+it is calibration.py's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic_gpt.cost_model.calibration import UNCALIBRATED
 from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.shape import model_shape, training_flops_per_token
 from elastic_gpt.cost_model.step_time import MATMUL_EFFICIENCY
@@ -19,7 +22,6 @@ from validation.deepspeed_zero3_2021 import collectives
 from validation.megatron_2021 import MEGATRON_2021, MEGATRON_2021_KERNELS, Megatron2021
 from validation.runs import (
     DROPOUT,
-    FSDP_RUNS,
     RUNS,
     SELENE_NIC_GBPS,
     SELENE_NVLINK_GBPS,
@@ -51,10 +53,11 @@ class Checked:
 
 def plan_inputs(run: PublishedRun, calibrated: bool = True,
                 stages_per_rank: int | None = None) -> PlanInputs:
-    """The plan of `run` on its network with its software; `calibrated`: by the calibrated model
-    (the default), else by one efficiency for every FLOP (`--efficiency 0.6`). A run that gives
-    its micro-batch and its checkpointing ran with them: its count must fit the GPU's memory,
-    not also the margin the planner keeps for what the count leaves out (`--memory-margin`)."""
+    """The plan of `run` on its network with its software; `calibrated`: by the kernel model
+    (each kernel by its size; uncalibrated, the speeds of the stacks it was built on), else by
+    one efficiency for every FLOP (`--efficiency 0.6`). A run that gives its micro-batch and its
+    checkpointing ran with them: its count must fit the GPU's memory, not also the margin the
+    planner keeps for what the count leaves out (`--memory-margin`)."""
     network = (dict(intra_node_gbps=SELENE_NVLINK_GBPS, inter_node_gbps=SELENE_NIC_GBPS)
                if run.selene else {})
     if isinstance(run.software, Megatron2021):
@@ -72,7 +75,8 @@ def plan_inputs(run: PublishedRun, calibrated: bool = True,
         memory_margin=(0.0 if run.micro_batch and run.activation_checkpointing is not None
                        else MEMORY_MARGIN),
         hardware={**GPUS, TORCHTITAN_H100.name: TORCHTITAN_H100},
-        efficiency=None if calibrated else MATMUL_EFFICIENCY, **settings, **network)
+        efficiency=None if calibrated else MATMUL_EFFICIENCY, calibration=UNCALIBRATED,
+        **settings, **network)
 
 
 def gpt3_175b_on_1024(sc21_software: bool, megatron_layouts: bool = False) -> PlanInputs:
@@ -93,7 +97,7 @@ def gpt3_175b_on_1024(sc21_software: bool, megatron_layouts: bool = False) -> Pl
                       activation_checkpointing=True if sc21_software else None,
                       software=software, replica_groups="off", market="on-demand",
                       tokens=300e9, intra_node_gbps=SELENE_NVLINK_GBPS,
-                      inter_node_gbps=SELENE_NIC_GBPS, **layouts)
+                      inter_node_gbps=SELENE_NIC_GBPS, calibration=UNCALIBRATED, **layouts)
 
 
 MEGATRON_GPT3_EXAMPLE = dict(pp=16, pp_stages_per_rank=1, micro_batch_size=1)
@@ -144,14 +148,3 @@ def _sc21_tflops(run: PublishedRun, step_s: float) -> float:
 
 def check_all(calibrated: bool = True) -> list[Checked]:
     return [check(r, calibrated) for r in RUNS]
-
-
-def fsdp_runs_planned_too_fast(gpu_family: str) -> tuple[float, float, bool]:
-    """(least, most) planned over published throughput of the FSDP runs of this trainer's kind
-    (`FSDP_RUNS`) on GPUs of `gpu_family` ("A100", "H100"), or on any GPU when none ran on that
-    family, and whether they were that family's: how much faster than they ran the calibrated
-    model plans such runs. The product prints these frozen (elastic_gpt/planner/
-    fsdp_step_check.py)."""
-    same = [r for r in FSDP_RUNS if r.gpu.split("-")[0] == gpu_family]
-    ratios = [check(r).ratio for r in same or FSDP_RUNS]
-    return min(ratios), max(ratios), bool(same)

@@ -34,11 +34,12 @@ layout, network and software, and the throughput it was measured at (checks.py p
   them. Compared as model FLOP/s: their tokens per second x the plan's FLOPs per
   token of the GPT of that width and depth (their MFU's count, 6 x the parameters + 12 L h T).
 
-torchtitan's and MosaicML's runs are this trainer's kind of software (FSDP, flash attention, no
-tensor or pipeline parallelism): `FSDP_RUNS`, the runs the product's step-time note is frozen
-from (elastic_gpt/planner/fsdp_step_check.py). The plan's figure is the same FLOPs over the
-planned step time, for what these runs ran: for Megatron-LM, its dropout of 0.1 and its
-software of 2021.
+Every run here is planned by the kernel model as it stands (uncalibrated: checks.py), which is
+what the tuned stacks reach. torchtitan's and MosaicML's runs are this trainer's kind of software
+(FSDP, flash attention, no tensor or pipeline parallelism): `FSDP_RUNS`; they, with torchtitan's
+other published runs, are what the default calibration of this trainer's software is fitted and
+checked on (calibration_runs.py). The plan's figure is the same FLOPs over the planned step time,
+for what these runs ran: for Megatron-LM, its dropout of 0.1 and its software of 2021.
 """
 
 from __future__ import annotations
@@ -235,5 +236,4 @@ memory), not of the step time, which `RUNS` checks at scale."""
 
 FSDP_RUNS = tuple(r for r in RUNS if r.source in (TORCHTITAN, MOSAICML))
 """torchtitan's and MosaicML's runs at scale: this trainer's kind of software (FSDP, flash
-attention, no tensor or pipeline parallelism), what the product's step-time note is frozen
-from."""
+attention, no tensor or pipeline parallelism)."""

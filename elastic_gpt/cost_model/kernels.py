@@ -65,6 +65,9 @@ class Kernels:
     their matmuls at the float8 peak and ceiling, each bf16 operand read for its scale, read
     again and written in float8 first (5 bytes an element). Attention and the output layer stay
     in bf16."""
+    elementwise_bandwidth: float = 1.0
+    """The fraction of the modelled HBM bandwidth a block's elementwise kernels reach: below 1
+    for eager blocks, each op its own kernel (cost_model/calibration.py `eager_elementwise`)."""
 
     def matrix_efficiency(self, flops: float, float8: bool = False) -> float:
         """Calculon's curve, its top scaled to the GPU's measured bf16 (or float8) matmul
@@ -95,6 +98,10 @@ class Kernels:
         if nbytes <= 0:
             return 0.0
         return nbytes / (self.gpu.hbm_gbps * GB * step_efficiency(MEMORY_EFFICIENCY, nbytes))
+
+    def elementwise_s(self, nbytes: float) -> float:
+        """A block's elementwise kernel (norm, activation, residual add, dropout)."""
+        return self.memory_s(nbytes) / self.elementwise_bandwidth
 
 
 @dataclass(frozen=True)
@@ -149,12 +156,10 @@ def block_elementwise_s(k: Kernels, row: float, seq_row: float,
     residual add read their input and the gradient and write one, GELU the same at four rows.
     Dropout (after attn.c_proj and mlp.c_proj) reads a row and writes it and a one-byte mask,
     forward and backward."""
-    pb = k.act_bytes
-    dropouts = 2 * k.memory_s(2 * seq_row + seq_row / pb) if dropout > 0 else 0.0
-    forward = (2 * k.memory_s(2 * seq_row) + k.memory_s(2 * mlp_rows * row)
-               + 2 * k.memory_s(3 * seq_row) + dropouts)
-    backward = (2 * k.memory_s(3 * seq_row) + k.memory_s(3 * mlp_rows * row)
-                + 2 * k.memory_s(3 * seq_row) + dropouts)
+    pb, ew = k.act_bytes, k.elementwise_s
+    dropouts = 2 * ew(2 * seq_row + seq_row / pb) if dropout > 0 else 0.0
+    forward = (2 * ew(2 * seq_row) + ew(2 * mlp_rows * row) + 2 * ew(3 * seq_row) + dropouts)
+    backward = (2 * ew(3 * seq_row) + ew(3 * mlp_rows * row) + 2 * ew(3 * seq_row) + dropouts)
     return forward, backward
 
 

@@ -24,10 +24,10 @@ CONTEXT_GIB = 1.0
 """CUDA context, cuBLAS and NCCL workspaces, per GPU."""
 FRAGMENTATION = 0.05
 """Allocator fragmentation, as a share of the bytes allocated."""
-LOGIT_BYTES = 12
-"""Under tensor parallelism (the vocab-parallel loss on whole logits): three fp32 B*T*V/tp buffers
-are live at the loss's backward: log-softmax output, its gradient and the gradient w.r.t. the
-logits (the bf16 logits themselves are freed after the fp32 cast)."""
+LOGIT_BYTES = 16
+"""Under tensor parallelism (the vocab-parallel loss on whole logits): four fp32 B*T*V/tp buffers
+are live at the loss's backward: the fp32 cast of the logits, the log-softmax output, its
+gradient and the gradient w.r.t. the logits (`elastic-gpt dry-run` measures them so)."""
 CHUNK_FP32_BYTES = 12
 """Without tensor parallelism the loss is chunked (model/gpt.py `chunked_token_losses`): the
 logits' gradient in the compute dtype over all B*T*V, plus the fp32 work of one chunk of

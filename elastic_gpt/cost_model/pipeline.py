@@ -126,12 +126,14 @@ def in_flight(pp: int, micro_batches: int, stages_per_rank: int = 1,
               pp_rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `pp_rank` keeps at its peak, in units of one
     micro-batch through all of that rank's layers. 1F1B: min(p - rank, m). Interleaved (the
-    first rank, the most): min(p, m) (1 + (p - 1) / (p v))."""
+    first rank, the most): min(p, m) (1 + (p - 1) / (p v)), and never more than the step's m
+    micro-batches (a step of few micro-batches has no more to keep)."""
     if pp <= 1:
         return 1.0
     if stages_per_rank == 1:
         return float(min(pp - pp_rank, micro_batches))
-    return min(pp, micro_batches) * (1 + (pp - 1) / (pp * stages_per_rank))
+    return min(float(micro_batches),
+               min(pp, micro_batches) * (1 + (pp - 1) / (pp * stages_per_rank)))
 
 
 def p2p_bytes(pp: int, micro_batches: int, *, micro_batch: int, seq_len: int, n_embd: int,
@@ -150,36 +152,40 @@ def p2p_bytes(pp: int, micro_batches: int, *, micro_batch: int, seq_len: int, n_
 # ---- a pipeline rank as the planner sees it ----------------------------------------------------
 
 
+def rank_shape(shape: ModelShape, pp: int, stages_per_rank: int, pp_rank: int) -> ModelShape:
+    """The model as pipeline rank `pp_rank` holds it: its blocks, as parallel/pipeline.py's
+    `stage_layers` cuts them (stages r, r + pp, ...); a tied root on the first and the last rank
+    (each holds the tied wte: the memory of the whole root is counted on both), an untied one
+    split between them (the embedding on the first, the final norm and the output layer on the
+    last), on no rank between; the output layer's FLOPs on the last only."""
+    layers = stage_layers(shape.cfg, pp * stages_per_rank)
+    blocks = sum(len(layers[i]) for i in rank_stages(pp_rank, pp, stages_per_rank))
+    if shape.cfg.tie_embeddings:
+        root = embedding = shape.root_params if pp_rank in (0, pp - 1) else 0
+    else:
+        embedding = shape.embedding_params if pp_rank == 0 else 0
+        root = embedding + (shape.root_params - shape.embedding_params if pp_rank == pp - 1
+                            else 0)
+    return dataclasses.replace(
+        shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks), root_params=root,
+        embedding_params=embedding, params=root + blocks * shape.block_params,
+        head_fwd_flops_per_token=shape.head_fwd_flops_per_token if pp_rank == pp - 1 else 0.0)
+
+
 def rank_shapes(shape: ModelShape, pp: int, stages_per_rank: int = 1,
                 ) -> dict[int, ModelShape]:
-    """The model as the pipeline ranks that can be the costliest hold it, by rank: for each
-    number of blocks a rank holds, the first rank that holds that many (under 1F1B it keeps the
-    most micro-batches in flight of those), and the last rank (the output layer and the loss).
-    Their blocks are as parallel/pipeline.py's `stage_layers` cuts them (stages r, r + pp, ...);
-    a tied root is on the first and the last (each holds the tied wte: the memory of the whole
-    root is counted on both), an untied one split between them (the embedding on the first, the
-    final norm and the output layer on the last), on no rank between, and the output layer's
-    FLOPs are on the last only. When the blocks do not divide evenly a middle rank holds more
-    than the first or the last, and it sets the pace."""
+    """The model as the pipeline ranks that can be the costliest hold it (`rank_shape`), by rank:
+    for each number of blocks a rank holds, the first rank that holds that many (under 1F1B it
+    keeps the most micro-batches in flight of those), and the last rank (the output layer and the
+    loss). When the blocks do not divide evenly a middle rank holds more than the first or the
+    last, and it sets the pace."""
     layers = stage_layers(shape.cfg, pp * stages_per_rank)
     blocks = [sum(len(layers[i]) for i in rank_stages(r, pp, stages_per_rank)) for r in range(pp)]
     first_with: dict[int, int] = {}
     for rank, n in enumerate(blocks):
         first_with.setdefault(n, rank)
-
-    tied = shape.cfg.tie_embeddings
-
-    def held(rank: int) -> ModelShape:
-        embedding = shape.embedding_params if rank == 0 else 0
-        head = shape.root_params - shape.embedding_params if rank == pp - 1 else 0
-        root = (shape.root_params if rank in (0, pp - 1) else 0) if tied else embedding + head
-        return dataclasses.replace(
-            shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks[rank]), root_params=root,
-            embedding_params=root if tied else embedding,
-            params=root + blocks[rank] * shape.block_params,
-            head_fwd_flops_per_token=shape.head_fwd_flops_per_token if rank == pp - 1 else 0.0)
-
-    return {r: held(r) for r in sorted({*first_with.values(), pp - 1})}
+    return {r: rank_shape(shape, pp, stages_per_rank, r)
+            for r in sorted({*first_with.values(), pp - 1})}
 
 
 KEPT_GATHERED = dict(reshard_after_forward=False, grad_sync="step")

@@ -1,10 +1,11 @@
 """Step time: one optimizer step's compute and communication on the slowest rank, time to train,
 and the candidates the planner weighs.
 
-Compute is each kernel of a block by its size (kernels.py) or every FLOP at one efficiency; the
-model state's collectives, accumulation and optimizer step are the software's (software.py;
-this trainer's FSDP2 and HSDP: fsdp.py); the tensor-parallel collectives DTensor runs
-(tensor_parallel.py) are on the critical path. A `LayoutCandidate` is one setting of the search
+Compute is each kernel of a block by its size (kernels.py), at the speed a calibration
+(calibration.py) says this software reaches, or every FLOP at one efficiency; the model state's
+collectives, accumulation and optimizer step are the software's (software.py; this trainer's
+FSDP2 and HSDP: fsdp.py); the tensor-parallel collectives DTensor runs (tensor_parallel.py) are
+on the critical path. A `LayoutCandidate` is one setting of the search
 with the memory and step time predicted for it. Time to train is Narayanan et al. 2021, eq.
 (4). GPU peaks and bandwidths come from hardware.py.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_gpt.cost_model.calibration import DEFAULT_CALIBRATION, ComputeTerms
 from elastic_gpt.cost_model.kernels import Kernels, head_times
 from elastic_gpt.cost_model.memory import Memory
 from elastic_gpt.cost_model.mesh import Mesh
@@ -25,16 +27,16 @@ from elastic_gpt.hardware import GB, GPU
 MATMUL_EFFICIENCY = 0.6
 """The one fraction of peak FLOP/s the uncalibrated model runs every FLOP at (`plan
 --efficiency 0.6`). The default, efficiency None, is the calibrated model instead: each kernel
-by its size (cost_model/kernels.py) and each collective by NCCL's latency model, checked against
-published runs (docs/planner.md)."""
+by its size (cost_model/kernels.py) at the calibration's speed (cost_model/calibration.py) and
+each collective by NCCL's latency model, checked against published runs (docs/planner.md)."""
 
 
 @dataclass
 class StepTime:
     compute_s: float
     """Kernel time, recomputation included: every FLOP at peak x efficiency, or (efficiency
-    None) each kernel as cost_model/kernels.py costs it, and FSDP2's gradient accumulation
-    across micro-batches."""
+    None) each kernel as cost_model/kernels.py costs it at the calibration's speed, and FSDP2's
+    gradient accumulation across micro-batches."""
     comm_s: float
     """All FSDP collective time if none of it overlapped compute."""
     exposed_comm_s: float
@@ -70,7 +72,8 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
               micro_batches_per_rank: int, *, activation_checkpointing: bool,
               dtype: str = "bfloat16", grad_sync: str = "microbatch",
               efficiency: float | None = None, reshard_after_forward: bool = True, tp: int = 1,
-              hsdp: bool = False, software: Software = TRAINER) -> StepTime:
+              hsdp: bool = False, software: Software = TRAINER,
+              calibration: ComputeTerms | None = None, compiled: bool | None = None) -> StepTime:
     """One optimizer step on the slowest rank (the one with ceil(M / dp) micro-batches): its
     micro-batches' compute, the model state's collectives, accumulation and optimizer step
     (`software.model_state_step`; this trainer's FSDP2: fsdp.py, with its overlap), and the
@@ -80,10 +83,17 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     run on the intra-node link between the matmuls that need them, so they are on the critical
     path (none overlapped). hsdp: FSDP2's groups are the data-parallel ranks of one node
     (fsdp.py).
+
+    calibration: the terms the kernels run at (calibration.py); None, the default calibration's
+    for this GPU. compiled: whether the blocks are compiled; None, as a plan writes them
+    (`train.compile` with float8 only), so bf16 blocks run eager.
     """
     cfg, pb, L, k = shape.cfg, dtype_bytes(dtype), shape.cfg.n_layer, micro_batches_per_rank
     mesh = software.mesh(n_gpus, tp, hsdp, net.gpus_per_node)
-    kernels = Kernels(gpu, pb, float8=dtype == "float8")
+    terms = DEFAULT_CALIBRATION.for_gpu(gpu).terms if calibration is None else calibration
+    eager = not (dtype == "float8" if compiled is None else compiled)
+    kernels = Kernels(gpu, pb, float8=dtype == "float8",
+                      elementwise_bandwidth=terms.eager_elementwise if eager else 1.0)
     if efficiency is not None:  # every FLOP at one fraction of peak
         flops_s = gpu.peak_flops * efficiency
         tokens = micro_batch * cfg.seq_len
@@ -93,11 +103,13 @@ def step_time(shape: ModelShape, gpu: GPU, net: Network, n_gpus: int, micro_batc
     else:
         block = software.block_times(kernels, micro_batch, cfg, tp)
         fwd_blk = block.forward_s
-        bwd_blk = block.backward_s + (block.forward_s if activation_checkpointing else 0.0)
+        # the recomputed forward runs as a forward does
+        bwd_blk = (block.backward_s / terms.backward
+                   + (block.forward_s if activation_checkpointing else 0.0))
         head = 0.0
         if shape.head_fwd_flops_per_token:  # a pipeline's first rank has no output layer
             out = head_times(kernels, micro_batch, cfg.seq_len, cfg.n_embd, cfg.vocab_size, tp)
-            head = out.forward_s + out.backward_s
+            head = out.forward_s + out.backward_s / terms.backward
     compute_mb = L * (fwd_blk + bwd_blk) + head
 
     state = software.model_state_step(

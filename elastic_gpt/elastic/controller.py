@@ -7,8 +7,9 @@ How a membership change plays out:
   charges the sliding-hour budget and retries, and `LiveCapacityScalingPolicy` sizes the new group
   from live GCS state (alive, non-draining nodes and their free resources), so no placement group
   is ever sized to capacity that is gone. Workers resume from the newest committed checkpoint.
-* **Capacity gained.** The scaling policy sees more room than the group uses, gathers arrivals
-  for `elastic.grow_settle_s` (a burst of nodes is one restart), and posts a resize request if
+* **Capacity gained.** The scaling policy sees more room than the group uses, gathers the
+  arrivals Ray's autoscaler reports in flight for at most `elastic.grow_settle_s` (a burst of
+  nodes is one restart; with none in flight it grows at once), and posts a resize request if
   the larger group repays the restart before the next change expected (`resize_rule.py`); rank
   0's `WorkerMembership` picks it up, all ranks agree at the next step boundary (a flag in the
   per-step all-reduce), write a just-in-time checkpoint and raise `ElasticRestart`, which the

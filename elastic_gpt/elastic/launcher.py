@@ -129,6 +129,8 @@ def connect_ray(cfg: Config) -> bool:
         try:
             _probe_ray_address(os.environ["RAY_ADDRESS"])
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        except RayTokenRefused:
+            raise
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS="
                              f"{os.environ['RAY_ADDRESS']} ({first_line(e)}); start it with "
@@ -173,8 +175,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class RayTokenRefused(ValueError):
+    """The cluster answers but refuses this process's token (Ray's token authentication)."""
+
+
 def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
-    """ray.init retries an unreachable GCS for many minutes: fail fast when nothing listens."""
+    """ray.init retries an unreachable GCS for many minutes, and one that refuses its token too
+    (the refusal only in its C++ log): fail fast, and say which of the two it is."""
     import socket
     host, sep, port = address.split("://")[-1].rpartition(":")
     if not sep or not port.isdigit():
@@ -183,6 +190,19 @@ def _probe_ray_address(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as e:
         raise ConnectionError(f"nothing answers at {host}:{port}: {e}") from None
+    from ray.exceptions import AuthenticationError
+
+    from elastic_gpt.elastic.ray_internals import gcs_client
+    try:
+        gcs_client(f"{host}:{port}")
+    except AuthenticationError as e:
+        on = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        fix = ("set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the token the head was started "
+               "with" if on else "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
+               "RAY_AUTH_TOKEN_PATH) to the token the head was started with; this process sends "
+               "none without RAY_AUTH_MODE=token, even where ~/.ray/auth_token exists")
+        raise RayTokenRefused(f"the Ray cluster at RAY_ADDRESS={address} refused this process's "
+                              f"auth token ({first_line(e)}); {fix}") from None
 
 
 

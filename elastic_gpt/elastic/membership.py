@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "elastic_gpt"
 POLL_S = 0.25
+STOP_RECORDS = ("last_restart", "last_failure")
+"""`RunRecords`' records of why an attempt ended (read from outside the run by elastic/slurm.py)."""
 PLACEMENT_GROUP = "placement_group"
 """`RunRecords`' record of a replica group's current placement group."""
 
@@ -46,6 +48,8 @@ class RunRecords:
     resize           the controller's request to restart at another size
     last_restart     why the previous attempt ended, if it was a planned restart
     last_failure     the same for a failure
+    group_start      when the scaling policy sized the newest group (its attempt's start-up
+                     breakdown)
     placement_group  a replica group's placement group, published by its rank 0: the driver
                      removes it when it stops the group's run for a fallback (replica_group_driver.py)
     """

@@ -26,6 +26,7 @@ from elastic_gpt.elastic.ray_internals import (
     ResizeDecision,
     ScalingPolicy,
     node_id_label,
+    pending_launches,
     resources_per_worker,
 )
 from elastic_gpt.elastic.resize_rule import decide_grow
@@ -41,9 +42,11 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
     """Sizes and places each new group from live GCS state instead of the autoscaling
     coordinator's reserved view, which still counts dead nodes (the 60 s placement-group wait
     Ray's default hits): whole tensor-parallel groups per node, each worker pinned to its node
-    (`group_plan`; `tp` and `hsdp` are parallel.*). Grows a running group only after
-    `grow_settle_s` of more room, and only when the larger group repays its restart before the
-    next membership change expected (elastic/resize_rule.py; `node_mtbf_h` is its prior)."""
+    (`group_plan`; `tp` and `hsdp` are parallel.*). Grows a running group as soon as there is
+    more room, unless the autoscaler reports more launches coming (then it gathers them, for at
+    most `grow_settle_s`: `gather_arrivals`), and only when the larger group repays its restart
+    before the next membership change expected (elastic/resize_rule.py; `node_mtbf_h` is its
+    prior)."""
 
     def __init__(self, scaling_config, records: RunRecords, tp: int = 1, hsdp: str = "auto",
                  grow_settle_s: float = 0.0, node_mtbf_h: float = math.inf, pp: int = 1):
@@ -59,6 +62,7 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         self.last_group_nodes: dict[str, int] = {}
         self.last_group_pg = None
         self.more_room_since: float | None = None  # when live capacity first exceeded the group
+        self.gathering: int | None = None  # launches reported coming when last said (logged once)
         self.waiting_for: int | None = None  # a grow the rule said does not pay (logged once)
         self.warned_at = -math.inf  # last "fewer than min_workers" warning
 
@@ -120,6 +124,8 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         self._place(plan)
         log.info("elastic-gpt: starting %d workers (live capacity; per node %s)", n,
                  sorted(plan.values(), reverse=True))
+        # When this group was sized: the start of its placement in the attempt's breakdown.
+        best_effort(self.records.put, "group_start", {"at": time.time(), "workers": n})
         return ResizeDecision(num_workers=n,
                               resources_per_worker=resources_per_worker(self.scaling_config))
 
@@ -157,13 +163,20 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         plan = self._plan()
         fit = sum(plan.values())
         if fit <= current:
-            self.more_room_since, self.waiting_for = None, None
+            self.more_room_since, self.waiting_for, self.gathering = None, None, None
             return NoopDecision()
         if self.more_room_since is None:
             self.more_room_since = now
-            log.info("elastic-gpt: capacity for %d workers (running %d): gathering arrivals "
-                     "for %g s before deciding", fit, current, self.grow_settle_s)
-        if now - self.more_room_since < self.grow_settle_s or self.records.get("resize"):
+        if self.records.get("resize"):
+            return NoopDecision()
+        coming = 0 if fit >= self.scaling_config.max_workers else \
+            best_effort(pending_launches) or 0
+        if gather_arrivals(coming, now - self.more_room_since, self.grow_settle_s):
+            if self.gathering != coming:
+                self.gathering = coming
+                log.info("elastic-gpt: capacity for %d workers (running %d), and the autoscaler "
+                         "reports %d launch(es) coming: gathering them for at most %g s", fit,
+                         current, coming, self.grow_settle_s)
             return NoopDecision()
         progress = best_effort(self.records.get, "progress") or {}
         decision = decide_grow(ledger=progress.get("ledger") or {}, current=current, target=fit,
@@ -176,6 +189,14 @@ class LiveCapacityScalingPolicy(ScalingPolicy):
         log.info("elastic-gpt: %s; asking the workers to checkpoint and restart", decision.detail)
         self.records.put("resize", {"target": fit, "at": time.time(), "why": decision.detail})
         return NoopDecision()
+
+
+def gather_arrivals(coming: int, waited_s: float, most_s: float) -> bool:
+    """Whether a grow waits for more nodes: the autoscaler reports `coming` launches in flight
+    (a cloud's batch of instances registers with Ray over tens of seconds, and each arrival
+    would otherwise cost its own restart), for at most `most_s` since more room first appeared.
+    With none coming it grows at once: a single returning node waits for nothing."""
+    return coming > 0 and waited_s < most_s
 
 
 def group_plan(per_node: dict[str, int], max_workers: int, tp: int = 1,

@@ -56,12 +56,28 @@ PRIVATE_APIS: tuple[Api, ...] = (
     Api("ray._raylet", "RAY_NODE_ID_KEY"),
     # GcsClient forwards attribute access to InnerGcsClient, where its methods are defined.
     Api("ray._raylet", "InnerGcsClient",
-        members=("drain_node", "get_draining_nodes", "get_all_node_info"),
-        params={"drain_node": ("node_id", "reason", "reason_message", "deadline_timestamp_ms")},
+        members=("drain_node", "get_draining_nodes", "get_all_node_info", "internal_kv_keys",
+                 "internal_kv_multi_get", "get_cluster_resource_state", "get_cluster_status"),
+        params={"drain_node": ("node_id", "reason", "reason_message", "deadline_timestamp_ms"),
+                "internal_kv_keys": ("prefix", "namespace"),
+                "internal_kv_multi_get": ("keys", "namespace"),
+                "get_cluster_status": ("timeout_s",)},
         imported=False),
+    # The autoscaler's view of each node: its free and total resources (node_resources_in_use).
+    Api("ray.core.generated.autoscaler_pb2", "GetClusterResourceStateReply",
+        members=("cluster_resource_state",)),
+    Api("ray.core.generated.autoscaler_pb2", "NodeState",
+        members=("node_id", "available_resources", "total_resources"), imported=False),
+    # What the autoscalers report of the launches they have in flight: v2's state in the GCS
+    # (its reply read with fields `autoscaling_state.pending_instance_requests[].count` and
+    # `.pending_instances[].ip_address`), v1's status record in the key-value store.
+    Api("ray.core.generated.autoscaler_pb2", "GetClusterStatusReply",
+        members=("autoscaling_state",)),
+    Api("ray._private.ray_constants", "DEBUG_AUTOSCALING_STATUS"),
     Api("ray.core.generated.autoscaler_pb2", "DrainNodeReason",
         members=("Value", "DRAIN_NODE_REASON_PREEMPTION", "DRAIN_NODE_REASON_IDLE_TERMINATION")),
-    Api("ray.core.generated.gcs_pb2", "GcsNodeInfo", members=("ALIVE",)),
+    # A protobuf message: its fields are checked by name (alive_node_labels reads these two).
+    Api("ray.core.generated.gcs_pb2", "GcsNodeInfo", members=("ALIVE", "labels", "is_head_node")),
     Api("ray.experimental.internal_kv", "_internal_kv_put",
         params={"": ("key", "value", "overwrite", "namespace")}),
     Api("ray.experimental.internal_kv", "_internal_kv_get", params={"": ("key", "namespace")}),
@@ -112,6 +128,11 @@ TEST_APIS: tuple[Api, ...] = (
     Api("ray._raylet", "GCS_AUTOSCALER_CLUSTER_CONFIG_KEY"),
     Api("ray._raylet", "GCS_AUTOSCALER_STATE_NAMESPACE"),
     Api("ray.core.generated.autoscaler_pb2", "ClusterConfig"),  # its fields: the test reads back
+    # How autoscaler v2 reports its launches in flight to the GCS: a test stands in for one.
+    Api("ray.core.generated.autoscaler_pb2", "AutoscalingState",
+        members=("pending_instance_requests", "pending_instances", "autoscaler_state_version")),
+    Api("ray._raylet", "InnerGcsClient", members=("report_autoscaling_state",),
+        params={"report_autoscaling_state": ("timeout_s",)}, imported=False),
 )
 
 # Private members of public Ray classes.
@@ -184,6 +205,38 @@ def alive_nodes(address: str | None = None) -> dict[str, Raylet]:
             for nid, info in infos.items() if info.state == GcsNodeInfo.ALIVE}
 
 
+def alive_node_labels(address: str | None = None) -> dict[str, tuple[dict[str, str], bool]]:
+    """Live `{node_id_hex: (labels, is_head)}` of the alive nodes: the labels `ray start --labels`
+    gave each node (and Ray's own `ray.io/*` ones), and whether it is the head."""
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    infos = gcs_client(address).get_all_node_info()
+    return {nid.hex(): (dict(info.labels), bool(info.is_head_node))
+            for nid, info in infos.items() if info.state == GcsNodeInfo.ALIVE}
+
+
+def nodes_in_use(address: str | None = None) -> set[str]:
+    """Node ids on which anything holds resources now: a task, an actor, a placement group's
+    bundle (a Ray Train group keeps its actors and bundles until its controller starts the next
+    group). Objects in a node's store are not work: its object store memory is left out."""
+    from ray.core.generated.autoscaler_pb2 import GetClusterResourceStateReply
+
+    reply = GetClusterResourceStateReply()
+    reply.ParseFromString(gcs_client(address).get_cluster_resource_state())
+    return {node.node_id.hex() for node in reply.cluster_resource_state.node_states
+            if any(node.available_resources.get(name, 0.0) < total
+                   for name, total in node.total_resources.items()
+                   if name != "object_store_memory")}
+
+
+def kv_items_at(address: str | None, namespace: str) -> dict[bytes, bytes]:
+    """Every key and value of one namespace of the GCS key-value store at `address`, through a
+    GCS client (no ray.init: the Slurm helpers read it from outside the run)."""
+    client = gcs_client(address)
+    keys = client.internal_kv_keys(b"", namespace=namespace.encode())
+    return dict(client.internal_kv_multi_get(keys, namespace=namespace.encode())) if keys else {}
+
+
 # Ray's drain reasons by the names elastic-gpt uses for them.
 DRAIN_REASONS = {"preemption": "DRAIN_NODE_REASON_PREEMPTION",
                  "idle_termination": "DRAIN_NODE_REASON_IDLE_TERMINATION"}
@@ -235,6 +288,37 @@ def declared_max_resources() -> dict[str, int]:
     from ray._private.state import state
 
     return dict(state.get_max_resources_from_cluster_config() or {})
+
+
+AUTOSCALER_STATUS_STALE_S = 60.0
+"""Autoscaler v1's status record older than this is a monitor that has stopped: not counted."""
+
+
+def pending_launches(address: str | None = None) -> int:
+    """Nodes the cluster's autoscaler reports as coming: launches requested and not yet made,
+    and nodes made whose Ray has not registered yet (by IP: one whose address is an alive node's
+    has arrived). 0 where no autoscaler reports (a fixed cluster). Both of Ray's autoscalers are
+    read: v2 (KubeRay's, `RAY_enable_autoscaler_v2`) reports its state to the GCS, v1's monitor
+    (`ray up`'s) writes a status record to the key-value store every few seconds."""
+    import json
+    import time
+
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray.core.generated.autoscaler_pb2 import GetClusterStatusReply
+
+    alive_ips = {raylet.host for raylet in alive_nodes(address).values()}
+    reply = GetClusterStatusReply()
+    reply.ParseFromString(gcs_client(address).get_cluster_status(timeout_s=5))
+    state = reply.autoscaling_state
+    coming = sum(r.count for r in state.pending_instance_requests)
+    coming += sum(1 for i in state.pending_instances if i.ip_address not in alive_ips)
+    raw = kv_get(DEBUG_AUTOSCALING_STATUS.encode(), None)
+    status = json.loads(raw) if raw else {}
+    if time.time() - float(status.get("time", 0)) < AUTOSCALER_STATUS_STALE_S:
+        report = status.get("autoscaler_report") or {}
+        coming += sum((report.get("pending_launches") or {}).values())
+        coming += sum(1 for ip, *_ in report.get("pending_nodes") or [] if ip not in alive_ips)
+    return coming
 
 
 def node_id_label() -> str:
@@ -289,6 +373,35 @@ def publish_node_types(node_types: dict[str, tuple[dict[str, float], int]] | Non
             group.resources[key] = int(amount)
     kv_put(GCS_AUTOSCALER_CLUSTER_CONFIG_KEY.encode(), config.SerializeToString(),
            GCS_AUTOSCALER_STATE_NAMESPACE)
+
+
+def report_pending_launches(count: int) -> None:
+    """Report `count` node launches in flight to the GCS as autoscaler v2 does (each report
+    replaces the last), as a test's stand-in for an autoscaler bringing nodes up."""
+    from ray.core.generated.autoscaler_pb2 import AutoscalingState, GetClusterStatusReply
+
+    client = gcs_client()
+    current = GetClusterStatusReply()
+    current.ParseFromString(client.get_cluster_status(timeout_s=5))
+    state = AutoscalingState(
+        autoscaler_state_version=current.autoscaling_state.autoscaler_state_version + 1)
+    if count:
+        state.pending_instance_requests.add(instance_type_name="test-node",
+                                            ray_node_type_name="test-node", count=count)
+    client.report_autoscaling_state(state.SerializeToString(), timeout_s=5)
+
+
+def report_autoscaler_v1_status(pending_launches: dict[str, int],
+                                pending_nodes: list[tuple[str, str, str]], at: float) -> None:
+    """Write autoscaler v1's status record as its monitor does (`ray status` reads it), with
+    the launches and nodes in flight, as a test's stand-in for one; `at`: its time."""
+    import json
+
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+
+    status = {"time": at, "autoscaler_report": {"pending_launches": pending_launches,
+                                                "pending_nodes": [list(n) for n in pending_nodes]}}
+    kv_put(DEBUG_AUTOSCALING_STATUS.encode(), json.dumps(status).encode(), None)
 
 
 def prepare_cluster_config(config: dict) -> dict:
@@ -363,8 +476,11 @@ def api_problems(api: Api) -> list[str]:
     except (ImportError, AttributeError) as e:
         return [f"{api.qualname} is gone ({e})"]
     problems = []
+    # A protobuf message's fields are in its descriptor, not attributes of its class.
+    fields = getattr(getattr(obj, "DESCRIPTOR", None), "fields_by_name", {})
     for member in api.members:
-        if not (hasattr(obj, member) or member in getattr(obj, "__dataclass_fields__", {})):
+        if not (hasattr(obj, member) or member in getattr(obj, "__dataclass_fields__", {})
+                or member in fields):
             problems.append(f"{api.qualname}.{member} is gone")
     for member, names in api.params.items():
         target = getattr(obj, member, None) if member else obj

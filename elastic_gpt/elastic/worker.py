@@ -9,6 +9,8 @@ made here.
 
 from __future__ import annotations
 
+import time
+
 import ray
 import ray.train
 import ray.train.torch
@@ -26,6 +28,7 @@ from elastic_gpt.train.trainer import Trainer
 
 def train_loop_per_worker(loop_config: dict) -> None:
     """Ray Train entry point: everything a worker needs arrives in `loop_config` by value."""
+    entered_at = time.time()
     ctx = ray.train.get_context()
     cfg = config_from_dict(loop_config["config"])
     run_id = loop_config.get("mlflow_run_id")
@@ -64,6 +67,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
     trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=run_id, metrics=metrics,
                       membership=membership, rank_nodes=nodes, fault_tolerance=fault_tolerance,
                       device=ray.train.torch.get_device(), faults=faults.for_rank(rank))
+    # The attempt's start as the cluster saw it, beside the Trainer's own parts: reported with
+    # its first step (train/metrics.py `startup_breakdown`).
+    trainer.startup.update(built_s=time.time() - trainer.started, entered_at=entered_at)
+    if rank == 0:
+        trainer.startup.update(_group_start(loop_config["run_key"]))
     try:
         summary = trainer.train()
     except Exception as e:
@@ -77,6 +85,25 @@ def train_loop_per_worker(loop_config: dict) -> None:
         membership.close()
         metrics.close()
     ray.train.report({"step": summary["step"]})  # the ledger travels in the checkpoints
+
+
+def _group_start(run_key: str) -> dict[str, float]:
+    """When the scaling policy sized this group (`planned_at`, elastic/policies.py) and how long
+    Ray took to place it (`placement_s`: its placement group's creation, as the GCS timed it),
+    where known."""
+    from ray.util import get_current_placement_group
+    from ray.util.placement_group import placement_group_table
+
+    out = {}
+    planned = best_effort(RunRecords(run_key).get, "group_start") or {}
+    if planned.get("at"):
+        out["planned_at"] = float(planned["at"])
+    pg = get_current_placement_group()
+    table = (best_effort(placement_group_table, pg) or {}) if pg is not None else {}
+    stats = table.get("stats") or {}
+    if stats.get("end_to_end_creation_latency_ms"):
+        out["placement_s"] = stats["end_to_end_creation_latency_ms"] / 1e3
+    return out
 
 
 def _replica_groups(spec: dict, rank: int, world: int, cfg: Config) -> ReplicaGroupPath:

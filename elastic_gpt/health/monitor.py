@@ -1,8 +1,9 @@
 """The Trainer's training health behind the two calls its loop makes, `before_forward` (the
 state's checksum: HSDP's replicas and the replica groups' copies compared,
-health/silent_corruption.py) and `after_step` (loss spikes, health/recovery.py; stragglers and
-the devices' known answer, health/stragglers.py). Either may answer with a `Rollback`, which the
-Trainer makes (it owns the model, the optimizer and the data stream).
+health/silent_corruption.py; the step's compute timed from here) and `after_step` (loss spikes,
+health/recovery.py; stragglers and the devices' known answer, health/stragglers.py). Either
+may answer with a `Rollback`, which the Trainer makes (it owns the model, the optimizer and the
+data stream).
 
 Everything it acts through is handed in: the checkpointer (the run record it reads and writes,
 the checkpoints it discards), the fault-tolerance mode, the membership (nodes to drain), the
@@ -57,7 +58,8 @@ class TrainingHealth:
         probes = f"probes-{group_name}.jsonl" if group_name else "probes.jsonl"
         record = os.path.join(run_log_dir(cfg), probes) if cfg.run.storage_path else None
         self.stragglers = StragglerWatch(cfg.health, device=device, metrics=metrics,
-                                         record_path=record, faults=faults, **common)
+                                         record_path=record, faults=faults,
+                                         groups=fault_tolerance, **common)
         self.spikes.check_devices = lambda step, ledger: self.stragglers.wrong_answers(
             step, ledger, "before blaming a spike on the data")
         # Where the known answer may be asked for, each rank's first one is what it must keep.
@@ -91,6 +93,7 @@ class TrainingHealth:
         """Before the forward of the step after `step` steps: the rollback to make when the
         HSDP replicas disagree with no majority, else None (a corrupt replica is healed here)."""
         self.copies.after_verdict(step, ledger)
+        self.stragglers.before_step(model)  # this step's compute is timed from here
         due, copies_due = self.replicas.due(step), self.copies.due(step)
         checksum = self.spikes.before_step(model, step, checksum=due or copies_due,
                                            corrupt_gradient=self.faults.corrupt_gradient(step + 1))

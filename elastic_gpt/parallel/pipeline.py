@@ -31,12 +31,13 @@ Nothing here knows about Ray or the Trainer.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from elastic_gpt.cost_model.pipeline import PipelineLayoutError, rank_stages, stage_layers
 from elastic_gpt.model.families import spec_of
@@ -118,9 +119,46 @@ def summed_loss(scale: float):
     return loss_fn
 
 
+@dataclass(frozen=True)
+class StageIO:
+    """What crosses a stage boundary, given to torch's stages up front (static metadata: no shapes
+    exchanged at the first step, no buffers sized from what arrives): a micro-batch of `rows`
+    sequences of `seq_len` tokens; the residual stream in `dtype`, each tensor-parallel rank with
+    its 1/tp of the positions (sequence parallelism); the last stage's logits, over the
+    vocabulary's shards on `tp_mesh` when it is set (the vocab-parallel loss)."""
+
+    rows: int
+    seq_len: int
+    dtype: torch.dtype
+    tp_mesh: DeviceMesh | None = None
+
+    def examples(self, stage: Stage) -> dict:
+        """The keyword arguments of torch's PipelineStage that describe `stage`'s tensors."""
+        cfg, tp = stage.cfg, self.tp_mesh.size() if self.tp_mesh is not None else 1
+        # Hidden states carry gradients back across the boundary: they require grad.
+        hidden = torch.empty(self.rows, self.seq_len // tp, cfg.n_embd, dtype=self.dtype,
+                             device="meta", requires_grad=True)
+        inputs = (torch.empty(self.rows, self.seq_len, dtype=torch.long, device="meta")
+                  if stage.first else hidden)
+        if not stage.last:
+            return {"input_args": inputs, "output_args": hidden}
+        if self.tp_mesh is None:
+            logits = torch.empty(self.rows, self.seq_len, cfg.vocab_size, dtype=self.dtype,
+                                 device="meta", requires_grad=True)
+            return {"input_args": inputs, "output_args": logits}
+        local = torch.empty(self.rows, self.seq_len, cfg.vocab_size // tp, dtype=self.dtype,
+                            device="meta", requires_grad=True)
+        logits = DTensor.from_local(local, self.tp_mesh, [Shard(2)], run_check=False)
+        # A DTensor among them: torch needs the gradients' layout too.
+        return {"input_args": inputs, "output_args": logits, "input_grads": inputs,
+                "output_grads": logits}
+
+
 def build_schedule(stages: list[Stage], pp_group: dist.ProcessGroup, device: torch.device,
-                   n_microbatches: int, loss_fn, schedule: str):
-    """torch's schedule over this rank's stages; n_microbatches per step, at least pp."""
+                   n_microbatches: int, loss_fn, schedule: str, io: StageIO | None = None):
+    """torch's schedule over this rank's stages; n_microbatches per step, at least pp. `io`:
+    the tensors crossing the stages, given up front (else torch infers them at the first step,
+    exchanging them between the ranks)."""
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -140,7 +178,8 @@ def build_schedule(stages: list[Stage], pp_group: dist.ProcessGroup, device: tor
         raise PipelineLayoutError("parallel.pp_schedule=1f1b runs one stage per rank; use "
                                   "interleaved_1f1b for more")
     for s in stages:  # what runs each stage (its send and receive buffers, its cache)
-        s.runtime = PipelineStage(s, s.index, s.num_stages, device, group=pp_group)
+        s.runtime = PipelineStage(s, s.index, s.num_stages, device, group=pp_group,
+                                  **(io.examples(s) if io is not None else {}))
     pipeline_stages = [s.runtime for s in stages]
     if schedule == "1f1b":
         return Schedule1F1B(pipeline_stages[0], n_microbatches, loss_fn=loss_fn,
@@ -162,7 +201,10 @@ def run_step(schedule, stages: list[Stage], x: torch.Tensor | None,
     last = any(s.last for s in stages)
     losses: list[torch.Tensor] = []
     args = (x,) if first else ()
-    schedule.step(*args, target=y if last else None, losses=losses if last else None)
+    # Only the losses are kept: with its outputs returned, the last stage would hold every
+    # micro-batch's logits until the step ends (torch's default), m times what one needs.
+    schedule.step(*args, target=y if last else None, losses=losses if last else None,
+                  return_outputs=False)
     return _summed(losses) if last else None
 
 
@@ -177,8 +219,10 @@ class TiedEmbedding:
     gradients summed over the pair of ranks that hold them, every step, so both copies take the
     same update. Collective over the whole group at construction (each pair's process group)."""
 
-    def __init__(self, mesh: DeviceMesh, stages: list[Stage]):
-        """`mesh`: the whole named mesh, "pp" its first dim."""
+    def __init__(self, mesh: DeviceMesh, stages: list[Stage], grid: list):
+        """`mesh`: the whole named mesh, "pp" its first dim; `grid`: its ranks as nested lists,
+        read when the pipeline was built (the mesh's rank tensor is made on each read, and under
+        a dry run's fake tensors would have no values)."""
         pp = mesh.size(0)
         self.weight = next((s.wte.weight for s in stages if s.holds_tied_embedding), None)
         self.group = None
@@ -187,9 +231,9 @@ class TiedEmbedding:
         if pp == 2:  # the pipeline's own group is the pair: no communicator more
             self.group = mesh["pp"].get_group()
             return
-        ranks = mesh.mesh.reshape(pp, -1)
-        for column in range(ranks.size(1)):  # every rank makes every pair's group, in order
-            pair = [int(ranks[0, column]), int(ranks[pp - 1, column])]
+        first, last = _flat(grid[0]), _flat(grid[pp - 1])
+        for column in range(len(first)):  # every rank makes every pair's group, in order
+            pair = [first[column], last[column]]
             group = dist.new_group(pair)
             if dist.get_rank() in pair:
                 self.group = group
@@ -203,18 +247,28 @@ class TiedEmbedding:
         dist.all_reduce(local, group=self.group)
 
 
+def _flat(nested) -> list[int]:
+    if isinstance(nested, int):
+        return [nested]
+    return [r for item in nested for r in _flat(item)]
+
+
 def clip_grad_norm(stages: list[Stage], max_norm: float, pp_group: dist.ProcessGroup,
                    ) -> torch.Tensor:
     """Clip every stage's gradients to `max_norm` by the norm of the whole model's gradient;
-    returns that norm. Each stage's part is reduced over its data- and tensor-parallel shards
-    (DTensor), then over the pipeline; the tied embedding counts once (the first stage's)."""
+    returns that norm. This rank's part is one norm over all its stages' gradients, reduced over
+    their data- and tensor-parallel shards as DTensor does for an unpipelined model (an
+    all-reduce per placement, not per parameter), then its square over the pipeline; the tied
+    embedding counts once (the first stage's)."""
     grads = [p.grad for s in stages for name, p in s.named_parameters()
              if p.grad is not None
              and not (s.holds_tied_embedding and s.last and not s.first and name == "wte.weight")]
-    squares = [torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]
-    total = torch.zeros((), dtype=torch.float32, device=_device(stages))
-    for sq in squares:
-        total = total + (sq.full_tensor() if isinstance(sq, DTensor) else sq)
+    if grads:
+        mine = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        mine = (mine.full_tensor() if isinstance(mine, DTensor) else mine).float()
+    else:
+        mine = torch.zeros((), dtype=torch.float32, device=_device(stages))
+    total = mine * mine
     dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
     # Scaled shard by shard: the coefficient is the same plain number on every rank.
@@ -271,6 +325,7 @@ class Pipeline:
             parallelize(stage)
         self.model = RankModel(self.stages)
         self.mesh, self.schedule_name = mesh, schedule
+        self._rank_grid = mesh.mesh.tolist()
         self.first = any(s.first for s in self.stages)
         self.last = any(s.last for s in self.stages)
         self._schedule = None
@@ -297,8 +352,8 @@ class Pipeline:
         self._tied.sum_gradients()
         return self._unscaled(loss, device)
 
-    def prepare(self, n_microbatches: int, rows: int, scale: float,
-                device: torch.device) -> None:
+    def prepare(self, n_microbatches: int, rows: int, scale: float, device: torch.device,
+                compute_dtype: torch.dtype, vocab_sharded: bool) -> None:
         """Collective over the pipeline (the stages materialised): the schedule of
         `n_microbatches` of `rows` sequences per step with the loss times `scale`, and the tied
         embedding's pairs. Again when the step's split changes (a replica group's quorum: the
@@ -308,12 +363,14 @@ class Pipeline:
                                              self._scale):
             return
         self.micro_batches, self.micro_batch_rows = n_microbatches, rows
+        io = StageIO(rows, self.stages[0].cfg.seq_len, compute_dtype,
+                     self.mesh["tp"] if vocab_sharded else None)
         self._schedule = build_schedule(
             self.stages, self.mesh["pp"].get_group(), device, n_microbatches,
-            summed_loss(scale), self.schedule_name)
+            summed_loss(scale), self.schedule_name, io)
         self._scale = scale
         if self._tied is None:
-            self._tied = TiedEmbedding(self.mesh, self.stages)
+            self._tied = TiedEmbedding(self.mesh, self.stages, self._rank_grid)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, compute_dtype: torch.dtype,
@@ -328,7 +385,7 @@ class Pipeline:
         with self._context(compute_dtype, vocab_sharded, device):
             self._schedule.eval(*((x.to(device),) if self.first else ()),
                                 target=y.to(device) if self.last else None,
-                                losses=losses if self.last else None)
+                                losses=losses if self.last else None, return_outputs=False)
         for stage in self.stages:
             for module in stage.modules():
                 if isinstance(module, FSDPModule):

@@ -7,6 +7,10 @@ Lowest first; a module imports only the ones listed before it:
 
 - inputs.py: `PlanInputs` (what a plan is asked, with the assumptions' defaults), `PlanError`,
   the units.
+- calibration_fit.py: measured runs (`MeasuredRun`, each model as it ran), each planned in its
+  own layout, and the calibration's terms fitted to them.
+- calibration_file.py: a measured calibration as JSON (`plan --calibration FILE`): its format,
+  its one-line errors, its writers' document.
 - reliability.py: the restart path's goodput and checkpoint interval (Young/Daly), loss spikes.
 - restart_cost.py: what one restart costs, term by term (detection, restart, compilation, the
   checkpoint read).
@@ -17,8 +21,6 @@ Lowest first; a module imports only the ones listed before it:
   nothing does.
 - training_plan.py: `plan_training` -> `Plan`, and the defaults it recommends (GPT-3's batch and
   learning rate).
-- fsdp_step_check.py: how far the step-time model was from published FSDP runs, frozen, for the
-  report's note.
 - report.py: the text report, the JSON summary and the training config written.
 - cli.py: the `plan` command's flags and exit codes.
 - tune_candidates.py: `tune`'s candidates and the planner's pre-check and predictions for them.

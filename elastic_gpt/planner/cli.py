@@ -27,6 +27,7 @@ from elastic_gpt.arguments import (
 )
 from elastic_gpt.hardware import GPUS, load_overrides
 from elastic_gpt.model.config import PRESETS, ModelConfig, preset_config
+from elastic_gpt.planner.calibration_file import load_calibration
 from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PALM_STEPS_PER_SPIKE, PlanInputs
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
 from elastic_gpt.planner.training_plan import plan_training
@@ -117,6 +118,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                    "docs/planner.md)")
     h.add_argument("--achieved-tflops", type=positive_float,
                    help="measured end-to-end TFLOP/s per GPU; replaces the step-time model")
+    h.add_argument("--calibration", metavar="FILE",
+                   help="a measured calibration (JSON, written by bench/gpu.sh or `elastic-gpt "
+                   "tune --write-calibration`) replacing the default one fitted to published "
+                   "runs (docs/planner.md)")
     h.add_argument("--memory-margin", type=margin, default=0.10)
     h.add_argument("--hardware-file", help="YAML/JSON overriding GPU fields or prices")
     h.add_argument("--on-demand-price", type=non_negative_float, help="$ per GPU-hour")
@@ -170,6 +175,7 @@ def inputs_from_args(args) -> PlanInputs:
         model = preset_config(args.model, seq_len=args.seq_len, vocab_size=args.vocab_size,
                               **shape)
     hardware = load_overrides(args.hardware_file) if args.hardware_file else dict(GPUS)
+    calibration = load_calibration(args.calibration, hardware) if args.calibration else None
     ckpt = {"auto": None, "on": True, "off": False}[args.activation_checkpointing]
     return PlanInputs(
         model=model, seq_len=args.seq_len, vocab_size=args.vocab_size, gpu=args.gpu,
@@ -190,7 +196,7 @@ def inputs_from_args(args) -> PlanInputs:
         spike_every_steps=args.spike_every_steps,
         ckpt_every_steps=args.ckpt_every_steps, market=args.market, min_workers=args.min_workers,
         replica_groups=args.replica_groups,
-        replica_heartbeat_timeout_s=args.replica_heartbeat_timeout_s)
+        replica_heartbeat_timeout_s=args.replica_heartbeat_timeout_s, calibration=calibration)
 
 
 def run_from_args(args) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_gpt.cost_model.calibration import DEFAULT_CALIBRATION, Calibration, ComputeTerms
 from elastic_gpt.cost_model.memory import CONTEXT_GIB, FRAGMENTATION, MEMORY_MARGIN
 from elastic_gpt.cost_model.software import Software
 from elastic_gpt.cost_model.trainer_software import TRAINER
@@ -54,9 +55,13 @@ class PlanInputs:
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
     efficiency: float | None = None
-    """None: the calibrated model (each kernel at what its size reaches, cost_model/kernels.py;
-    NCCL's collective latencies); a fraction: every FLOP at that fraction of peak, a fixed
-    latency per collective."""
+    """None: the calibrated model (each kernel at what its size reaches, cost_model/kernels.py,
+    at the calibration's speed; NCCL's collective latencies); a fraction: every FLOP at that
+    fraction of peak, a fixed latency per collective."""
+    calibration: Calibration | None = None
+    """The speed this software runs the kernel model's kernels at, by GPU family
+    (cost_model/calibration.py). None: the default, fitted to published runs; `plan
+    --calibration FILE` a measured one (planner/calibration_file.py)."""
     achieved_flops_per_gpu: float | None = None
     """Measured end-to-end hardware FLOP/s per GPU (recompute included, comm included): replaces
     the compute + communication model for step time (Narayanan et al. report 140e12 on A100)."""
@@ -123,6 +128,11 @@ class PlanInputs:
     software: Software = TRAINER
     """The software whose step is costed (cost_model/software.py): this trainer. The validation
     wing plans published runs of other software through it."""
+
+
+def compute_terms(p: PlanInputs, gpu: GPU) -> ComputeTerms:
+    """The calibration's terms for the plan's GPU."""
+    return (p.calibration or DEFAULT_CALIBRATION).for_gpu(gpu).terms
 
 
 def resolve_model(model: str | ModelConfig, seq_len: int | None = None,

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from elastic_gpt.cost_model.calibration import PublishedMFU, best_published_mfu
+from elastic_gpt.cost_model.memory import LOGIT_BYTES
 from elastic_gpt.cost_model.shape import dtype_bytes
 from elastic_gpt.cost_model.step_time import LayoutCandidate
 from elastic_gpt.hardware import GB, PRICES_AS_OF, GiB
 from elastic_gpt.model.config import PRESETS, preset_config
-from elastic_gpt.planner.fsdp_step_check import planned_over_published
 from elastic_gpt.planner.inputs import DAY, HOUR
 from elastic_gpt.planner.replica_group_model import COLLECTIVE_TIMEOUT_S, FaultTolerance
 from elastic_gpt.planner.training_plan import Plan, trainer_parallel_keys
@@ -122,6 +123,7 @@ def format_report(plan: Plan) -> str:
         f"{plan.shape.model_flops_per_token / 1e9:.2f} GFLOP/token",
         f"hardware  {plan.n_gpus} x {plan.gpu.name} on {plan.nodes} node(s), "
         f"{plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak, {plan.gpu.memory_gib:.1f} GiB each",
+        f"compute   {calibration_line(plan)}",
         f"layout    {c.mesh.label()}",
         f"batch     {plan.global_batch_size} seqs x {cfg.seq_len} = {tok:,} tokens/step; "
         f"micro-batch {c.micro_batch}, {c.micro_batches_per_rank} per data-parallel rank per "
@@ -135,8 +137,9 @@ def format_report(plan: Plan) -> str:
             ("activations, checkpointing off / on",
              f"{gib(plan.memory_at_chosen[False].activations)} / "
              f"{gib(plan.memory_at_chosen[True].activations)}"),
-            ("logits for the loss (12 B x B x T x V" + (f" / {c.tp})" if c.tp > 1 else ")"),
-             gib(m.logits)),
+            (f"logits for the loss ({LOGIT_BYTES} B x B x T x V / {c.tp})"
+             if c.tp > 1 or c.mesh.pp > 1 else
+             "logits for the loss (their gradient, and one chunk)", gib(m.logits)),
             ("CUDA context + fragmentation", gib(m.overhead)),
             ("total", f"{gib(m.total)}  of {plan.usable_bytes / GiB:.1f} GiB usable "
                       f"({plan.gpu.memory_gib:.1f} minus margin)"),
@@ -164,6 +167,7 @@ def format_report(plan: Plan) -> str:
         f"{plan.tokens_per_s:,.0f} tokens/s, MFU {100 * plan.mfu:.1f}%",
         f"  {plan.tokens / 1e9:.3g}B tokens = {plan.max_steps:,} steps = "
         f"{_duration(plan.time_to_train_s)} of training",
+        *_range_lines(plan),
     ]
     if len(plan.layouts) > 1:
         lines += ["", "layouts weighed (the fastest fitting settings of each)"]
@@ -208,25 +212,87 @@ def format_report(plan: Plan) -> str:
         "",
         f"elastic floor: the chosen layout fits down to {plan.min_workers} worker(s)",
     ]
-    lines += [f"note: {n}" for n in plan.notes + _fsdp_step_notes(plan)]
+    lines += [f"note: {n}" for n in plan.notes + _calibration_notes(plan)]
     return "\n".join(lines)
 
 
-def _fsdp_step_notes(plan: Plan) -> list[str]:
-    """An FSDP-only layout's step, as the calibrated model plans it: how much faster than they
-    ran it planned the published FSDP runs of flash-attention stacks on the same GPU family
-    (fsdp_step_check.py, frozen), so that the reader knows which way it errs and what measures
-    it instead."""
-    c = plan.chosen
-    if not plan.calibrated_step or c.mesh.pp > 1 or c.tp > 1:
+def calibration_line(plan: Plan) -> str:
+    """What the step's compute speed rests on: the calibration's name and its terms for this
+    GPU, or what replaced it."""
+    if plan.achieved_flops_per_gpu:
+        return (f"the measured {plan.achieved_flops_per_gpu / 1e12:.0f} TFLOP/s per GPU "
+                "(--achieved-tflops); no calibration")
+    if not plan.calibrated_step:
+        return "every FLOP at one fraction of peak (--efficiency); no calibration"
+    fc = plan.family_calibration
+    if fc is None or not plan.calibration.families:
+        return f"calibration {plan.calibration.name}"
+    scaled = (f"; no run measured on {fc.family}: {fc.scaled_from}'s terms, the family nearest "
+              "it by datasheet (peak FLOP/s and HBM bandwidth)" if fc.scaled_from else "")
+    compiled = "compiled" if plan.dtype == "float8" else "eager"
+    return (f"calibration {plan.calibration.name}\n          {fc.family}: {fc.terms.describe()} "
+            f"({fc.evidence}{scaled}); this plan's blocks run {compiled}, as its written config "
+            "has them")
+
+
+def plan_ranges(plan: Plan) -> dict | None:
+    """The step, throughput, MFU, time and cost as the calibration's spread puts them: each
+    published run it was fitted and checked on ran between `least` and `most` times the
+    throughput the calibrated model plans for it. None: no calibrated step, or no spread."""
+    spread = plan.calibration.spread if plan.calibrated_step else None
+    if not spread:
+        return None
+    lo, hi = spread
+    return {"spread": [lo, hi], "step_s": [plan.step_s / hi, plan.step_s / lo],
+            "tokens_per_s": [plan.tokens_per_s * lo, plan.tokens_per_s * hi],
+            "mfu": [plan.mfu * lo, plan.mfu * hi],
+            "time_to_train_s": [plan.time_to_train_s / hi, plan.time_to_train_s / lo],
+            # first order: the goodput and the checkpoint interval barely move with the step
+            "cost_on_demand_usd": [plan.cost_usd(spot=False) / hi, plan.cost_usd(spot=False) / lo],
+            "cost_spot_usd": [plan.cost_usd(spot=True) / hi, plan.cost_usd(spot=True) / lo]}
+
+
+def class_best_mfu(plan: Plan) -> PublishedMFU | None:
+    """The best MFU a published bf16 run of the plan's class (GPU family, every block
+    recomputed or not) reached."""
+    if plan.dtype != "bfloat16":
+        return None
+    return best_published_mfu(plan.gpu, plan.chosen.activation_checkpointing)
+
+
+def _range_lines(plan: Plan) -> list[str]:
+    r = plan_ranges(plan)
+    if r is None:
         return []
-    family = plan.gpu.name.split("-")[0]
-    least, most, same = planned_over_published(family)
-    return [f"step time: this model plans the published FSDP runs of flash-attention stacks "
-            f"(torchtitan's, MosaicML's){f' on {family}s' if same else ''} {least:.2f}-"
-            f"{most:.2f}x faster than they ran (docs/planner.md, checked against published "
-            "runs): read this step as a lower bound; `elastic-gpt tune` measures it on your "
-            "workers, and --achieved-tflops plans from a measured figure"]
+    span = lambda k, f, sep="-": f"{f(r[k][0])}{sep}{f(r[k][1])}"  # noqa: E731
+    money = lambda x: "never ends" if math.isinf(x) else f"${x:,.0f}"  # noqa: E731
+    lines = [f"  range: the runs this calibration rests on ran {r['spread'][0]:.2f}-"
+             f"{r['spread'][1]:.2f}x the throughput it plans for them, so: step "
+             f"{span('step_s', lambda x: f'{x:.3f}')} s, MFU "
+             f"{span('mfu', lambda x: f'{100 * x:.1f}')}%, "
+             f"{span('time_to_train_s', _duration, ' to ')} of training, on demand "
+             f"{span('cost_on_demand_usd', money, ' to ')}, on spot "
+             f"{span('cost_spot_usd', money, ' to ')}"]
+    best = class_best_mfu(plan)
+    recompute = "every block recomputed" if plan.chosen.activation_checkpointing else \
+        "without full recomputation"
+    if best is not None:
+        lines.append(f"  best published MFU of this class ({plan.gpu.name.split('-')[0]}, "
+                     f"bf16, {recompute}): {100 * best.mfu:.1f}% ({best.run})")
+    elif plan.dtype == "bfloat16":
+        lines.append(f"  best published MFU of this class: none published for "
+                     f"{plan.gpu.name.split('-')[0]} in bf16 {recompute}")
+    return lines
+
+
+def _calibration_notes(plan: Plan) -> list[str]:
+    """Where the calibrated plan is above what any published run of its class reached."""
+    best = class_best_mfu(plan) if plan.calibrated_step else None
+    if best is None or plan.mfu <= best.mfu:
+        return []
+    return [f"the planned MFU ({100 * plan.mfu:.1f}%) is above the best published for its class "
+            f"({100 * best.mfu:.1f}%, {best.run}): read the step as optimistic, and measure it "
+            "(`elastic-gpt tune`, or bench/gpu.sh's calibration with --calibration)"]
 
 
 def _cost_line(plan: Plan, label: str, spot: bool) -> str:
@@ -372,6 +438,9 @@ def plan_summary(plan: Plan) -> dict:
         "max_steps": plan.max_steps, "time_to_train_s": plan.time_to_train_s,
         "goodput_on_demand": plan.on_demand.goodput, "goodput_spot": plan.spot.goodput,
         "ckpt_every_steps": plan.reliability.every_steps,
+        # The blocking checkpoint write: with step_s, what a warning before a scheduler's end
+        # must leave time for (elastic/slurm.py's lead).
+        "ckpt_write_s": plan.reliability.ckpt_write_s,
         "replica_groups": rg.layout.n_groups if rg else "off",
         "fault_tolerance": {market: _fault_tolerance_summary(ft)
                             for market, ft in plan.fault_tolerance_by_market.items()},
@@ -384,4 +453,18 @@ def plan_summary(plan: Plan) -> dict:
                      "memory_bytes": best.memory.total if best else floor.total}
                     for m, best, floor in plan.layouts],
         "config": training_config(plan),
+        "calibration": calibration_summary(plan),
     }
+
+
+def calibration_summary(plan: Plan) -> dict:
+    """The calibration the plan names, its terms for this GPU and the ranges it implies."""
+    fc = plan.family_calibration if plan.calibrated_step else None
+    best = class_best_mfu(plan)
+    return {"name": calibration_line(plan) if fc is None else plan.calibration.name,
+            "family": fc.family if fc else None,
+            "terms": dataclasses.asdict(fc.terms) if fc else None,
+            "evidence": fc.evidence if fc else None,
+            "scaled_from": fc.scaled_from if fc else None,
+            "ranges": plan_ranges(plan),
+            "best_published_mfu": {"mfu": best.mfu, "run": best.run} if best else None}

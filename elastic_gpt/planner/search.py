@@ -34,7 +34,7 @@ from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GB, GPU, GiB
 from elastic_gpt.model.config import ModelConfig
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
-from elastic_gpt.planner.inputs import PlanError, PlanInputs
+from elastic_gpt.planner.inputs import PlanError, PlanInputs, compute_terms
 from elastic_gpt.planner.replica_group_model import (
     ReplicaLayout,
     cross_group_allreduce,
@@ -172,6 +172,7 @@ def layout_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, 
                                      dp_shard=mesh.dp_shard, software=p.software)
                 st = step_time(shape, gpu, net, p.n_gpus, mb, k, activation_checkpointing=ckpt,
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                               calibration=compute_terms(p, gpu),
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp,
                                software=p.software)
                 out.append(LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh))
@@ -205,7 +206,8 @@ def _pipelined_candidate(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Networ
     """A pipeline mesh at micro-batch `mb`, `k` per rank, with the schedules' resharding and
     gradient sync (`KEPT_GATHERED`)."""
     st = pipelined_step_time(shape, gpu, net, mesh, mb, k, dtype=p.dtype,
-                             efficiency=p.efficiency, software=p.software,
+                             efficiency=p.efficiency, calibration=compute_terms(p, gpu),
+                             software=p.software,
                              activation_checkpointing=ckpt)
     return LayoutCandidate(mb, ckpt, "step", k, _pipelined_memory(p, shape, mesh, mb, k, ckpt),
                            st, False, mesh)
@@ -453,6 +455,7 @@ def replica_layouts(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network, G:
             away_s = step_time(shape, gpu, net, g, c.micro_batch, k_away,
                                activation_checkpointing=c.activation_checkpointing,
                                dtype=p.dtype, grad_sync=c.grad_sync, efficiency=p.efficiency,
+                               calibration=compute_terms(p, gpu),
                                reshard_after_forward=c.reshard_after_forward, tp=c.tp,
                                hsdp=c.hsdp, software=p.software).step_s
         _, ar_away_s = cross_group_allreduce(_rank_shape(shape, mesh), net, mesh, n - lost,
@@ -530,6 +533,7 @@ def _group_candidates(p: PlanInputs, shape: ModelShape, gpu: GPU, net: Network,
                     continue
                 st = step_time(shape, gpu, net, mesh.world, mb, k, activation_checkpointing=ckpt,
                                dtype=p.dtype, grad_sync=sync, efficiency=p.efficiency,
+                               calibration=compute_terms(p, gpu),
                                reshard_after_forward=reshard, tp=mesh.tp, hsdp=mesh.hsdp,
                                software=p.software)
                 yield LayoutCandidate(mb, ckpt, sync, k, mem, st, reshard, mesh), k_away

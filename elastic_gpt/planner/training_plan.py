@@ -13,6 +13,11 @@ import math
 from dataclasses import dataclass, field
 
 from elastic_gpt.config import ElasticSection
+from elastic_gpt.cost_model.calibration import (
+    DEFAULT_CALIBRATION,
+    Calibration,
+    FamilyCalibration,
+)
 from elastic_gpt.cost_model.memory import CHECKPOINT_BYTES_PER_PARAM, Memory, memory_per_gpu
 from elastic_gpt.cost_model.mesh import Mesh
 from elastic_gpt.cost_model.network import Network
@@ -84,8 +89,12 @@ class Plan:
     market: str
     achieved_flops_per_gpu: float | None = None
     calibrated_step: bool = False
-    """The step time is the calibrated model's (no --efficiency, no --achieved-tflops): what the
-    published FSDP runs check (report.py says how it fared on them)."""
+    """The step time is the calibrated model's (no --efficiency, no --achieved-tflops): read in
+    the calibration's spread (report.py)."""
+    calibration: Calibration = DEFAULT_CALIBRATION
+    """The calibration the step was planned with (when `calibrated_step`)."""
+    family_calibration: FamilyCalibration | None = None
+    """Its terms for this GPU, and what they rest on."""
     restart_cost: RestartCost | None = None
     """What one restart of the whole run costs, term by term (`recovery_s` of both markets)."""
     notes: list[str] = field(default_factory=list)
@@ -135,13 +144,23 @@ def plan_training(inputs: PlanInputs) -> Plan:
         raise PlanError(f"--market={p.market!r} must be spot or on-demand")
     shape = model_shape(cfg)
     gpu = get_gpu(p.gpu, p.hardware)
-    net = _network(p, gpu)
+    net = network(p, gpu)
     if p.dtype == "float8":
         p = _float8_inputs(p, gpu)
     if p.n_gpus < 1:
         raise PlanError(f"--gpus={p.n_gpus} must be at least 1")
     if p.efficiency is not None and not 0 < p.efficiency <= 1:
         raise PlanError(f"--efficiency={p.efficiency} must be in (0, 1]")
+    calibration = p.calibration or DEFAULT_CALIBRATION
+    if p.calibration is not None and p.calibration.families and (
+            p.efficiency is not None or p.achieved_flops_per_gpu):
+        raise PlanError("--calibration and --" + ("efficiency" if p.efficiency is not None
+                                                   else "achieved-tflops")
+                        + " both set the compute speed: pass one")
+    try:
+        family_calibration = calibration.for_gpu(gpu)
+    except ValueError as e:  # a measured calibration of another GPU
+        raise PlanError(str(e)) from None
     if p.replica_groups not in ("auto", "off") and not isinstance(p.replica_groups, int):
         raise PlanError(f"--replica-groups={p.replica_groups!r} must be auto, off or a count")
     if not p.replica_heartbeat_timeout_s >= MIN_HEARTBEAT_S:
@@ -284,6 +303,7 @@ def plan_training(inputs: PlanInputs) -> Plan:
         min_workers=p.min_workers or min_workers(p, shape, chosen, usable, G, net),
         dtype=p.dtype, market=p.market, achieved_flops_per_gpu=p.achieved_flops_per_gpu,
         calibrated_step=p.efficiency is None and not p.achieved_flops_per_gpu,
+        calibration=calibration, family_calibration=family_calibration,
         restart_cost=restart_cost,
         notes=notes, layouts=layouts, fault_tolerance_by_market=fault_tolerance,
         replica_heartbeat_timeout_s=p.replica_heartbeat_timeout_s)
@@ -355,7 +375,8 @@ def _float8_inputs(p: PlanInputs, gpu: GPU) -> PlanInputs:
     return dataclasses.replace(p, tp=1)
 
 
-def _network(p: PlanInputs, gpu: GPU) -> Network:
+def network(p: PlanInputs, gpu: GPU) -> Network:
+    """The network the plan times collectives on: the inputs' figures, else the GPU's."""
     return Network(gpus_per_node=p.gpus_per_node or gpu.gpus_per_node,
                    intra_node_gbps=p.intra_node_gbps or gpu.intra_node_gbps,
                    inter_node_gbps=p.inter_node_gbps or gpu.inter_node_gbps,

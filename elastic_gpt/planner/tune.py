@@ -189,9 +189,15 @@ def run_tune(args) -> int:
         micro_batch_sizes=mbs)
     layouts = dict(tps=tps, pps=pps, stages_per_rank=stages)
 
+    if args.write_calibration and chip is None:
+        raise ValueError("--write-calibration needs the workers' GPU row: pass --gpu NAME or set "
+                         "scaling.accelerator_type")
     started = connect_ray(cfg)
     try:
         gpu = use_gpu(cfg)
+        if args.write_calibration and not gpu:
+            raise ValueError("--write-calibration calibrates a GPU, and these workers have none "
+                             "(scaling.use_gpu): tune on GPU workers, or drop --write-calibration")
         device = "cuda" if gpu else "cpu"
         dtype = str(resolve_dtype(cfg.train.dtype, torch.device(device))).removeprefix("torch.")
         cands = candidate_list(G, world, mbs, cuda=gpu, n_layer=gpt_cfg.n_layer, **layouts)
@@ -280,6 +286,9 @@ def run_tune(args) -> int:
                        "stages_per_rank_choices": stages,
                        "rank_nodes": out["rank_nodes"], "reshard_after_forward": policy},
                       f, indent=1)
+    if args.write_calibration:
+        write_tune_calibration(args.write_calibration, rows, chip, gpt_cfg, cfg, world,
+                               len(set(out["rank_nodes"])))
     if winner is None:
         usable = budget_b * (1 - args.memory_margin)
         measured = [r for r in rows if r["held_bytes"] and not r["oom"]]
@@ -305,6 +314,45 @@ def run_tune(args) -> int:
         load_config(args.write_config)  # what we wrote must load
         print(f"wrote {args.write_config}")
     return 0
+
+
+def write_tune_calibration(path: str, rows: list[dict], chip, gpt_cfg, cfg: Config,
+                           world: int, nodes: int) -> None:
+    """Every candidate that ran, as a measured calibration of the planner for this GPU
+    (planner/calibration_file.py): its layout, the trainer's recomputation (selective
+    checkpointing recomputes only elementwise ops: counted as none), its tokens per second per
+    worker; the network is the GPU row's, the workers per node as they were placed."""
+    import datetime
+    import math
+
+    from elastic_gpt.planner.calibration_file import calibration_document, write_calibration
+    from elastic_gpt.planner.calibration_fit import MeasuredRun, ModelSpec
+
+    full = cfg.train.activation_checkpointing_mode == "full"
+    model = ModelSpec(n_layer=gpt_cfg.n_layer, n_embd=gpt_cfg.n_embd, n_head=gpt_cfg.n_head,
+                      seq_len=gpt_cfg.seq_len, vocab_size=gpt_cfg.vocab_size)
+    G, runs = cfg.train.global_batch_size, []
+    for r in rows:
+        if not r["step_s"] or r["oom"] or r["error"] or r.get("refused") or r.get("skipped"):
+            continue
+        s = settings_of(r)
+        dp = world // (s.tp * s.pp)
+        runs.append(MeasuredRun(
+            s.label, model, chip.name, world, s.micro_batch, r["tokens_per_s"] / world,
+            micro_batches_per_rank=math.ceil(G / s.micro_batch / dp), tp=s.tp, pp=s.pp,
+            pp_stages_per_rank=s.stages_per_rank, hsdp=s.hsdp,
+            recompute=1.0 if s.activation_checkpointing and full else 0.0,
+            dtype="float8" if cfg.train.float8 else "bfloat16", eager=not s.compile,
+            reshard_after_forward=bool(r["reshard_after_forward"]),
+            grad_sync="step" if s.pp > 1 else r["grad_sync"],
+            network=(world // nodes, chip.intra_node_gbps, chip.inter_node_gbps)))
+    if not runs:
+        raise ValueError(f"--write-calibration {path}: no candidate ran to the end, so there is "
+                         "nothing to calibrate on")
+    write_calibration(path, calibration_document(
+        chip.name, runs, written_by="elastic-gpt tune", date=datetime.date.today().isoformat()))
+    print(f"wrote {path} ({len(runs)} measured run(s); `elastic-gpt plan --gpu {chip.name} "
+          f"--calibration {path}`)")
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
@@ -352,6 +400,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              "parallel.tp/hsdp keys (and parallel.pp/pp_schedule/"
                              "pp_stages_per_rank for a pipeline)")
     parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    parser.add_argument("--write-calibration", metavar="FILE",
+                        help="also write every candidate measured as the planner's calibration "
+                             "of this GPU (`elastic-gpt plan --calibration FILE`; GPU workers)")
 
 
 def _int_list(flag: str, text: str | None) -> list[int] | None:

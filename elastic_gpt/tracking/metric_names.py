@@ -57,6 +57,17 @@ EVENT_LOST_STEPS = DEBUG_PREFIX + "event_lost_steps"
 STARTUP_S = DEBUG_PREFIX + "startup_s"
 STARTUP_INIT_S = DEBUG_PREFIX + "startup_init_s"
 STARTUP_CHECKPOINT_READ_S = DEBUG_PREFIX + "startup_checkpoint_read_s"
+# ...and the attempt's start by part, in order (train/metrics.py `startup_breakdown`), where
+# known: the controller (the failure or restart request to the group sized), the placement (its
+# placement group made), the worker start (to the Trainer's construction: actors, imports, the
+# process group), the build (the Trainer: data, mesh, model, optimizer), the rest before the first
+# step, and the first step itself (logged with it).
+STARTUP_CONTROLLER_S = DEBUG_PREFIX + "startup_controller_s"
+STARTUP_PLACEMENT_S = DEBUG_PREFIX + "startup_placement_s"
+STARTUP_WORKER_START_S = DEBUG_PREFIX + "startup_worker_start_s"
+STARTUP_BUILD_S = DEBUG_PREFIX + "startup_build_s"
+STARTUP_TO_FIRST_STEP_S = DEBUG_PREFIX + "startup_to_first_step_s"
+STARTUP_FIRST_STEP_S = DEBUG_PREFIX + "startup_first_step_s"
 
 # Training health (health/recovery.py), logged at the step a spike is acted on: the run's totals.
 HEALTH_PREFIX = "system/health/"
@@ -64,11 +75,13 @@ HEALTH_SPIKES = HEALTH_PREFIX + "spikes"
 HEALTH_ROLLBACKS = HEALTH_PREFIX + "rollbacks"
 HEALTH_SKIPPED_STEPS = HEALTH_PREFIX + "skipped_steps"
 HEALTH_HARDWARE_FAULTS = HEALTH_PREFIX + "hardware_faults"
-# At each straggler probe (health/stragglers.py): the ranks' median time for the fixed matmuls, the
-# slowest rank's time over it, and which rank that is.
-HEALTH_PROBE_MEDIAN_S = HEALTH_PREFIX + "probe_median_s"
-HEALTH_PROBE_SLOWEST_RATIO = HEALTH_PREFIX + "probe_slowest_ratio"
-HEALTH_PROBE_SLOWEST_RANK = HEALTH_PREFIX + "probe_slowest_rank"
+# At each share of the ranks' compute (health/stragglers.py, every health.straggler_every_steps
+# steps): each rank's compute per step over its window (`rank_compute_s`), the ranks' median, the
+# slowest rank's figure over it, and which rank that is.
+HEALTH_COMPUTE_MEDIAN_S = HEALTH_PREFIX + "compute_median_s"
+HEALTH_COMPUTE_SLOWEST_RATIO = HEALTH_PREFIX + "compute_slowest_ratio"
+HEALTH_COMPUTE_SLOWEST_RANK = HEALTH_PREFIX + "compute_slowest_rank"
+RANK_COMPUTE_PREFIX = HEALTH_PREFIX + "compute_s/rank_"
 
 # MLflow's own names for host metrics (what `mlflow.start_run(log_system_metrics=True)` logs).
 SYSTEM_CPU_PERCENT = "system/cpu_utilization_percentage"
@@ -93,6 +106,11 @@ def source_samples_seen(source: str) -> str:
     return f"system/data/samples_seen/{source}"
 
 
+def rank_compute_s(rank: int) -> str:
+    """One rank's compute per step over the straggler window (health/stragglers.py)."""
+    return f"{RANK_COMPUTE_PREFIX}{rank}"
+
+
 def gpu_memory_mb(index: int) -> str:
     return f"system/gpu_{index}_memory_usage_megabytes"
 
@@ -105,12 +123,16 @@ VAL_METRICS = (VAL_LOSS, VAL_PERPLEXITY, VAL_BITS_PER_BYTE)
 FIXED_NAMES = frozenset((*STEP_METRICS, *VAL_METRICS, TRAIN_REPLICA_GROUPS, GOODPUT,
                          GOODPUT_EVENTS, GOODPUT_LOST_STEPS, GOODPUT_WALL_S, EVENT_RECOVERY_S,
                          EVENT_LOST_STEPS, STARTUP_S, STARTUP_INIT_S, STARTUP_CHECKPOINT_READ_S,
+                         STARTUP_CONTROLLER_S, STARTUP_PLACEMENT_S, STARTUP_WORKER_START_S,
+                         STARTUP_BUILD_S, STARTUP_TO_FIRST_STEP_S, STARTUP_FIRST_STEP_S,
                          HEALTH_SPIKES, HEALTH_ROLLBACKS, HEALTH_SKIPPED_STEPS,
-                         HEALTH_HARDWARE_FAULTS, HEALTH_PROBE_MEDIAN_S, HEALTH_PROBE_SLOWEST_RATIO,
-                         HEALTH_PROBE_SLOWEST_RANK, SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB,
-                         SYSTEM_MEMORY_PERCENT, SYSTEM_PROCESS_RSS_MB))
-# Families whose last part is a ledger key, a cluster resource, a source or a GPU index.
-FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_")
+                         HEALTH_HARDWARE_FAULTS, HEALTH_COMPUTE_MEDIAN_S,
+                         HEALTH_COMPUTE_SLOWEST_RATIO, HEALTH_COMPUTE_SLOWEST_RANK,
+                         SYSTEM_CPU_PERCENT, SYSTEM_MEMORY_MB, SYSTEM_MEMORY_PERCENT,
+                         SYSTEM_PROCESS_RSS_MB))
+# Families whose last part is a ledger key, a cluster resource, a source, a GPU index or a rank.
+FAMILY_PREFIXES = (GOODPUT_PREFIX, CLUSTER_PREFIX, "system/data/samples_seen/", "system/gpu_",
+                   RANK_COMPUTE_PREFIX)
 
 
 def is_known(name: str) -> bool:

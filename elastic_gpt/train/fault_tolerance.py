@@ -33,6 +33,10 @@ The hooks, in the order the loop calls them:
     writes_alone                                 whether this group is the checkpoints' only writer
     close()                                      on the way out, after an error too
 
+and, for the straggler watch (health/stragglers.py), the replica groups' comparison of their
+compute: `exchange_group_compute(every)` once, `offer_group_compute(seconds)` after a share,
+`take_group_compute()` after each committed step (`group_count` 1: none, the restart path).
+
 Nothing here imports Ray; torchft only when a `ReplicaGroup` is built.
 """
 
@@ -141,6 +145,22 @@ class FaultTolerance(Protocol):
     def close(self) -> None:
         """The loop is over, or failed."""
 
+    group_count: int
+    """Replica groups the run was configured with (1 on the restart path)."""
+    group_index: int
+    """This group's index among them."""
+
+    def exchange_group_compute(self, every: int) -> None:
+        """The groups compare their compute per step every `every` steps (in the step after
+        each share, inside its quorum)."""
+
+    def offer_group_compute(self, seconds: float) -> None:
+        """This group's figure for the next exchange (its slowest rank's; 0: none yet)."""
+
+    def take_group_compute(self) -> list[float] | None:
+        """Once, after the committed step that exchanged them: every group's figure, by group
+        (0: none), else None."""
+
 
 class RestartPath:
     """One worker group, restarted as a whole (the null object of `FaultTolerance`)."""
@@ -150,6 +170,7 @@ class RestartPath:
     group_name = ""
     compares_copies = False
     writes_alone = True
+    group_count, group_index = 1, 0
 
     def attach(self, model, optimizer, device: torch.device, run_state) -> None:
         pass
@@ -195,6 +216,15 @@ class RestartPath:
     def close(self) -> None:
         pass
 
+    def exchange_group_compute(self, every: int) -> None:
+        pass
+
+    def offer_group_compute(self, seconds: float) -> None:
+        pass
+
+    def take_group_compute(self) -> list[float] | None:
+        return None
+
 
 class ReplicaGroupPath:
     """This worker's part in `elastic.replica_groups: N` (C7 all-or-nothing step); `member` is its
@@ -209,6 +239,10 @@ class ReplicaGroupPath:
         self._verdict: CopiesVerdict | None = None
         self._hand_over: Callable[[], None] = lambda: None
         self._store_sent: Callable[[float], bool] = lambda timeout_s: True
+        self._step = 0  # the step the current attempt trains from (its quorum's)
+        self._compute_every = 0  # the groups compare their compute every this many steps
+        self._compute_offer = 0.0
+        self._compute_got: list[float] | None = None
 
     def metric_sink(self, sink: MetricLogger) -> LeaderMetrics:
         """The metric sink of this group's rank 0 in a tracked run: each committed step's
@@ -249,13 +283,49 @@ class ReplicaGroupPath:
     def begin_step(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int, int]:
         # The quorum fixes the step (a healed group jumps to its peers') and the split: this
         # rank's place among every live group's data-parallel ranks.
-        return self.member.begin_step(dp_rank, dp_degree)
+        planned = self.member.begin_step(dp_rank, dp_degree)
+        self._step = planned[0]
+        return planned
 
     def reduce_gradients(self) -> None:
         self.member.reduce_gradients()
 
     def reduce_stats(self, stats: torch.Tensor) -> None:
         self.member.reduce_stats(stats)
+        every = self._compute_every
+        if every and self._step and self._step % every == 0:
+            self._exchange_compute(stats)
+
+    @property
+    def group_count(self) -> int:
+        return self.member.groups
+
+    @property
+    def group_index(self) -> int:
+        return self.member.group
+
+    def exchange_group_compute(self, every: int) -> None:
+        self._compute_every = every
+
+    def offer_group_compute(self, seconds: float) -> None:
+        self._compute_offer = seconds
+
+    def take_group_compute(self) -> list[float] | None:
+        got, self._compute_got = self._compute_got, None
+        return got
+
+    def _exchange_compute(self, stats: torch.Tensor) -> None:
+        """Every live group's compute figure, a slot each, summed over the groups (inside the
+        step's quorum, so a group lost meanwhile only makes the step re-done). Every group calls
+        it at the same steps, by the step number, whether it has a figure or not: a group that
+        joined since the last share offers 0, and one healing in this step adds zeros (torchft
+        zeroes what a group that does not take part sends)."""
+        import torch.distributed as dist
+
+        figures = stats.new_zeros(self.member.groups)
+        figures[self.member.group] = self._compute_offer
+        self.member.manager.allreduce(figures, reduce_op=dist.ReduceOp.SUM).wait()
+        self._compute_got = figures.tolist()
 
     def should_commit(self, step: int, stats: torch.Tensor) -> bool:
         return self.member.should_commit(step, stats)

@@ -11,6 +11,7 @@ import torch
 from elastic_gpt.config import Config
 from elastic_gpt.cost_model.memory_settings import MemorySettings
 from elastic_gpt.data.order import BatchSplit
+from elastic_gpt.hardware import GPU
 from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.parallel.fsdp import resolve_dtype
 from elastic_gpt.parallel.mesh import ParallelDims
@@ -32,12 +33,14 @@ class RunLayout:
 
 def resolve_layout(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
                    rank_nodes: list[str] | None, device: torch.device,
-                   threads: int) -> RunLayout:
+                   threads: int, gpu: GPU | None = None) -> RunLayout:
     """Collective (every rank of the group: the settings come from its smallest device memory).
     A tp the nodes cannot hold is one clear line, and a placement the layout cannot use raises
-    `errors.PlacementError` (retried by the controller), both before anything is built."""
+    `errors.PlacementError` (retried by the controller), both before anything is built. `gpu`:
+    resolve the dtype and the memory settings as on this GPU, whatever `device` is (the dry run
+    builds on fake tensors what a run on that GPU would)."""
     split = BatchSplit(cfg.train.global_batch_size, cfg.train.micro_batch_size)
-    compute_dtype = resolve_dtype(cfg.train.dtype, device)
+    compute_dtype = resolve_dtype(cfg.train.dtype, torch.device("cuda") if gpu else device)
     p = cfg.parallel
     # The layout as configured decides the data-parallel degree, hence each rank's micro-batches,
     # which the memory settings are resolved for; they may then turn HSDP on or off.
@@ -47,7 +50,7 @@ def resolve_layout(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
         cfg, gpt_cfg, world_size=world_size, rank_nodes=rank_nodes,
         micro_batch=split.micro_batch_size,
         micro_batches_per_rank=split.slots(configured.dp_degree), device=device,
-        compute_dtype=compute_dtype)
+        compute_dtype=compute_dtype, gpu=gpu)
     dims = ParallelDims.for_nodes(world_size, tp=p.tp, hsdp="on" if memory.hsdp else "off",
                                   rank_nodes=rank_nodes, pp=p.pp)
     return RunLayout(world_size, dims, memory, split, device, compute_dtype, threads)

@@ -15,6 +15,50 @@ from elastic_gpt.console import say
 from elastic_gpt.tracking import metric_names as mn
 from elastic_gpt.train.run_lines import progress_line
 
+STARTUP_METRICS = {"controller_s": mn.STARTUP_CONTROLLER_S, "placement_s": mn.STARTUP_PLACEMENT_S,
+                   "worker_start_s": mn.STARTUP_WORKER_START_S, "build_s": mn.STARTUP_BUILD_S,
+                   "checkpoint_read_s": mn.STARTUP_CHECKPOINT_READ_S,
+                   "to_first_step_s": mn.STARTUP_TO_FIRST_STEP_S}
+"""An attempt's start by part, in order, and their metrics."""
+
+
+def startup_breakdown(recovery: dict | None, startup: dict[str, float], started: float,
+                      first_step_at: float) -> dict[str, float]:
+    """An attempt's start by part, in order, from the marks its worker left in `startup`
+    (elastic/worker.py; absent under a plain process group, where only the Trainer's parts are
+    known):
+
+        controller_s       the failure or restart request (`recovery["at"]`) to the group sized
+                           (`planned_at`, the scaling policy's record)
+        placement_s        its placement group made (the GCS's own timing)
+        worker_start_s     to the Trainer's construction (`started`): the worker actors, their
+                           imports, the process group, the ranks' node ids
+        build_s            the Trainer's construction (`built_s`: data, mesh, model, optimizer)
+        checkpoint_read_s  the restore
+        to_first_step_s    the rest, to the first step's start
+
+    Detection, the fault to the failure's record, is not known here (when a node was lost is
+    known only to whoever lost it): bench/bench_node_loss.py measures it."""
+    parts: dict[str, float] = {}
+    planned = startup.get("planned_at")
+    if planned is not None:
+        if recovery and recovery.get("at") and planned >= recovery["at"]:
+            parts["controller_s"] = planned - recovery["at"]
+        if "placement_s" in startup:
+            parts["placement_s"] = startup["placement_s"]
+        parts["worker_start_s"] = max(0.0, started - planned - parts.get("placement_s", 0.0))
+    if "built_s" in startup:
+        parts["build_s"] = startup["built_s"]
+    parts["checkpoint_read_s"] = startup["checkpoint_read_s"]
+    parts["to_first_step_s"] = max(0.0, first_step_at - started - startup.get("built_s", 0.0)
+                                   - startup["checkpoint_read_s"])
+    return parts
+
+
+def startup_line(parts: dict[str, float]) -> str:
+    return ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.1f} s"
+                     for name, seconds in parts.items())
+
 
 class TrainingMetrics:
     """Rank 0 of the group leading a step speaks (`speaks()`); every rank logs to its sink (a
@@ -34,21 +78,27 @@ class TrainingMetrics:
         self.model_parallel, self.data, self.order, self.speaks = (model_parallel, data, order,
                                                                    speaks)
         self._startup: dict[str, float] = {}
+        self._first = False  # the next step is an attempt's first
 
     def first_step(self, step: int, recovery: dict | None, startup: dict[str, float],
                    started: float) -> None:
         """At an attempt's first step: the recovery it ends (a resume's event, rank 0) and the
-        time from the Trainer's start to here, by part; both go with this step's metrics."""
+        attempt's start by part (`startup_breakdown`); both go with this step's metrics, and the
+        first step's own time with the next call's."""
         if recovery and self.rank == 0:
             self.sink.log({mn.EVENT_RECOVERY_S: recovery["recovery_s"],
                            mn.EVENT_LOST_STEPS: recovery["lost_steps"]}, step)
-        total = time.time() - started
+        now = time.time()
+        parts = startup_breakdown(recovery, startup, started, now)
         if self.rank == 0:
-            say(f"[elastic-gpt] first step {total:.1f} s after start: weight init "
-                f"{startup['init_s']:.1f} s, checkpoint read {startup['checkpoint_read_s']:.1f} "
-                f"s, the rest {total - startup['init_s'] - startup['checkpoint_read_s']:.1f} s")
-        self._startup = {mn.STARTUP_S: total, mn.STARTUP_INIT_S: startup["init_s"],
-                         mn.STARTUP_CHECKPOINT_READ_S: startup["checkpoint_read_s"]}
+            say(f"[elastic-gpt] first step {now - started:.1f} s after the Trainer's start "
+                f"(weight init {startup['init_s']:.1f} s, checkpoint read "
+                f"{startup['checkpoint_read_s']:.1f} s)"
+                + (f"; the attempt's start: {startup_line(parts)}" if parts else ""))
+        self._startup = {mn.STARTUP_S: now - started, mn.STARTUP_INIT_S: startup["init_s"],
+                         mn.STARTUP_CHECKPOINT_READ_S: startup["checkpoint_read_s"],
+                         **{STARTUP_METRICS[k]: v for k, v in parts.items()}}
+        self._first = True
 
     def step(self, step: int, result, *, step_time: float, data_wait: float, world_size: int,
              batch_degree: int, micro_batches: int) -> dict:
@@ -67,7 +117,9 @@ class TrainingMetrics:
             mn.TRAIN_SAMPLES_SEEN: samples_seen, mn.TRAIN_STEP_TIME_S: step_time,
             mn.DATA_WAIT_S: data_wait, mn.DATA_FINGERPRINT: result.fingerprint, **self._startup,
         }
-        self._startup = {}
+        if self._first:
+            metrics[mn.STARTUP_FIRST_STEP_S] = step_time
+        self._startup, self._first = {}, False
         if self.data.is_mixture and self.rank == 0:
             counts = self.order.source_counts(samples_seen)
             for source, count in zip(self.data.sources, counts):

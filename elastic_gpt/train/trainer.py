@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from elastic_gpt.checkpoint.checkpointer import make_checkpointer
 from elastic_gpt.checkpoint.sharded import CheckpointLoadError, load_sharded
 from elastic_gpt.checkpoint.store import CheckpointStore
 from elastic_gpt.config import Config
 from elastic_gpt.console import say
-from elastic_gpt.data.fingerprint import join_fingerprint, split_fingerprint
+from elastic_gpt.data.fingerprint import join_fingerprint
 from elastic_gpt.data.mixture import open_training_data
 from elastic_gpt.data.stream import open_step_stream
 from elastic_gpt.data.tokenizers import get_tokenizer, save_tokenizer, tokenizer_name
@@ -38,7 +36,6 @@ from elastic_gpt.health.faults import FaultInjection, NoFaults
 from elastic_gpt.health.monitor import TrainingHealth
 from elastic_gpt.health.recovery import Rollback
 from elastic_gpt.model.config import flops_per_token
-from elastic_gpt.parallel.tensor import summed_token_loss
 from elastic_gpt.train.collaborators import (
     Membership,
     MetricSink,
@@ -58,11 +55,9 @@ from elastic_gpt.train.model_config import model_config_for
 from elastic_gpt.train.optimizer import (
     NonfiniteStreak,
     build_optimizer,
-    nonfinite_flag,
-    step_unless,
 )
 from elastic_gpt.train.run_lines import record_memory_settings, say_against_gzip, setup_line
-from elastic_gpt.train.schedule import lr_at
+from elastic_gpt.train.step import TrainStep
 from elastic_gpt.train.throughput import peak_flops
 
 log = logging.getLogger(__name__)
@@ -134,9 +129,13 @@ class Trainer:
         self.startup = {"checkpoint_read_s": 0.0, "init_s": materialise(
             self.model, self.device, initialise=self.resume_from is None, seed=cfg.train.seed,
             init_from=cfg.checkpoint.init_from)}
-        self._prepare_pipeline()
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
+        self.stepper = TrainStep(cfg, self.layout, model=self.model, pipeline=self.pipeline,
+                                 optimizer=self.optimizer, seq_len=self.gpt_cfg.seq_len,
+                                 tp_rank=self.tp_rank, fault_tolerance=fault_tolerance,
+                                 stop_requested=lambda: bool(membership.reason))
+        self._prepare_pipeline()
         self.step = 0
         self.ledger = GoodputLedger(_attempt_started=self.started)
         self.stop_reason: str | None = None
@@ -256,119 +255,20 @@ class Trainer:
 
     def forward_backward(self, batch) -> torch.Tensor:
         """Accumulate this rank's gradients for one step; returns its summed token loss."""
-        batch_split = self.batch_split
-        T = self.gpt_cfg.seq_len
-        global_tokens = batch_split.global_batch_size * T
-        if self.pipeline is not None:  # one schedule for the step's micro-batches
-            torch.manual_seed(self._dropout_seed(0))
-            return self.pipeline.forward_backward(batch.tokens, batch.weights, T,
-                                                  self.compute_dtype, self.dims.loss_parallel,
-                                                  self.device)
-        slots = len(batch.tokens)
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        first_mb = batch_split.rank_micro_batches(self.batch_rank, self.batch_degree).start
-        per_micro_batch_sync = self.layout.memory.grad_sync == "microbatch"
-        for k, (tokens, weight) in enumerate(zip(batch.tokens, batch.weights)):
-            tokens = tokens.to(self.device, non_blocking=True)
-            x, y = tokens[:, :T], tokens[:, 1:T + 1]
-            last = k == slots - 1
-            # grad_sync=step: only the last backward reduce-scatters (one sync per step).
-            self.model.set_requires_gradient_sync(last or per_micro_batch_sync)
-            if not self.layout.memory.reshard_after_forward:
-                # The gathered weights live through each forward and backward already, so keeping
-                # them between micro-batches adds no peak memory and saves one all-gather per
-                # micro-batch; the last backward frees them before the optimizer step. (A forward
-                # without backward, e.g. an evaluation, must call model.reshard() after it, or the
-                # next step would compute with weights gathered before the optimizer step.)
-                self.model.set_reshard_after_backward(last)
-            torch.manual_seed(self._dropout_seed(first_mb + k))
-            # No rank holds the (B, T, vocab) logits in fp32: the loss upcasts them chunk by
-            # chunk, or under tensor parallelism runs on logits sharded over the vocabulary (the
-            # loss and its backward run on the shards, and come out replicated).
-            with summed_token_loss(self.model, x, y, compute_dtype=self.compute_dtype,
-                                   vocab_sharded=self.dims.loss_parallel) as summed:
-                # Each rank's loss is its share of the mean over exactly G*T tokens. FSDP averages
-                # gradients over the data-parallel ranks, so scaling by their number makes the
-                # reduction a sum: the gradient is the mean over exactly G sequences at any
-                # data-parallel degree, even with uneven micro-batches (C1 fixed global batch).
-                # Across replica groups the degree is all live groups' ranks, and the cross-group
-                # mean turns back into a sum the same way.
-                (summed * (weight * self.batch_degree / global_tokens)).backward()
-            if isinstance(summed, DTensor):
-                summed = summed.to_local()
-            loss_sum += summed.detach().double() * weight
-        return loss_sum
-
-    def _prepare_pipeline(self) -> None:
-        """The pipeline's schedule for this step's split: its micro-batches per rank, the loss
-        scaled as `forward_backward` scales it. With replica groups the split is over every live
-        group's data-parallel ranks: a quorum that changes it makes a new one."""
-        if self.pipeline is not None:
-            T, split = self.gpt_cfg.seq_len, self.batch_split
-            self.pipeline.prepare(split.slots(self.batch_degree), split.micro_batch_size,
-                                  self.batch_degree / (split.global_batch_size * T), self.device)
-
-    def _dropout_seed(self, micro_batch: int) -> int:
-        """Dropout RNG from (seed, step, micro-batch): identical masks at any data-parallel
-        degree. Under tensor parallelism every dropout runs on this rank's share (its sequence
-        positions or its heads), so the rank is part of the seed: masks are independent across
-        the shares and the same at any dp for one tp, not across tp degrees."""
-        key = (self.cfg.train.seed, self.step, micro_batch)
-        if self.dims.tp_enabled:
-            key += (self.tp_rank,)
-        return hash(key) & 0x7FFF_FFFF
+        return self.stepper.forward_backward(batch, self.step, self.batch_rank, self.batch_degree)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Collective. Clip to train.grad_clip; returns the norm of the whole gradient. Every
-        gradient is a DTensor on the data- (and tensor-) parallel mesh, so the norm is reduced
-        over all of them, each element counted once, whatever the layout."""
-        clip = self.cfg.train.grad_clip
-        if self.pipeline is not None:  # over every stage, the tied embedding counted once
-            return self.pipeline.clip_grad_norm(clip if clip > 0 else math.inf)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip > 0 else math.inf, foreach=True)
-        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        return self.stepper.clip_gradients()
+
+    def _prepare_pipeline(self) -> None:
+        self.stepper.prepare(self.batch_degree)
 
     def train_step(self, batch) -> StepResult:
-        cfg = self.cfg
-        lr = lr_at(self.step, lr=cfg.train.lr, min_lr=_min_lr(cfg),
-                   warmup_steps=cfg.train.warmup_steps, max_steps=cfg.train.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = self.forward_backward(batch)
-        self.fault_tolerance.reduce_gradients()  # over the live replica groups, if any
-        grad_norm = self.clip_gradients()
-        # One collective and one host sync per step for the metrics, not one per micro-batch.
-        lo, hi = split_fingerprint(batch.fingerprint)
-        # The membership flag rides on the same all-reduce: every rank learns at the same step
-        # boundary that the group must checkpoint and restart.
-        stop = 1.0 if self.membership.reason else 0.0
-        # The tp ranks of a group hold the same loss and read the same samples: one counts them;
-        # of a pipeline's stages, the last holds the loss and the first counts the samples.
-        if self.tp_rank or (self.pipeline and not self.pipeline.first):
-            lo = hi = 0
-        if self.tp_rank or (self.pipeline and not self.pipeline.last):
-            loss_sum = torch.zeros_like(loss_sum)
-        stats = torch.tensor([0.0, lo, hi, stop], dtype=torch.float64, device=self.device)
-        stats[0] = loss_sum
-        dist.all_reduce(stats)
-        self.fault_tolerance.reduce_stats(stats)  # over the live replica groups, if any
-        # A non-finite loss or gradient skips the step, decided on the device from values every
-        # rank holds alike (the reduced loss and norm), so every rank (and replica group) skips
-        # it together, and the optimizer is launched before the host sync below: on a GPU the
-        # step's kernels queue behind the backward instead of waiting for the host.
-        found_inf = nonfinite_flag(stats[0], grad_norm)
-        # C7 all-or-nothing step: the step is applied by every live replica group or by none (then
-        # re-done). The restart path's answer is always yes, without a sync; torchft's vote waits
-        # for the device and the other groups, so with replica groups it comes first.
-        committed = self.fault_tolerance.should_commit(self.step, stats)
-        if committed:
-            step_unless(self.optimizer, found_inf)
-        self.optimizer.zero_grad(set_to_none=True)
-        # The step's only host sync: everything the host needs in one transfer.
-        loss_total, fp_lo, fp_hi, stop, grad_norm, skipped = torch.cat(
-            [stats, grad_norm.detach().to(stats).reshape(1), found_inf.to(stats).reshape(1)]
-        ).tolist()
+        """Collective: the step on the device (train/step.py), then its one host read."""
+        device_step = self.stepper.run(batch, self.step, self.batch_rank, self.batch_degree)
+        committed = device_step.committed
+        # The step's only host read: everything the host needs in one transfer.
+        loss_total, fp_lo, fp_hi, stop, grad_norm, skipped = device_step.stats.tolist()
         if stop > 0:
             self.stop_reason = self.membership.reason or "membership change"
         loss = loss_total / (self.batch_split.global_batch_size * self.gpt_cfg.seq_len)
@@ -379,10 +279,10 @@ class Trainer:
             raise NonFiniteLossError(
                 f"loss is {loss} (grad norm {grad_norm}) at step {self.step} for "
                 f"{self.nonfinite.count} step(s), beyond train.nan_patience="
-                f"{cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
+                f"{self.cfg.train.nan_patience}; lower train.lr or raise train.warmup_steps")
         fingerprint = join_fingerprint(fp_lo, fp_hi)
-        return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": lr}, committed,
-                          nonfinite=diverged)
+        return StepResult(self.step, loss, grad_norm, fingerprint, {"lr": device_step.lr},
+                          committed, nonfinite=diverged)
 
     def _open_stream(self):
         """This rank's batches from self.step on, for its place in the step's split. Under
@@ -570,10 +470,6 @@ class Trainer:
                 f"{change.groups} replica groups live at step {self.step} (waited "
                 f"{change.waited_s:.2f} s in its quorum)")
         return change.waited_s
-
-
-def _min_lr(cfg: Config) -> float:
-    return cfg.train.min_lr if cfg.train.min_lr is not None else cfg.train.lr / 10
 
 
 def _broadcast(obj):

@@ -52,12 +52,12 @@ def _worker(rank: int, world: int, overrides: list[str]) -> list[dict]:
     trainer = Trainer(load_config(None, overrides), rank=rank, world_size=world,
                       mlflow_run_id=None)
     stream = trainer._open_stream()
-    forward_backward = trainer.forward_backward
+    forward_backward = trainer.stepper.forward_backward
     records = []
     try:
         for action in PLAN:
-            def poisoned(batch, action=action):
-                loss_sum = forward_backward(batch)
+            def poisoned(batch, *split, action=action):
+                loss_sum = forward_backward(batch, *split)
                 if rank == 0 and action == "nan_grad":
                     grad = _local(trainer.model.get_parameter("h.0.mlp.c_fc.weight").grad)
                     grad.view(-1)[0] = float("nan")
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, overrides: list[str]) -> list[dict]:
                     loss_sum = loss_sum + float("inf")
                 return loss_sum
 
-            trainer.forward_backward = poisoned
+            trainer.stepper.forward_backward = poisoned
             before = _snapshot(trainer)
             record = {"action": action}
             try:

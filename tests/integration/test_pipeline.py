@@ -57,7 +57,7 @@ def _pipelined(rank: int, world: int, pp: int, schedule: str, per_rank: int, tp:
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp_shard", "tp"))
     dp_rank = mesh.get_local_rank("dp_shard")
     stages = cpu_stages(CFG, mesh, per_rank)
-    tied = TiedEmbedding(mesh, stages)
+    tied = TiedEmbedding(mesh, stages, mesh.mesh.tolist())
     T = CFG.seq_len
     local = _batch()[dp_rank * G // dp:(dp_rank + 1) * G // dp]
     # Each rank's loss is its share of the mean over G*T tokens; FSDP averages over dp ranks.

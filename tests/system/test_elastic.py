@@ -1,6 +1,7 @@
 """The elastic controller's pieces against a real GCS (a local Ray cluster): a placement the layout
 cannot use retried for free at the aligned size, the run's records a failure leaves for the next
-attempt, `use_gpu: auto` on a GPU cluster whose GPU nodes are not up yet, and live capacity."""
+attempt, `use_gpu: auto` on a GPU cluster whose GPU nodes are not up yet, live capacity, and the
+launches an autoscaler reports in flight."""
 
 from __future__ import annotations
 
@@ -93,3 +94,29 @@ def test_live_capacity_reads_free_resources_from_the_gcs(ray_cluster):
     assert live_capacity({"CPU": 1}, exclude={node}) == {}
     for h in hogs:
         ray.kill(h)
+
+
+def test_the_launches_an_autoscaler_reports_in_flight_are_read_from_either_autoscaler(
+        ray_cluster):
+    """What a grow gathers for (elastic/policies.py): the launches Ray's autoscaler reports in
+    flight, from v2's report to the GCS and from v1's status record, each written where the
+    autoscaler writes it. A node whose IP is an alive node's has arrived; a v1 record its monitor
+    stopped refreshing counts for nothing; no autoscaler, nothing coming."""
+    from elastic_gpt.elastic.ray_internals import (
+        alive_nodes,
+        pending_launches,
+        report_autoscaler_v1_status,
+        report_pending_launches,
+    )
+
+    assert pending_launches() == 0  # a fixed cluster: no autoscaler reports
+    report_pending_launches(3)  # v2: three launches requested
+    assert pending_launches() == 3
+    report_pending_launches(0)
+    assert pending_launches() == 0
+    here = next(iter(alive_nodes().values())).host
+    report_autoscaler_v1_status({"cpu": 2}, [("10.250.0.7", "cpu", "waiting-for-ssh"),
+                                             (here, "cpu", "setting-up")], at=time.time())
+    assert pending_launches() == 3  # two to launch, one made and not up; `here` has arrived
+    report_autoscaler_v1_status({"cpu": 2}, [], at=time.time() - 600)  # its monitor is gone
+    assert pending_launches() == 0

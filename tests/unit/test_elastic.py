@@ -11,6 +11,7 @@ from elastic_gpt.elastic.membership import RunRecords
 from elastic_gpt.elastic.policies import (
     ElasticFailurePolicy,
     LiveCapacityScalingPolicy,
+    gather_arrivals,
     group_plan,
 )
 from elastic_gpt.errors import ElasticRestart, NonFiniteLossError
@@ -198,3 +199,24 @@ def test_a_healed_group_adopts_its_peers_ledger_and_keeps_the_events_only_it_saw
     assert [e["kind"] for e in merged].count("replica group joined") == 1
     assert [e["at"] for e in merged] == sorted(e["at"] for e in merged)
     assert {e["kind"] for e in merged} == {"failure", "replica group lost", "replica group joined"}
+
+
+def test_a_grow_gathers_only_the_launches_the_autoscaler_reports_coming():
+    assert not gather_arrivals(0, 0.0, 30.0)  # nothing coming: a returning node is used at once
+    assert gather_arrivals(2, 0.0, 30.0) and gather_arrivals(1, 29.9, 30.0)
+    assert not gather_arrivals(2, 30.0, 30.0)  # bounded: what is up by then is used
+
+
+def test_an_attempts_start_is_broken_down_from_its_marks():
+    from elastic_gpt.train.metrics import startup_breakdown, startup_line
+
+    failure = {"at": 100.0, "recovery_s": 0.0, "lost_steps": 0}
+    marks = {"planned_at": 101.5, "placement_s": 0.5, "built_s": 2.0, "init_s": 0.0,
+             "checkpoint_read_s": 1.0, "entered_at": 104.0}
+    parts = startup_breakdown(failure, marks, started=105.0, first_step_at=108.5)
+    assert parts == {"controller_s": 1.5, "placement_s": 0.5, "worker_start_s": 3.0,
+                     "build_s": 2.0, "checkpoint_read_s": 1.0, "to_first_step_s": 0.5}
+    assert startup_line(parts).startswith("controller 1.5 s, placement 0.5 s, worker start 3.0 s")
+    # Under a plain process group (no worker marks): the Trainer's own parts only.
+    bare = startup_breakdown(None, {"init_s": 0.3, "checkpoint_read_s": 0.0}, 10.0, 12.0)
+    assert bare == {"checkpoint_read_s": 0.0, "to_first_step_s": 2.0}

@@ -1,5 +1,7 @@
 """Training health's pieces in one process: the loss spike detector, the data skips and a stream
-that reads past them, and a probe file that cannot be written (said once, training goes on)."""
+that reads past them, the straggler window's arithmetic (a rank named however its slowness is
+spread in time, within the documented bound, never for one slow step), and a probe file that
+cannot be written (said once, training goes on)."""
 
 from __future__ import annotations
 
@@ -85,3 +87,82 @@ def test_a_probe_file_that_cannot_be_written_is_said_once_and_training_goes_on(t
     watch._record({"step": 10, "probe_s": [0.01, 0.01]})  # nothing more is tried, or said
     said = [line for line in capsys.readouterr().out.splitlines() if "probe" in line]
     assert len(said) == 1 and "not kept" in said[0], said
+
+
+# ---- the straggler window (health/stragglers.py), alone ------------------------------------------
+
+def named_at(series: list[list[float]], window: int, every: int, slowdown: float = 1.5):
+    """(the step, the verdict) at which a rank is first named, from each rank's compute at each
+    step (the attempt's first WARMUP_STEPS are not judged), shared every `every` steps as
+    StragglerWatch.after_step shares them; (None, None) if never."""
+    from elastic_gpt.health.stragglers import WARMUP_STEPS, ComputeWindow, judge
+
+    windows = [ComputeWindow(window) for _ in series]
+    for step in range(1, len(series[0]) + 1):
+        if step > WARMUP_STEPS:
+            for w, seconds in zip(windows, series):
+                w.add(seconds[step - 1])
+        if step % every == 0:
+            figures = [w.figure() for w in windows]
+            verdict = judge(figures, slowdown) if all(figures) else None
+            if verdict is not None and verdict.slow:
+                return step, verdict
+    return None, None
+
+
+def test_a_single_slow_step_is_never_a_straggler_however_slow():
+    healthy = [0.1] * 200
+    slow_once = [0.1] * 200
+    slow_once[57] = 100.0  # a page-fault storm, a checkpoint's contention
+    assert named_at([healthy, slow_once, healthy], window=20, every=10) == (None, None)
+    assert named_at([healthy, slow_once], window=4, every=1) == (None, None)
+
+
+def test_healthy_noise_is_never_a_straggler():
+    import random
+
+    rng = random.Random(0)
+    ranks = [[rng.uniform(0.08, 0.12) for _ in range(2000)] for _ in range(8)]
+    assert named_at(ranks, window=20, every=10) == (None, None)
+
+
+@pytest.mark.parametrize("window,every", [(20, 10), (8, 2), (4, 1), (6, 10)])
+@pytest.mark.parametrize("start", [3, 13, 40])
+def test_a_steady_slowdown_is_named_within_the_documented_bound(window, every, start):
+    """A rank at 1.6x from step `start` + 1 on (past the attempt's first steps, not judged) is
+    named by step start + window + every (docs/operations.md), and not before it is slow."""
+    healthy = [0.1] * 300
+    slowed = [0.1] * start + [0.16] * (300 - start)
+    step, verdict = named_at([healthy, slowed, healthy], window, every)
+    assert step is not None and start < step <= start + window + every, step
+    # (named as soon as the window's slowed part carries it past the threshold)
+    assert verdict.slow == [1] and 1.5 <= verdict.ratios[1] <= 1.6 + 1e-9
+    assert verdict.median == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("pattern", [
+    [0.1, 0.1, 0.6],  # bursts: one step in three waits out a stop
+    [0.05, 0.55],  # in and out of a burst every other step
+    [0.1, 0.1, 0.1, 0.1, 0.8],  # periodic: one step in five, 8x
+], ids=["bursts", "alternating", "periodic"])
+def test_slowness_in_bursts_is_named_within_the_same_bound(pattern):
+    """The same bound however the slowness is spread in time: the window counts it all (the
+    old probe, a few milliseconds every 10 steps, landed between bursts and read healthy)."""
+    start, window, every = 20, 20, 10
+    healthy = [0.1] * 400
+    slowed = [0.1] * start + [pattern[i % len(pattern)] for i in range(400 - start)]
+    step, verdict = named_at([healthy, slowed], window, every)
+    assert step is not None and start < step <= start + window + every, step
+    assert verdict.slow == [1]
+
+
+def test_a_verdict_needs_two_figures_and_takes_the_lower_median():
+    from elastic_gpt.health.stragglers import judge, trimmed_mean, trimmed_steps
+
+    assert judge([0.1], 1.5) is None and judge([0.1, 0.0, 0.0], 1.5) is None
+    verdict = judge([0.1, 0.2], 1.5)  # of two, the faster is the median: the slower is named
+    assert verdict.median == 0.1 and verdict.slow == [1] and verdict.slowest == 1
+    verdict = judge([0.1, 0.0, 0.3, 0.12], 1.5)  # 0: a rank with no figure yet, not judged
+    assert verdict.median == 0.12 and verdict.slow == [2] and verdict.ratios[1] == 0.0
+    assert trimmed_steps(2) == 1 and trimmed_steps(20) == 2 and trimmed_steps(100) == 10
+    assert trimmed_mean([1.0, 9.0, 2.0, 3.0], 1) == 2.0

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elastic_gpt.health",),
     ("elastic_gpt.train", "elastic_gpt.inference"),
     ("elastic_gpt.elastic",),
-    ("elastic_gpt.planner",),
+    ("elastic_gpt.planner", "elastic_gpt.dry_run"),
     ("elastic_gpt.cli", "elastic_gpt.testing"),
 ]
 # What data_pipelines may import of the package (and each other).

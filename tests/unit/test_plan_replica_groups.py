@@ -271,7 +271,7 @@ def test_forced_replica_groups_are_written_and_bad_ones_refused(tmp_path, capsys
         (("--gpus", "64", "--model", "gpt3-1.3b", "--replica-groups", "3"),
          "--replica-groups=3 must divide --gpus=64"),
         (("--gpus", "64", "--model", "gpt3-175b", "--gpu", "A100-80GB", "--replica-groups", "2"),
-         "--replica-groups=2: groups of 32 GPUs need 90.2 GiB per GPU even at micro-batch 1"),
+         "--replica-groups=2: groups of 32 GPUs need 90.3 GiB per GPU even at micro-batch 1"),
     ]:
         assert main(["plan", *argv]) == 2
         err = capsys.readouterr().err.strip()

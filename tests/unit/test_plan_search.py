@@ -205,17 +205,21 @@ def test_gpt3_175b_fits_on_64_a100s_with_tensor_parallelism():
 
 
 def test_gpt3_175b_on_1024_a100s_is_planned_no_slower_than_megatron(capsys):
-    """Narayanan et al. 2021: ~34 days on 1024 A100s at 140 TFLOP/s per GPU; the plan must be
-    <= 40 days, from the step-time model (no --achieved-tflops), and say why its layout. Its
-    layout (64 pipeline stages, no recomputation) is one Megatron-LM did not run: the per-layer
-    model behind it is checked on theirs (tests/validation/), this layout is not."""
+    """Narayanan et al. 2021: ~34 days on 1024 A100s at 140 TFLOP/s per GPU, every block
+    recomputed; the plan, from the step-time model at the default calibration of this trainer's
+    software (no --achieved-tflops), must be no longer, and say why its layout. Its kernels run
+    slower than Megatron-LM's (the calibration: its hardware FLOP/s are below their 140), but its
+    layout (a pipeline, no recomputation) wastes no FLOPs on recomputing, so its model FLOP/s are
+    above theirs. That layout is one Megatron-LM did not run: the per-layer model behind it is
+    checked on theirs (tests/validation/), this layout is not."""
     plan = plan_training(PlanInputs(**A100_175B, n_gpus=1024))
-    assert plan.time_to_train_s / DAY <= 40
+    assert plan.time_to_train_s / DAY <= 34
     assert plan.chosen.mesh.pp > 1 and not plan.chosen.activation_checkpointing
     hw_flops = training_flops_per_token(plan.shape, plan.chosen.activation_checkpointing)
     achieved = plan.tokens_per_s * hw_flops / plan.n_gpus
-    # above Megatron's 140 TFLOP/s per GPU, below the A100's measured matmul ceiling
-    assert 140e12 < achieved < plan.gpu.matmul_ceiling * plan.gpu.peak_flops
+    megatron_model_flops = 140e12 * plan.shape.model_flops_per_token / training_flops_per_token(
+        plan.shape, True)
+    assert megatron_model_flops < achieved < 140e12
     fsdp_only = plan_training(PlanInputs(**A100_175B, n_gpus=1024, tp=1, pp=1))
     assert fsdp_only.time_to_train_s > 2 * plan.time_to_train_s
     report = format_report(plan)
@@ -281,28 +285,3 @@ def test_a_pipelined_plan_writes_a_config_the_trainer_takes(tmp_path):
     assert (cfg.parallel.pp, cfg.parallel.tp) == (mesh.pp, mesh.tp)
     summary = plan_summary(plan)
     assert summary["pp"] == mesh.pp and summary["bubble_s"] > 0 and summary["p2p_bytes"] > 0
-
-
-def test_an_fsdp_plan_says_how_far_the_published_fsdp_runs_were_from_its_model():
-    """A plan whose step is the calibrated model's for an FSDP-only layout says, in a note, how
-    much faster than they ran the model planned the published FSDP runs on the same GPU family
-    (fsdp_step_check.py's frozen figures; tests/validation/ plans the runs again), or all of
-    them on a family none ran on; a measured figure (--achieved-tflops), the one-figure model or
-    a pipelined layout gets no such note."""
-    from elastic_gpt.planner.fsdp_step_check import EVERY_FAMILY, PLANNED_OVER_PUBLISHED
-
-    def note(**kw) -> str | None:
-        report = format_report(plan_training(PlanInputs(**kw)))
-        return next((line for line in report.splitlines()
-                     if line.startswith("note: step time:")), None)
-
-    kw = dict(model="gpt3-13b", gpu="A100-80GB", n_gpus=128)
-    least, most = PLANNED_OVER_PUBLISHED["A100"]
-    assert f"(torchtitan's, MosaicML's) on A100s {least:.2f}-{most:.2f}x faster" in note(
-        **kw, tp=1, pp=1)
-    least, most = EVERY_FAMILY
-    assert f"(torchtitan's, MosaicML's) {least:.2f}-{most:.2f}x faster" in note(
-        model="gpt3-1.3b", gpu="L4", n_gpus=8, tp=1, pp=1)
-    for other in (dict(tp=1, pp=1, achieved_flops_per_gpu=150e12),
-                  dict(tp=1, pp=1, efficiency=0.6), dict(tp=1, pp=2)):
-        assert note(**kw, **other) is None

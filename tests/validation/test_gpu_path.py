@@ -16,12 +16,24 @@ def test_the_gpu_benchmark_runs_on_the_cpu_with_cuda_hidden(tmp_path):
     import subprocess
     import sys
 
-    out = tmp_path / "gpu.json"
+    out, calibration = tmp_path / "gpu.json", tmp_path / "calibration.json"
     subprocess.run([sys.executable, "bench/gpu_mfu.py", "--cpu-dry-run", "--models", "tiny",
                     "--float8-models", "tiny", "--steps", "1", "--warmup", "1", "--no-compile",
-                    "--json", str(out)], check=True, timeout=300, capture_output=True,
+                    "--json", str(out), "--gpu", "H100", "--calibration", str(calibration)],
+                   check=True, timeout=300, capture_output=True,
                    env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MASTER_PORT": "0"})
     got = json.loads(out.read_text())
+    # The runs as the planner's measured calibration, in the format it reads: CPU figures on the
+    # H100 row, which it refuses to fit (far slower than any H100), in one line.
+    from elastic_gpt.hardware import GPUS
+    from elastic_gpt.planner.calibration_file import CalibrationFileError, load_calibration
+
+    doc = json.loads(calibration.read_text())
+    assert doc["gpu"] == "H100" and [r["dtype"] for r in doc["runs"]] == ["bfloat16", "float8"]
+    assert [r["tokens_per_s_per_gpu"] for r in doc["runs"]] == [
+        r["host_sync_tokens_per_s"] for r in got["results"]]
+    with pytest.raises(CalibrationFileError, match="its runs ran slower than the kernel model"):
+        load_calibration(str(calibration), dict(GPUS))
     assert [r["float8"] for r in got["results"]] == [False, True]
     assert got["gemm_ceiling_tflops"] > 0 and got["environment"]["device"] == "cpu"
     for r in got["results"]:

@@ -1,0 +1,75 @@
+"""`elastic-gpt dry-run`: the trainer's own build and step, at the full world size of a plan, on
+torch's fake process group and fake tensors, beside the planner (each rank in a process of its
+own). At sizes CI affords: a tensor-parallel HSDP layout of GPT-3 1.3B on 16 A100s and a pipelined
+GPT-2 on 8; the full GPT-3 175B cases are bench/bench_dry_run.py's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic_gpt.cli import main
+
+
+def dry_run(capsys, *argv: str) -> tuple[int, dict | str]:
+    code = main(["dry-run", *argv])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if "--json" in argv and code == 0 else out.err.strip())
+
+
+def rows(rank: dict) -> dict[tuple[str, str], dict]:
+    return {(c["dim"], c["kind"]): c for c in rank["collectives"]}
+
+
+def test_a_tensor_parallel_hsdp_layout_steps_as_planned(capsys):
+    """GPT-3 1.3B at tp=2 on 2 nodes of 8: HSDP (FSDP over 4 in a node, 2 replicas), blocks kept
+    gathered, one gradient sync per step. Every collective the step runs is the planner's, in
+    bytes and, for tensor parallelism, in count; the memory at the peak is the planner's within
+    10%."""
+    code, got = dry_run(capsys, "--model", "gpt3-1.3b", "--gpu", "A100-80GB", "--gpus", "16",
+                        "--tp", "2", "--ranks", "0", "--json")
+    assert code == 0, got
+    assert got["layout"]["tp"] == 2 and got["layout"]["dp_replicate"] == 2
+    [rank] = got["ranks"]
+    assert rank["within"] and rank["fits"], rank["total_gib"]
+    by = rows(rank)
+    for key in [("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                ("dp_replicate", "all_reduce"), ("tp", "all")]:
+        assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"], rel=1e-4), key
+    # 24 blocks and the root: one all-gather each per step (kept gathered), one reduce-scatter
+    # and one all-reduce across the replicas each (one gradient sync per step).
+    assert by["dp_shard", "all_gather"]["count"] == by["dp_shard", "reduce_scatter"]["count"] \
+        == by["dp_replicate", "all_reduce"]["count"] == 25
+    assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"] == 926
+
+
+def test_a_pipelined_layout_sends_what_the_planner_counts(capsys):
+    """GPT-2 124M at pp=2 on 8 A100s, 1F1B with static stage shapes: both stages build and step
+    on the fake group; each rank's pipeline sends and its FSDP collectives are the planner's, and
+    the first stage's memory is within 10% of it."""
+    code, got = dry_run(capsys, "--model", "gpt2-124m", "--gpu", "A100-80GB", "--gpus", "8",
+                        "--pp", "2", "--ranks", "0,4", "--json")
+    assert code == 0, got
+    first, last = got["ranks"]
+    assert (first["coordinate"]["pp"], last["coordinate"]["pp"]) == (0, 1)
+    assert first["within"], first["total_gib"]
+    for rank in (first, last):
+        by = rows(rank)
+        for key in [("pp", "send"), ("dp_shard", "all_gather")]:
+            assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"],
+                                                             rel=2e-2), (rank["rank"], key)
+        assert by["pp", "send"]["dry_run_bytes"] == pytest.approx(
+            by["pp", "send"]["planner_bytes"], rel=1e-6)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--model", "gpt3-1.3b", "--gpu", "A100-80GB", "--gpus", "16", "--tp", "3"),
+     "--tp=3"),
+    (("--model", "gpt3-13b", "--gpu", "A10G", "--gpus", "8", "--micro-batch-size", "64",
+      "--activation-checkpointing", "off"), "fit"),
+])
+def test_a_layout_that_cannot_build_or_fit_is_one_line_exit_2(capsys, argv, says):
+    code, err = dry_run(capsys, *argv)
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+    assert err.startswith("elastic-gpt dry-run: error: ")
