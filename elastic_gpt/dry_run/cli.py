@@ -27,6 +27,7 @@ from elastic_gpt.dry_run.compare import (
     fits,
     gib,
 )
+from elastic_gpt.model.config import preset_config
 from elastic_gpt.planner.cli import add_cli_arguments as add_plan_arguments
 from elastic_gpt.planner.cli import inputs_from_args
 from elastic_gpt.planner.inputs import PlanInputs
@@ -150,20 +151,31 @@ def _inputs_and_config(args):
                                     f"scaling.min_workers={args.gpus}",
                                     f"scaling.max_workers={args.gpus}"])
     t, p, m = cfg.train, cfg.parallel, cfg.model
-    model = m.preset
-    if any(v is not None for v in (m.n_layer, m.n_head, m.n_embd)):
-        from elastic_gpt.model.config import preset_config
-        model = preset_config(m.preset, seq_len=m.seq_len, vocab_size=m.vocab_size,
-                              **{k: v for k, v in dict(n_layer=m.n_layer, n_head=m.n_head,
-                                                       n_embd=m.n_embd).items() if v})
+    shape = _model_of(cfg)
+    # The preset's name where the config keeps its shape (the report names it), else the shape:
+    # a family, its keys (model.n_kv_head, ...) or a Hugging Face directory's.
+    model = shape if shape != preset_config(m.preset, seq_len=shape.seq_len,
+                                            vocab_size=shape.vocab_size) else m.preset
     inputs = dataclasses.replace(
-        inputs, model=model, seq_len=m.seq_len, vocab_size=m.vocab_size,
+        inputs, model=model, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
         activation_checkpointing=t.activation_checkpointing, tp=p.tp, pp=p.pp,
         pp_stages_per_rank=p.pp_stages_per_rank, hsdp=p.hsdp, grad_sync=t.grad_sync,
         reshard_after_forward=t.reshard_after_forward,
         dtype="float32" if t.dtype == "float32" else "bfloat16", replica_groups="off")
     return inputs, cfg
+
+
+def _model_of(cfg):
+    """The model the trainer builds for `cfg`, its family and family keys included
+    (train/model_config.py), with the preset's context and vocabulary where the config leaves
+    them to a dataset (none is read)."""
+    from elastic_gpt.train.model_config import model_config_for
+
+    m = cfg.model
+    default = preset_config(m.preset, family=m.family)
+    return model_config_for(cfg, _Sizes(m.seq_len or default.seq_len,
+                                        m.vocab_size or default.vocab_size))
 
 
 def _config_of(plan: Plan):

@@ -293,3 +293,26 @@ def test_rope_parameters_without_a_type_or_per_layer_type():
     per_type = {**LLAMA_HF, "rope_parameters": {"full_attention": {**SCALING,
                                                                    "rope_theta": 500000.0}}}
     assert config_from_hf(per_type, None, "per-type") == CFG
+
+
+def test_a_dry_run_of_a_config_plans_the_model_the_trainer_builds(tmp_path):
+    """`dry-run --config` of a GPT-2 preset switched to Llama by model.family (with a kv-head
+    key): the planner it is compared with counts the same Llama, not the preset's GPT-2."""
+    import argparse
+
+    from elastic_gpt.dry_run.cli import _inputs_and_config, add_cli_arguments
+    from elastic_gpt.planner.inputs import resolve_model
+
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  preset: mini\n  family: llama\n  n_kv_head: 2\n"
+                    "data:\n  path: unused\n")
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    inputs, cfg = _inputs_and_config(parser.parse_args(
+        ["--config", str(path), "--gpu", "A100-80GB", "--gpus", "2"]))
+    name, planned = resolve_model(inputs.model, inputs.seq_len, inputs.vocab_size)
+    assert (name, planned.family, planned.n_kv_head) == ("custom", "llama", 2)
+    assert planned.n_layer == PRESETS["mini"]["n_layer"] and cfg.model.family == "llama"
+    gpt = _inputs_and_config(parser.parse_args(
+        ["--config", "jobs/configs/mini.yaml", "--gpu", "A100-80GB", "--gpus", "2"]))[0]
+    assert gpt.model == "mini"  # a preset kept as the config has it is named
