@@ -144,7 +144,10 @@ def _inputs_and_config(args):
     --gpu x --gpus), or None to run the config the plan writes."""
     inputs = inputs_from_args(args)
     if not args.config:
-        return inputs, None
+        # The layout run and compared is the plan's chosen one, the restart path's: a plan that
+        # would write replica groups writes each group's settings instead (another micro-batch
+        # and pipeline schedule on a group's share of the GPUs).
+        return dataclasses.replace(inputs, replica_groups="off"), None
     from elastic_gpt.config import load_config
 
     cfg = load_config(args.config, ["data.path=dry-run", "train.compile=false",
