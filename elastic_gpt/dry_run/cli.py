@@ -1,13 +1,14 @@
 """`elastic-gpt dry-run`: the real trainer's build and one step at full scale, on one CPU.
 
-For the layout `plan` chooses (or a training config's, `--config`), on `--gpus` GPUs of kind
-`--gpu`: each rank that differs (the first, one with the smallest FSDP shards, the first of the
-last pipeline stage) is run in this process on torch's fake process group of the whole world size
-and on fake tensors: the trainer's own layout resolution, mesh, parallelization, pipeline
-schedule, optimizer and step. It prints each rank's peak memory by what holds it and its
-collectives by mesh dimension beside the planner's, and exits 0 when every rank builds and fits,
-2 with one line when a layout cannot build or does not fit. Nothing is read from storage and no
-GPU is needed; a rank of GPT-3 175B takes minutes on 2 cores.
+For the layout `plan` chooses for the whole world (replica groups are not simulated), or a
+training config's (`--config`), on `--gpus` GPUs of kind `--gpu`: each rank that differs (the
+first, one with the smallest FSDP shards, the first of the last pipeline stage) is run in this
+process on torch's fake process group of the whole world size and on fake tensors: the trainer's
+own layout resolution, mesh, parallelization, pipeline schedule, optimizer and step. It prints
+each rank's peak memory by what holds it and its collectives by mesh dimension beside the
+planner's, and exits 0 when every rank builds and fits, 2 with one line when a layout cannot
+build or does not fit. Nothing is read from storage and no GPU is needed; a rank of GPT-3 175B
+takes minutes on 2 cores.
 """
 
 # The docstring above is `elastic-gpt dry-run --help`'s description (elastic_gpt/cli.py reads it).
