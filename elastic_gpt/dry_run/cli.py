@@ -18,7 +18,9 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from elastic_gpt.dry_run.compare import (
     AGREEMENT,
@@ -28,9 +30,10 @@ from elastic_gpt.dry_run.compare import (
     gib,
 )
 from elastic_gpt.planner.cli import add_cli_arguments as add_plan_arguments
-from elastic_gpt.planner.cli import inputs_from_args
+from elastic_gpt.planner.cli import inputs_from_args, plan_from_args
 from elastic_gpt.planner.inputs import PlanInputs
-from elastic_gpt.planner.report import training_config
+from elastic_gpt.planner.report import format_report as format_plan
+from elastic_gpt.planner.report import plan_summary, training_config
 from elastic_gpt.planner.training_plan import Plan, plan_training
 
 
@@ -53,19 +56,39 @@ class _Sizes:
 
 
 def run_from_args(args) -> int:
-    if args.dtype == "float8":
-        raise ValueError("--dtype float8: the dry run runs bf16 linears (torchao's float8 ones "
-                         "need a GPU to trace); dry-run the layout with --dtype bfloat16")
+    _refuse_float8(args.dtype)
     inputs, cfg = _inputs_and_config(args)
     plan = plan_training(inputs)
-    if cfg is None:
-        cfg = _config_of(plan)
     ranks = _ranks(args.ranks, plan.n_gpus) if args.ranks else ranks_that_differ(plan)
-    comparisons = [dry_run_rank(plan, inputs, cfg, rank) for rank in ranks]
-    if args.json:
-        print(json.dumps(summary(plan, comparisons), indent=2))
-    else:
-        print(format_report(plan, comparisons))
+    comparisons = dry_run_ranks(plan, inputs, cfg, ranks)
+    print(json.dumps(summary(plan, comparisons), indent=2) if args.json
+          else format_report(plan, comparisons))
+    _refuse_what_does_not_fit(plan, comparisons)
+    return 0
+
+
+def plan_and_dry_run(args) -> int:
+    """`elastic-gpt plan --dry-run`: the plan's report, then the dry run of the layout it chose,
+    each rank that differs (with --json, one object: {"plan": ..., "dry_run": ...})."""
+    _refuse_float8(args.dtype)
+    inputs = inputs_from_args(args)
+    plan = plan_from_args(args, inputs)
+    if not args.json:  # the plan first: the dry run of a large model takes minutes
+        print(format_plan(plan) + "\n", flush=True)
+    comparisons = dry_run_ranks(plan, inputs, None, ranks_that_differ(plan))
+    print(json.dumps({"plan": plan_summary(plan), "dry_run": summary(plan, comparisons)},
+                     indent=2) if args.json else format_report(plan, comparisons))
+    _refuse_what_does_not_fit(plan, comparisons)
+    return 0
+
+
+def _refuse_float8(dtype: str) -> None:
+    if dtype == "float8":
+        raise ValueError("--dtype float8: the dry run runs bf16 linears (torchao's float8 ones "
+                         "need a GPU to trace); dry-run the layout with --dtype bfloat16")
+
+
+def _refuse_what_does_not_fit(plan: Plan, comparisons: list[RankComparison]) -> None:
     too_big = [c for c in comparisons if not fits(c, plan.usable_bytes)]
     if too_big:
         c = too_big[0]
@@ -74,29 +97,45 @@ def run_from_args(args) -> int:
             f"+ {gib(c.overhead)} GiB of CUDA context and fragmentation, over the "
             f"{gib(plan.usable_bytes)} GiB usable on a {plan.gpu.name}; lower the micro-batch, "
             "turn on activation checkpointing, or raise --tp or --pp")
-    return 0
 
 
-def dry_run_rank(plan: Plan, inputs: PlanInputs, cfg, rank: int) -> RankComparison:
+def dry_run_ranks(plan: Plan, inputs: PlanInputs, cfg, ranks: list[int]) -> list[RankComparison]:
+    """Each rank in a process of its own, as many at once as there are CPUs: torch keeps
+    process groups, meshes and DTensor's sharding caches per process, and a second fake world in
+    one process would meet the first's. `cfg` None: the config the plan writes."""
     from elastic_gpt.train.model_config import model_config_for
 
+    if cfg is None:
+        cfg = _config_of(plan)
     gpt_cfg = model_config_for(cfg, _Sizes(plan.cfg.seq_len, plan.cfg.vocab_size))
+    workers = max(1, min(len(ranks), os.cpu_count() or 1))
     t0 = time.perf_counter()
-    # A process of its own per rank: torch keeps process groups, meshes and DTensor's sharding
-    # caches per process, and a second fake world in one process would meet the first's.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        result, error = pool.apply(_simulate_rank_reporting, (cfg, gpt_cfg, plan.gpu), dict(
-            world_size=plan.n_gpus,
-            gpus_per_node=inputs.gpus_per_node or plan.gpu.gpus_per_node, rank=rank))
-    if error is not None:
-        kind, text = error
-        # A layout the trainer refuses is the user's to change (one line, exit 2); anything
-        # else is a bug, reported with the rank's own traceback.
-        raise ValueError(text) if kind == "ValueError" else RuntimeError(
-            f"rank {rank} failed in its dry run:\n{text}")
-    result.seconds = time.perf_counter() - t0
-    return compare_rank(plan, inputs, result)
+    with ThreadPoolExecutor(workers) as threads:
+        pending = [(rank, threads.submit(
+            _in_a_process_of_its_own, _simulate_rank_reporting, cfg, gpt_cfg, plan.gpu,
+            world_size=plan.n_gpus, rank=rank,
+            gpus_per_node=inputs.gpus_per_node or plan.gpu.gpus_per_node)) for rank in ranks]
+        comparisons = []
+        for rank, outcome in pending:
+            result, error = outcome.result()
+            if error is not None:
+                kind, text = error
+                # A layout the trainer refuses is the user's to change (one line, exit 2);
+                # anything else is a bug, reported with the rank's own traceback.
+                raise ValueError(text) if kind == "ValueError" else RuntimeError(
+                    f"rank {rank} failed in its dry run:\n{text}")
+            result.seconds = time.perf_counter() - t0  # wall time until this rank was done
+            comparisons.append(compare_rank(plan, inputs, result))
+    return comparisons
+
+
+def _in_a_process_of_its_own(fn, *args, **kwargs):
+    """fn in a fresh process, its result back. An executor, not a Pool: a process that dies (out
+    of memory, a crash in torch) is an error here, where a Pool would wait for it forever; and
+    one executor per call, not one of several tasks per worker: a worker that exits after its
+    task can lose its result."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def _simulate_rank_reporting(*args, **kwargs):

@@ -22,26 +22,31 @@ def rows(rank: dict) -> dict[tuple[str, str], dict]:
     return {(c["dim"], c["kind"]): c for c in rank["collectives"]}
 
 
-def test_a_tensor_parallel_hsdp_layout_steps_as_planned(capsys):
-    """GPT-3 1.3B at tp=2 on 2 nodes of 8: HSDP (FSDP over 4 in a node, 2 replicas), blocks kept
-    gathered, one gradient sync per step. Every collective the step runs is the planner's, in
-    bytes and, for tensor parallelism, in count; the memory at the peak is the planner's within
-    10%."""
-    code, got = dry_run(capsys, "--model", "gpt3-1.3b", "--gpu", "A100-80GB", "--gpus", "16",
-                        "--tp", "2", "--ranks", "0", "--json")
-    assert code == 0, got
-    assert got["layout"]["tp"] == 2 and got["layout"]["dp_replicate"] == 2
-    [rank] = got["ranks"]
-    assert rank["within"] and rank["fits"], rank["total_gib"]
-    by = rows(rank)
-    for key in [("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
-                ("dp_replicate", "all_reduce"), ("tp", "all")]:
-        assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"], rel=1e-4), key
-    # 24 blocks and the root: one all-gather each per step (kept gathered), one reduce-scatter
-    # and one all-reduce across the replicas each (one gradient sync per step).
-    assert by["dp_shard", "all_gather"]["count"] == by["dp_shard", "reduce_scatter"]["count"] \
-        == by["dp_replicate", "all_reduce"]["count"] == 25
-    assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"] == 926
+def test_plan_dry_run_steps_a_tensor_parallel_hsdp_layout_as_planned(capsys):
+    """`plan --dry-run`: GPT-3 1.3B at tp=2 on 2 nodes of 8, HSDP (FSDP over 4 in a node, 2
+    replicas), blocks kept gathered, one gradient sync per step, dry-run for each rank that
+    differs (the first, and the last FSDP shard). Every collective the step runs is the
+    planner's, in bytes and, for tensor parallelism, in count; the memory at the peak is the
+    planner's within 10%."""
+    code = main(["plan", "--model", "gpt3-1.3b", "--gpu", "A100-80GB", "--gpus", "16", "--tp", "2",
+                 "--dry-run", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    got = json.loads(out.out)
+    assert got["plan"]["tp"] == 2 and got["dry_run"]["layout"]["dp_replicate"] == 2
+    assert [r["rank"] for r in got["dry_run"]["ranks"]] == [0, 6]
+    for rank in got["dry_run"]["ranks"]:
+        assert rank["within"] and rank["fits"], rank["total_gib"]
+        by = rows(rank)
+        for key in [("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                    ("dp_replicate", "all_reduce"), ("tp", "all")]:
+            assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"],
+                                                             rel=1e-4), key
+        # 24 blocks and the root: one all-gather each per step (kept gathered), one
+        # reduce-scatter and one all-reduce across the replicas each (one sync per step).
+        assert by["dp_shard", "all_gather"]["count"] == by["dp_shard", "reduce_scatter"]["count"] \
+            == by["dp_replicate", "all_reduce"]["count"] == 25
+        assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"] == 926
 
 
 def test_a_pipelined_layout_sends_what_the_planner_counts(capsys):
