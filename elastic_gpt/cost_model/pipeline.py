@@ -161,7 +161,7 @@ def rank_shape(shape: ModelShape, pp: int, stages_per_rank: int, pp_rank: int) -
     root = shape.root_params if pp_rank in (0, pp - 1) else 0
     return dataclasses.replace(
         shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks), root_params=root,
-        params=root + blocks * shape.block_params,
+        params=root + blocks * shape.block_params, embeds=pp_rank == 0, heads=pp_rank == pp - 1,
         head_fwd_flops_per_token=shape.head_fwd_flops_per_token if pp_rank == pp - 1 else 0.0)
 
 

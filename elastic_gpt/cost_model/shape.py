@@ -27,6 +27,10 @@ class ModelShape:
     """Training FLOPs per token (fwd + bwd) without recomputation: what MFU counts."""
     block_fwd_flops_per_token: float
     head_fwd_flops_per_token: float
+    embeds: bool = True
+    """Runs the embedding (wte, wpe): the whole model, or a pipeline's first rank."""
+    heads: bool = True
+    """Runs ln_f, the output layer and the loss: the whole model, or a pipeline's last rank."""
 
     # What tensor parallelism leaves whole on every TP rank (the rest is split tp ways): in a
     # block, ln_1 and ln_2 (SequenceParallel replicates them), c_attn's bias (parallel/tensor.py

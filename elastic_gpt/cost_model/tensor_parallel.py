@@ -37,7 +37,9 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
     token (max, sum of exponentials, the target's logit); backward mirrors the three activations
     and the loss needs none. Per gradient sync, the LayerNorm gradients (partial sums over the
     sequence shards) are all-reduced and c_attn's bias gradient (this rank's heads) all-gathered,
-    one collective per tensor."""
+    one collective per tensor. A pipeline rank runs the root's collectives of the parts it holds
+    (`shape.embeds`, `shape.heads`): the embeddings' on the first, the lm_head's, the loss's and
+    ln_f's on the last, none on a rank between."""
     if tp <= 1:
         return TPTraffic(0, 0, 0, 0.0, 0, 0.0)
     cfg, L = shape.cfg, shape.cfg.n_layer
@@ -46,13 +48,14 @@ def tp_traffic(shape: ModelShape, micro_batch: int, tp: int, *, activation_check
     pos = cfg.seq_len * cfg.n_embd
     ag_blk = 4 + (2 if activation_checkpointing else 0)
     rs_blk = 4 + (1 if activation_checkpointing else 0)
-    ag = L * ag_blk + 3  # root: lm_head in forward, wte and wpe in backward
-    rs = L * rs_blk + 3  # root: wte and wpe in forward, lm_head in backward
-    ar = 3
-    moved = ((L * (ag_blk + rs_blk) + 4) * ring_bytes(act_bytes * act, tp)
-             + 2 * ring_bytes(act_bytes * pos, tp)
-             + loss_values)
-    norms = L * shape.block_norm_params + shape.root_replicated_params
+    emb, head = int(shape.embeds), int(shape.heads)
+    ag = L * ag_blk + head + 2 * emb  # root: lm_head in forward, wte and wpe in backward
+    rs = L * rs_blk + 2 * emb + head  # root: wte and wpe in forward, lm_head in backward
+    ar = 3 * head
+    moved = ((L * (ag_blk + rs_blk) + 2 * emb + 2 * head) * ring_bytes(act_bytes * act, tp)
+             + 2 * emb * ring_bytes(act_bytes * pos, tp)
+             + head * loss_values)
+    norms = L * shape.block_norm_params + head * shape.root_replicated_params
     sync = (2 * ring_bytes(grad_bytes * norms, tp)
             + ring_bytes(grad_bytes * L * shape.block_fused_bias_params, tp))
-    return TPTraffic(ag, rs, ar, moved, 4 * L + 2 + L, sync)
+    return TPTraffic(ag, rs, ar, moved, 4 * L + 2 * head + L, sync)

@@ -49,23 +49,29 @@ def test_plan_dry_run_steps_a_tensor_parallel_hsdp_layout_as_planned(capsys):
         assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"] == 926
 
 
-def test_a_pipelined_layout_sends_what_the_planner_counts(capsys):
-    """GPT-2 124M at pp=2 on 8 A100s, 1F1B with static stage shapes: both stages build and step
-    on the fake group; each rank's pipeline sends and its FSDP collectives are the planner's, and
-    the first stage's memory is within 10% of it."""
+def test_a_pipelined_tensor_parallel_layout_moves_what_the_planner_counts(capsys):
+    """GPT-2 124M at pp=2 x dp=2 x tp=2 on 8 A100s, 1F1B with static stage shapes: both stages
+    build and step on the fake group; each rank's pipeline sends, FSDP collectives and
+    tensor-parallel collectives (the embeddings' on the first stage only, the output layer's and
+    the loss's on the last only) are the planner's, and the first stage's memory is within 10%
+    of it."""
     code, got = dry_run(capsys, "--model", "gpt2-124m", "--gpu", "A100-80GB", "--gpus", "8",
-                        "--pp", "2", "--ranks", "0,4", "--json")
+                        "--pp", "2", "--tp", "2", "--ranks", "0,4", "--json")
     assert code == 0, got
     first, last = got["ranks"]
     assert (first["coordinate"]["pp"], last["coordinate"]["pp"]) == (0, 1)
     assert first["within"], first["total_gib"]
     for rank in (first, last):
         by = rows(rank)
-        for key in [("pp", "send"), ("dp_shard", "all_gather")]:
+        for key in [("pp", "send"), ("dp_shard", "all_gather"), ("tp", "all")]:
             assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"],
                                                              rel=2e-2), (rank["rank"], key)
         assert by["pp", "send"]["dry_run_bytes"] == pytest.approx(
             by["pp", "send"]["planner_bytes"], rel=1e-6)
+        assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"], rank["rank"]
+    # The last stage runs the output layer's and the loss's collectives, the first the
+    # embeddings': not the same count.
+    assert rows(first)["tp", "all"]["count"] != rows(last)["tp", "all"]["count"]
 
 
 @pytest.mark.parametrize("argv, says", [
