@@ -100,7 +100,7 @@ def _refuse_what_does_not_fit(plan: Plan, comparisons: list[RankComparison]) -> 
 
 
 def dry_run_ranks(plan: Plan, inputs: PlanInputs, cfg, ranks: list[int]) -> list[RankComparison]:
-    """Each rank in a process of its own, as many at once as there are CPUs: torch keeps
+    """Each rank in a process of its own, about as many at once as there are CPUs: torch keeps
     process groups, meshes and DTensor's sharding caches per process, and a second fake world in
     one process would meet the first's. `cfg` None: the config the plan writes."""
     from elastic_gpt.train.model_config import model_config_for
@@ -108,7 +108,9 @@ def dry_run_ranks(plan: Plan, inputs: PlanInputs, cfg, ranks: list[int]) -> list
     if cfg is None:
         cfg = _config_of(plan)
     gpt_cfg = model_config_for(cfg, _Sizes(plan.cfg.seq_len, plan.cfg.vocab_size))
-    workers = max(1, min(len(ranks), os.cpu_count() or 1))
+    # One more than the CPUs: the three ranks that differ on two cores finish together, where
+    # two at a time leave the third to run alone on one core after them.
+    workers = max(1, min(len(ranks), (os.cpu_count() or 1) + 1))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers) as threads:
         pending = [(rank, threads.submit(
