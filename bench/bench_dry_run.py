@@ -80,7 +80,7 @@ def main() -> int:
             continue
         m = r["layout"]
         print(f"{name}: pp{m['pp']} x dp_replicate{m['dp_replicate']} x dp_shard{m['dp_shard']} "
-              f"x tp{m['tp']} (stages/rank {m['pp_stages_per_rank']}), micro-batch "
+              f"x tp{m['tp']} (stages/rank {m['stages_per_rank']}), micro-batch "
               f"{r['micro_batch']}: {r['wall_s']:.0f} s wall, load {r['load_before']:.1f} -> "
               f"{r['load_after']:.1f}", flush=True)
         for k in r["ranks"]:
