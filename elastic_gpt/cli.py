@@ -151,7 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=text, description=(mod.__doc__ or text).strip())
         mod.add_cli_arguments(sp)
         sp.set_defaults(func=mod.run_from_args)
+        if name == "plan":
+            sp.add_argument("--dry-run", action="store_true",
+                            help="then run the trainer's build and one step of the chosen layout "
+                                 "for each rank that differs, on fake tensors (elastic-gpt "
+                                 "dry-run); exit 2 if a rank does not build or fit")
+            sp.set_defaults(func=_plan)
     return p
+
+
+def _plan(args) -> int:
+    """`plan`, and with --dry-run the dry run of the layout it chooses (which imports torch in
+    the ranks' processes only; `plan` alone imports none)."""
+    if not args.dry_run:
+        from elastic_gpt.planner.cli import run_from_args
+        return run_from_args(args)
+    from elastic_gpt.dry_run.cli import plan_and_dry_run
+    return plan_and_dry_run(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,6 +200,40 @@ def local_indices(shape, mesh, placements) -> list[torch.Tensor]:
 # ---- the dry run's pieces (imported when a dry run runs) -----------------------------------
 
 
+def dry_run_api_problems() -> list[str]:
+    """What has changed in the private pieces the dry run overrides or reads, one line each
+    (empty: all as this code expects): the parameters of each method it replaces or calls, and
+    the memory tracker's state it reads."""
+    import inspect
+
+    from torch.distributed._tools.fake_collectives import CollectiveOp
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    expected = [
+        (FSDPMemTracker, "_fsdp_state_pre_forward", ("self", "fsdp_mod", "orig_fsdp_state_pre_fw")),
+        (FSDPMemTracker, "_update_peak_stats", ("self", "peak_state")),
+        (FSDPMemTracker, "get_tracker_snapshot", ("self", "type")),
+        (CollectiveOp, "get_process_group", ("func", "args")),
+        (CollectiveOp, "get_comm_tensor_size", ("func", "res", "args", "kwargs")),
+        (_PipelineSchedule, "_warmup_p2p", ("self", "stages", "has_backward", "p2p_done")),
+        (ShardingPropagator, "_propagate_tensor_meta_non_cached", ("self", "op_schema")),
+    ]
+    problems = []
+    for owner, name, params in expected:
+        got = tuple(inspect.signature(getattr(owner, name)).parameters)
+        if got != params:
+            problems.append(f"{owner.__name__}.{name} takes ({', '.join(got)}), not "
+                            f"({', '.join(params)})")
+    made = inspect.getsource(FSDPMemTracker.__init__) + inspect.getsource(MemTracker.__init__)
+    problems += [f"FSDPMemTracker no longer sets self.{a}" for a in (
+        "_mod_tracker", "memory_tracking", "_curr_mem_snap", "_peak_mem", "_peak_mem_snap",
+        "_root_mod") if f"self.{a}" not in made]
+    return problems
+
+
 @contextlib.contextmanager
 def fake_process_group(rank: int, world_size: int):
     """This process as rank `rank` of `world_size` on torch's fake process group for the

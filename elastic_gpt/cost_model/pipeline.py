@@ -125,15 +125,19 @@ def bubble_fraction(pp: int, micro_batches: int, stages_per_rank: int = 1) -> fl
 def in_flight(pp: int, micro_batches: int, stages_per_rank: int = 1,
               pp_rank: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `pp_rank` keeps at its peak, in units of one
-    micro-batch through all of that rank's layers. 1F1B: min(p - rank, m). Interleaved (the
-    first rank, the most): min(p, m) (1 + (p - 1) / (p v)), and never more than the step's m
-    micro-batches (a step of few micro-batches has no more to keep)."""
+    micro-batch through all of that rank's layers. 1F1B: min(p - rank, m). Interleaved 1F1B
+    (torch's `_get_warmup_ops`): a rank runs (v - 1) r + 2 (p - 1 - rank) forward chunks before
+    its first backward, r the micro-batches of a round (p when m is a multiple of p), and holds
+    one more at its peak: on the first rank about p (1 + (p - 1) / (p v)) micro-batches, on the
+    last about p (1 - 1 / v) + 1 / v; never more than the step's m."""
     if pp <= 1:
         return 1.0
     if stages_per_rank == 1:
         return float(min(pp - pp_rank, micro_batches))
-    return min(float(micro_batches),
-               min(pp, micro_batches) * (1 + (pp - 1) / (pp * stages_per_rank)))
+    v, m = stages_per_rank, micro_batches
+    per_round = m // max(1, m // pp)
+    warmup = (v - 1) * per_round + 2 * (pp - 1 - pp_rank)
+    return min(warmup + 1, m * v) / v
 
 
 def p2p_bytes(pp: int, micro_batches: int, *, micro_batch: int, seq_len: int, n_embd: int,
@@ -169,6 +173,7 @@ def rank_shape(shape: ModelShape, pp: int, stages_per_rank: int, pp_rank: int) -
     return dataclasses.replace(
         shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks), root_params=root,
         embedding_params=embedding, params=root + blocks * shape.block_params,
+        embeds=pp_rank == 0, heads=pp_rank == pp - 1,
         head_fwd_flops_per_token=shape.head_fwd_flops_per_token if pp_rank == pp - 1 else 0.0)
 
 

@@ -31,6 +31,10 @@ class ModelShape:
     embedding_params: int = 0
     """The part of the root the first pipeline stage holds: the token (and position) embedding
     (all of the root when the output layer is tied to it: model/families.py)."""
+    embeds: bool = True
+    """Runs the embedding (wte, wpe): the whole model, or a pipeline's first rank."""
+    heads: bool = True
+    """Runs ln_f, the output layer and the loss: the whole model, or a pipeline's last rank."""
 
     # What tensor parallelism leaves whole on every TP rank (the rest is split tp ways): in a
     # block, its norms (SequenceParallel replicates them) and the biases the plan keeps whole

@@ -19,7 +19,9 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from elastic_gpt.dry_run.compare import (
     AGREEMENT,
@@ -30,9 +32,10 @@ from elastic_gpt.dry_run.compare import (
 )
 from elastic_gpt.model.config import preset_config
 from elastic_gpt.planner.cli import add_cli_arguments as add_plan_arguments
-from elastic_gpt.planner.cli import inputs_from_args
+from elastic_gpt.planner.cli import inputs_from_args, plan_from_args
 from elastic_gpt.planner.inputs import PlanInputs
-from elastic_gpt.planner.report import training_config
+from elastic_gpt.planner.report import format_report as format_plan
+from elastic_gpt.planner.report import plan_summary, training_config
 from elastic_gpt.planner.training_plan import Plan, plan_training
 
 
@@ -55,19 +58,39 @@ class _Sizes:
 
 
 def run_from_args(args) -> int:
-    if args.dtype == "float8":
-        raise ValueError("--dtype float8: the dry run runs bf16 linears (torchao's float8 ones "
-                         "need a GPU to trace); dry-run the layout with --dtype bfloat16")
+    _refuse_float8(args.dtype)
     inputs, cfg = _inputs_and_config(args)
     plan = plan_training(inputs)
-    if cfg is None:
-        cfg = _config_of(plan)
     ranks = _ranks(args.ranks, plan.n_gpus) if args.ranks else ranks_that_differ(plan)
-    comparisons = [dry_run_rank(plan, inputs, cfg, rank) for rank in ranks]
-    if args.json:
-        print(json.dumps(summary(plan, comparisons), indent=2))
-    else:
-        print(format_report(plan, comparisons))
+    comparisons = dry_run_ranks(plan, inputs, cfg, ranks)
+    print(json.dumps(summary(plan, comparisons), indent=2) if args.json
+          else format_report(plan, comparisons))
+    _refuse_what_does_not_fit(plan, comparisons)
+    return 0
+
+
+def plan_and_dry_run(args) -> int:
+    """`elastic-gpt plan --dry-run`: the plan's report, then the dry run of the layout it chose,
+    each rank that differs (with --json, one object: {"plan": ..., "dry_run": ...})."""
+    _refuse_float8(args.dtype)
+    inputs = inputs_from_args(args)
+    plan = plan_from_args(args, inputs)
+    if not args.json:  # the plan first: the dry run of a large model takes minutes
+        print(format_plan(plan) + "\n", flush=True)
+    comparisons = dry_run_ranks(plan, inputs, None, ranks_that_differ(plan))
+    print(json.dumps({"plan": plan_summary(plan), "dry_run": summary(plan, comparisons)},
+                     indent=2) if args.json else format_report(plan, comparisons))
+    _refuse_what_does_not_fit(plan, comparisons)
+    return 0
+
+
+def _refuse_float8(dtype: str) -> None:
+    if dtype == "float8":
+        raise ValueError("--dtype float8: the dry run runs bf16 linears (torchao's float8 ones "
+                         "need a GPU to trace); dry-run the layout with --dtype bfloat16")
+
+
+def _refuse_what_does_not_fit(plan: Plan, comparisons: list[RankComparison]) -> None:
     too_big = [c for c in comparisons if not fits(c, plan.usable_bytes)]
     if too_big:
         c = too_big[0]
@@ -76,29 +99,47 @@ def run_from_args(args) -> int:
             f"+ {gib(c.overhead)} GiB of CUDA context and fragmentation, over the "
             f"{gib(plan.usable_bytes)} GiB usable on a {plan.gpu.name}; lower the micro-batch, "
             "turn on activation checkpointing, or raise --tp or --pp")
-    return 0
 
 
-def dry_run_rank(plan: Plan, inputs: PlanInputs, cfg, rank: int) -> RankComparison:
+def dry_run_ranks(plan: Plan, inputs: PlanInputs, cfg, ranks: list[int]) -> list[RankComparison]:
+    """Each rank in a process of its own, about as many at once as there are CPUs: torch keeps
+    process groups, meshes and DTensor's sharding caches per process, and a second fake world in
+    one process would meet the first's. `cfg` None: the config the plan writes."""
     from elastic_gpt.train.model_config import model_config_for
 
+    if cfg is None:
+        cfg = _config_of(plan)
     gpt_cfg = model_config_for(cfg, _Sizes(plan.cfg.seq_len, plan.cfg.vocab_size))
+    # One more than the CPUs: the three ranks that differ on two cores finish together, where
+    # two at a time leave the third to run alone on one core after them.
+    workers = max(1, min(len(ranks), (os.cpu_count() or 1) + 1))
     t0 = time.perf_counter()
-    # A process of its own per rank: torch keeps process groups, meshes and DTensor's sharding
-    # caches per process, and a second fake world in one process would meet the first's.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        result, error = pool.apply(_simulate_rank_reporting, (cfg, gpt_cfg, plan.gpu), dict(
-            world_size=plan.n_gpus,
-            gpus_per_node=inputs.gpus_per_node or plan.gpu.gpus_per_node, rank=rank))
-    if error is not None:
-        kind, text = error
-        # A layout the trainer refuses is the user's to change (one line, exit 2); anything
-        # else is a bug, reported with the rank's own traceback.
-        raise ValueError(text) if kind == "ValueError" else RuntimeError(
-            f"rank {rank} failed in its dry run:\n{text}")
-    result.seconds = time.perf_counter() - t0
-    return compare_rank(plan, inputs, result)
+    with ThreadPoolExecutor(workers) as threads:
+        pending = [(rank, threads.submit(
+            _in_a_process_of_its_own, _simulate_rank_reporting, cfg, gpt_cfg, plan.gpu,
+            world_size=plan.n_gpus, rank=rank,
+            gpus_per_node=inputs.gpus_per_node or plan.gpu.gpus_per_node)) for rank in ranks]
+        comparisons = []
+        for rank, outcome in pending:
+            result, error = outcome.result()
+            if error is not None:
+                kind, text = error
+                # A layout the trainer refuses is the user's to change (one line, exit 2);
+                # anything else is a bug, reported with the rank's own traceback.
+                raise ValueError(text) if kind == "ValueError" else RuntimeError(
+                    f"rank {rank} failed in its dry run:\n{text}")
+            result.seconds = time.perf_counter() - t0  # wall time until this rank was done
+            comparisons.append(compare_rank(plan, inputs, result))
+    return comparisons
+
+
+def _in_a_process_of_its_own(fn, *args, **kwargs):
+    """fn in a fresh process, its result back. An executor, not a Pool: a process that dies (out
+    of memory, a crash in torch) is an error here, where a Pool would wait for it forever; and
+    one executor per call, not one of several tasks per worker: a worker that exits after its
+    task can lose its result."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def _simulate_rank_reporting(*args, **kwargs):
@@ -145,10 +186,7 @@ def _inputs_and_config(args):
     --gpu x --gpus), or None to run the config the plan writes."""
     inputs = inputs_from_args(args)
     if not args.config:
-        # The layout run and compared is the plan's chosen one, the restart path's: a plan that
-        # would write replica groups writes each group's settings instead (another micro-batch
-        # and pipeline schedule on a group's share of the GPUs).
-        return dataclasses.replace(inputs, replica_groups="off"), None
+        return inputs, None
     from elastic_gpt.config import load_config
 
     cfg = load_config(args.config, ["data.path=dry-run", "train.compile=false",
@@ -186,7 +224,10 @@ def _config_of(plan: Plan):
     """The config `plan --write-config` writes for this plan, as the trainer loads it."""
     from elastic_gpt.config import config_from_dict, validate
 
-    written = training_config(plan)
+    # The layout run and compared is the plan's chosen one for the whole world, the restart
+    # path's: a plan that would write replica groups writes each group's settings instead
+    # (another micro-batch and pipeline schedule on a group's share of the GPUs).
+    written = training_config(dataclasses.replace(plan, fault_tolerance_by_market={}))
     written["train"]["compile"] = False  # nothing to compile on fake tensors
     written["data"] = {"path": "dry-run"}  # not read
     cfg = config_from_dict(written)

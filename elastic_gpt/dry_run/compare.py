@@ -87,16 +87,17 @@ def compare_rank(plan: Plan, inputs: PlanInputs, result: RankResult) -> RankComp
                "activations": memory.activations, "loss and temporaries": memory.logits}
     rows = [MemoryRow(name, groups[name], planned[name]) for name in TRACKER_GROUPS]
     return RankComparison(result, rows, memory.overhead,
-                          _collective_rows(result, step, planned_tp_collectives(plan, inputs)))
+                          _collective_rows(result, step, planned_tp_collectives(
+                              plan, inputs, result.coordinate["pp"])))
 
 
-def planned_tp_collectives(plan: Plan, inputs: PlanInputs) -> int:
-    """The tensor-parallel collectives the planner counts in one step of a rank: each
-    micro-batch's, and each gradient sync's (tensor_parallel.py)."""
+def planned_tp_collectives(plan: Plan, inputs: PlanInputs, pp_rank: int) -> int:
+    """The tensor-parallel collectives the planner counts in one step of a rank of pipeline rank
+    `pp_rank`: each micro-batch's, and each gradient sync's (tensor_parallel.py)."""
     c = plan.chosen
     if c.tp <= 1:
         return 0
-    shape = (rank_shape(plan.shape, c.mesh.pp, c.mesh.stages_per_rank, 0) if c.mesh.pp > 1
+    shape = (rank_shape(plan.shape, c.mesh.pp, c.mesh.stages_per_rank, pp_rank) if c.mesh.pp > 1
              else plan.shape)
     traffic = inputs.software.tp_traffic(
         shape, c.micro_batch, c.tp, activation_checkpointing=c.activation_checkpointing,

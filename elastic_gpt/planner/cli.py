@@ -30,7 +30,7 @@ from elastic_gpt.model.config import PRESETS, ModelConfig, preset_config
 from elastic_gpt.planner.calibration_file import load_calibration
 from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PALM_STEPS_PER_SPIKE, PlanInputs
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
-from elastic_gpt.planner.training_plan import plan_training
+from elastic_gpt.planner.training_plan import Plan, plan_training
 
 
 def parse_count(text: str) -> float:
@@ -201,12 +201,7 @@ def inputs_from_args(args) -> PlanInputs:
 
 def run_from_args(args) -> int:
     # PlanError and config errors are ValueErrors: the CLI prints them as one line, exit 2.
-    plan = plan_training(inputs_from_args(args))
-    if args.write_config:  # before the report: a path that cannot be written fails alone
-        write_output_file(args.write_config, (
-            f"# written by `elastic-gpt plan` for {plan.n_gpus} x {plan.gpu.name} "
-            f"({plan.market}); add data.path (and checkpoint.path) before training\n"
-            + yaml.safe_dump(training_config(plan), sort_keys=False)), "--write-config")
+    plan = plan_from_args(args, inputs_from_args(args))
     if args.json:
         print(json.dumps(plan_summary(plan), indent=2))
     else:
@@ -214,3 +209,15 @@ def run_from_args(args) -> int:
     if args.write_config:
         print(f"\nwrote {args.write_config}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def plan_from_args(args, inputs: PlanInputs) -> Plan:
+    """The plan, and its config written when --write-config asks (before any report: a path
+    that cannot be written fails alone)."""
+    plan = plan_training(inputs)
+    if args.write_config:
+        write_output_file(args.write_config, (
+            f"# written by `elastic-gpt plan` for {plan.n_gpus} x {plan.gpu.name} "
+            f"({plan.market}); add data.path (and checkpoint.path) before training\n"
+            + yaml.safe_dump(training_config(plan), sort_keys=False)), "--write-config")
+    return plan

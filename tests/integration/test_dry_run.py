@@ -23,45 +23,56 @@ def rows(rank: dict) -> dict[tuple[str, str], dict]:
     return {(c["dim"], c["kind"]): c for c in rank["collectives"]}
 
 
-def test_a_tensor_parallel_hsdp_layout_steps_as_planned(capsys):
-    """GPT-3 1.3B at tp=2 on 2 nodes of 8: HSDP (FSDP over 4 in a node, 2 replicas), blocks kept
-    gathered, one gradient sync per step. Every collective the step runs is the planner's, in
-    bytes and, for tensor parallelism, in count; the memory at the peak is the planner's within
-    10%."""
-    code, got = dry_run(capsys, "--model", "gpt3-1.3b", "--gpu", "A100-80GB", "--gpus", "16",
-                        "--tp", "2", "--ranks", "0", "--json")
-    assert code == 0, got
-    assert got["layout"]["tp"] == 2 and got["layout"]["dp_replicate"] == 2
-    [rank] = got["ranks"]
-    assert rank["within"] and rank["fits"], rank["total_gib"]
-    by = rows(rank)
-    for key in [("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
-                ("dp_replicate", "all_reduce"), ("tp", "all")]:
-        assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"], rel=1e-4), key
-    # 24 blocks and the root: one all-gather each per step (kept gathered), one reduce-scatter
-    # and one all-reduce across the replicas each (one gradient sync per step).
-    assert by["dp_shard", "all_gather"]["count"] == by["dp_shard", "reduce_scatter"]["count"] \
-        == by["dp_replicate", "all_reduce"]["count"] == 25
-    assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"] == 926
+def test_plan_dry_run_steps_a_tensor_parallel_hsdp_layout_as_planned(capsys):
+    """`plan --dry-run`: GPT-3 1.3B at tp=2 on 2 nodes of 8, HSDP (FSDP over 4 in a node, 2
+    replicas), blocks kept gathered, one gradient sync per step, dry-run for each rank that
+    differs (the first, and the last FSDP shard). Every collective the step runs is the
+    planner's, in bytes and, for tensor parallelism, in count; the memory at the peak is the
+    planner's within 10%."""
+    code = main(["plan", "--model", "gpt3-1.3b", "--gpu", "A100-80GB", "--gpus", "16", "--tp", "2",
+                 "--dry-run", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    got = json.loads(out.out)
+    assert got["plan"]["tp"] == 2 and got["dry_run"]["layout"]["dp_replicate"] == 2
+    assert [r["rank"] for r in got["dry_run"]["ranks"]] == [0, 6]
+    for rank in got["dry_run"]["ranks"]:
+        assert rank["within"] and rank["fits"], rank["total_gib"]
+        by = rows(rank)
+        for key in [("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+                    ("dp_replicate", "all_reduce"), ("tp", "all")]:
+            assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"],
+                                                             rel=1e-4), key
+        # 24 blocks and the root: one all-gather each per step (kept gathered), one
+        # reduce-scatter and one all-reduce across the replicas each (one sync per step).
+        assert by["dp_shard", "all_gather"]["count"] == by["dp_shard", "reduce_scatter"]["count"] \
+            == by["dp_replicate", "all_reduce"]["count"] == 25
+        assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"] == 926
 
 
-def test_a_pipelined_layout_sends_what_the_planner_counts(capsys):
-    """GPT-2 124M at pp=2 on 8 A100s, 1F1B with static stage shapes: both stages build and step
-    on the fake group; each rank's pipeline sends and its FSDP collectives are the planner's, and
-    the first stage's memory is within 10% of it."""
+def test_a_pipelined_tensor_parallel_layout_moves_what_the_planner_counts(capsys):
+    """GPT-2 124M at pp=2 x dp=2 x tp=2 on 8 A100s, 1F1B with static stage shapes: both stages
+    build and step on the fake group; each rank's pipeline sends, FSDP collectives and
+    tensor-parallel collectives (the embeddings' on the first stage only, the output layer's and
+    the loss's on the last only) are the planner's, and the first stage's memory is within 10%
+    of it."""
     code, got = dry_run(capsys, "--model", "gpt2-124m", "--gpu", "A100-80GB", "--gpus", "8",
-                        "--pp", "2", "--ranks", "0,4", "--json")
+                        "--pp", "2", "--tp", "2", "--ranks", "0,4", "--json")
     assert code == 0, got
     first, last = got["ranks"]
     assert (first["coordinate"]["pp"], last["coordinate"]["pp"]) == (0, 1)
     assert first["within"], first["total_gib"]
     for rank in (first, last):
         by = rows(rank)
-        for key in [("pp", "send"), ("dp_shard", "all_gather")]:
+        for key in [("pp", "send"), ("dp_shard", "all_gather"), ("tp", "all")]:
             assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"],
                                                              rel=2e-2), (rank["rank"], key)
         assert by["pp", "send"]["dry_run_bytes"] == pytest.approx(
             by["pp", "send"]["planner_bytes"], rel=1e-6)
+        assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"], rank["rank"]
+    # The last stage runs the output layer's and the loss's collectives, the first the
+    # embeddings': not the same count.
+    assert rows(first)["tp", "all"]["count"] != rows(last)["tp", "all"]["count"]
 
 
 @pytest.mark.parametrize("argv, says", [

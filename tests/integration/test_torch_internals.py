@@ -55,6 +55,22 @@ def test_a_flattened_mesh_dim_is_registered_with_its_root():
 
 
 
+def test_the_fake_process_group_runs_collectives_that_move_nothing():
+    """fake_process_group: one rank of a world of 1,024 in this process; a collective returns at
+    once and moves nothing, and the group is gone after the with-block."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic_gpt.torch_internals import fake_process_group
+
+    with fake_process_group(rank=5, world_size=1024):
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 1024)
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0] * 4
+    assert not dist.is_initialized()
+
+
 def test_the_memory_tracker_follows_a_unit_whose_output_layer_runs_no_forward():
     """An untied Llama's final norm and output layer are one FSDP unit; the chunked loss reads the
     output layer's weight without calling it. torch's tracker wraps the unit's backward once per

@@ -354,6 +354,27 @@ def test_tp_traffic_counts_the_collectives_dtensor_runs():
                       grad_bytes=4).bytes_per_micro_batch == 0
 
 
+def test_a_pipeline_rank_runs_only_the_root_collectives_of_the_parts_it_holds():
+    """At pp=3 the first rank runs the embeddings' (wte and wpe: reduce-scattered forward,
+    all-gathered backward), the last the output layer's, the loss's and ln_f's sync, a middle
+    rank none of the root's: its blocks' alone. Their sum is the unpipelined model's."""
+    from elastic_gpt.cost_model.pipeline import rank_shape
+
+    whole = model_shape(dataclasses.replace(preset_config("tiny"), n_layer=3))
+    kw = dict(activation_checkpointing=False, act_bytes=4, grad_bytes=4)
+    first, middle, last = (tp_traffic(rank_shape(whole, 3, 1, r), 3, 2, **kw) for r in range(3))
+    block = 4  # all-gathers (and reduce-scatters) of one block, forward and backward
+    assert (first.all_gathers, first.reduce_scatters, first.all_reduces) == (block + 2, block + 2, 0)
+    assert (middle.all_gathers, middle.reduce_scatters, middle.all_reduces) == (block, block, 0)
+    assert (last.all_gathers, last.reduce_scatters, last.all_reduces) == (block + 1, block + 1, 3)
+    assert (first.sync_collectives, middle.sync_collectives, last.sync_collectives) == (5, 5, 7)
+    t = tp_traffic(whole, 3, 2, **kw)
+    for field in ("all_gathers", "reduce_scatters", "all_reduces", "bytes_per_micro_batch",
+                  "sync_collectives", "bytes_per_sync"):
+        assert sum(getattr(r, field) for r in (first, middle, last)) == pytest.approx(
+            getattr(t, field)), field
+
+
 def test_kernel_efficiency_grows_with_the_kernels_size():
     gpu = get_gpu("A100-80GB")
     k = Kernels(gpu, act_bytes=2)

@@ -187,3 +187,18 @@ def test_fsdp_reduce_scatter_can_be_replaced_by_a_subclass_of_its_default():
     assert callable(getattr(comm, "allocate", None)), changed("DefaultReduceScatter.allocate")
     assert "comm" in params(FSDPModule.set_custom_reduce_scatter), changed(
         "FSDPModule.set_custom_reduce_scatter")
+
+
+
+def test_the_dry_runs_private_pieces_have_the_names_and_signatures_it_uses(monkeypatch):
+    """What the dry run overrides or reads of torch's memory tracker, fake collectives, pipeline
+    schedule, sharding propagation and strided shard: checked by name, so an upgrade fails here.
+    A changed signature is named."""
+    from elastic_gpt.torch_internals import dry_run_api_problems
+
+    assert dry_run_api_problems() == []
+    monkeypatch.setattr("torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p",
+                        lambda self, stages: None)
+    assert dry_run_api_problems() == [
+        "_PipelineSchedule._warmup_p2p takes (self, stages), not (self, stages, has_backward, "
+        "p2p_done)"]

@@ -225,7 +225,9 @@ def test_175b_on_1024_a100s_left_to_choose_with_sc21s_software_is_fsdp_across_no
     """GPT-3 175B on 1024 A100s (Megatron-LM: 34 days) given SC21's software too (Megatron-LM's
     2021 kernels, dropout, every block recomputed) and left to choose: FSDP over 512 GPUs, a
     layout Megatron-LM ran in 2021 only as DeepSpeed's ZeRO-3; with this trainer's kernels, the
-    same layout, faster. Slowed by the most MosaicML's checkpointed A100 FSDP runs were planned
+    same layout, faster, in a tie (within 1%) with an interleaved pipeline, which each rank's
+    tensor-parallel traffic of only the root's parts it holds makes as cheap. Slowed by the
+    most MosaicML's checkpointed A100 FSDP runs were planned
     too fast (but the one run nearest its memory), it is still not within 15% of 34 days; slowed
     by that one run's, it would be. Kept to Megatron-LM 2021's layouts (tp=8, its replicas, its
     pipeline cuts), it is an interleaved pipeline, slower, and still short of 34 days by more
@@ -241,8 +243,9 @@ def test_175b_on_1024_a100s_left_to_choose_with_sc21s_software_is_fsdp_across_no
     megatron = plan_training(checks.gpt3_175b_on_1024(True, megatron_layouts=True))
     assert sc21.chosen.activation_checkpointing and sc21.chosen.mesh.pp == 1
     assert sc21.chosen.mesh.dp >= 512 and 20 < sc21.time_to_train_s / DAY < 23
-    assert mine.chosen.mesh.pp == 1 and mine.chosen.mesh.dp >= 512
-    assert mine.time_to_train_s < sc21.time_to_train_s
+    fsdp = plan_training(dataclasses.replace(checks.gpt3_175b_on_1024(sc21_software=False), pp=1))
+    assert fsdp.chosen.mesh.dp >= 512 and fsdp.time_to_train_s <= 1.01 * mine.time_to_train_s
+    assert mine.time_to_train_s <= fsdp.time_to_train_s < sc21.time_to_train_s
     a100 = {(c.run.label, c.run.gpus, c.run.gpu): c.ratio for k, c in calibrated_model.items()
             if k[0] == runs.MOSAICML and c.run.gpu.startswith("A100")}
     tightest = a100.pop(("MPT 70B", 64, "A100-40GB"))
