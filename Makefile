@@ -35,13 +35,15 @@ $(DATA)/manifest.json: $(wildcard $(TOKENIZER)) | venv
 	$(BIN)/python -m data_pipelines.recipes.stdlib --stdlib "$(STDLIB)" --output $(DATA) \
 		--tokenizer-output $(TOKENIZER)
 
+# JOB=mini-llama trains a small Llama 3 on the same corpus (jobs/configs/mini-llama.yaml).
+JOB ?= mini
 train: venv data
 	mkdir -p $(RAY_TMPDIR)
-	$(BIN)/elastic-gpt train --config jobs/configs/mini.yaml
+	$(BIN)/elastic-gpt train --config jobs/configs/$(JOB).yaml
 	@echo "---- a sample from the trained model ----"
 	@# generate heals a prompt's trailing space (the BPE puts a word's leading space in the
 	@# word's token): the first new token must start with it, so "def " is continued by " name".
-	$(BIN)/elastic-gpt generate --checkpoint runs/mini-bpe4k/checkpoints --prompt "def " \
+	$(BIN)/elastic-gpt generate --checkpoint runs/$(JOB)-bpe4k/checkpoints --prompt "def " \
 		--max-new-tokens 100 --temperature 0.7
 	@echo "---- MLflow: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db"
 

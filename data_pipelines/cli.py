@@ -38,7 +38,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                              "'/usr/lib/python3.11/**/*.py', file:///data/txt")
     parser.add_argument("--output", required=True, help="dataset directory URL to write")
     parser.add_argument("--tokenizer", default="gpt2",
-                        help="gpt2 (offline GPT-2 BPE), bytes, or the path of a tokenizer.json")
+                        help="gpt2 (offline GPT-2 BPE), bytes, the path of a tokenizer.json, or "
+                             "tiktoken:PATH for a tiktoken-format vocabulary (Llama 3's "
+                             "tokenizer.model)")
     parser.add_argument("--seq-len", type=int, default=1024,
                         help="model context; each sample stores seq_len + 1 tokens")
     parser.add_argument("--text-field", default="text",

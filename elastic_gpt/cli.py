@@ -58,11 +58,25 @@ def _generate(args) -> int:
 
 
 def _export_hf(args) -> int:
-    from elastic_gpt.inference.hf_export import export_hf
+    from elastic_gpt.inference.hf_export import architecture, export_hf
 
     out = export_hf(args.checkpoint, args.out, overwrite=args.overwrite)
-    say(f"[elastic-gpt] wrote {out}/config.json and {out}/model.safetensors "
-        "(load with transformers.GPT2LMHeadModel.from_pretrained)")
+    say(f"[elastic-gpt] wrote {out}/config.json and its safetensors weights (load with "
+        f"transformers.{architecture(args.checkpoint)}.from_pretrained)")
+    return 0
+
+
+def _import_hf(args) -> int:
+    from elastic_gpt.inference.hf_import import import_hf, training_overrides
+
+    url, cfg = import_hf(args.directory, args.out, seq_len=args.seq_len)
+    say(f"[elastic-gpt] wrote {url}: {cfg.describe()}, weights only (the optimizer starts "
+        "fresh)")
+    keys = training_overrides(cfg)
+    say(f"[elastic-gpt] continue pretraining with: elastic-gpt train --config CONFIG "
+        f"checkpoint.path={args.out} {keys}" if keys else
+        f"[elastic-gpt] continue pretraining with checkpoint.path={args.out} and "
+        f"checkpoint.init_from={args.directory} (its shape is the directory's)")
     return 0
 
 
@@ -104,14 +118,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_generate)
 
-    ex = sub.add_parser("export-hf", help="export a checkpoint as a Hugging Face GPT-2 model",
-                        description="Write config.json + model.safetensors loadable by "
-                                    "transformers.GPT2LMHeadModel.from_pretrained(DIR).")
+    ex = sub.add_parser("export-hf", help="export a checkpoint as a Hugging Face model",
+                        description="Write config.json + safetensors loadable by the family's "
+                                    "transformers class (GPT2LMHeadModel, LlamaForCausalLM) "
+                                    "with from_pretrained(DIR); shards and an index when large.")
     ex.add_argument("--checkpoint", required=True, help="checkpoint root or step directory URL")
     ex.add_argument("--out", required=True, help="output directory (new or empty)")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace the files of an earlier export in a non-empty --out")
     ex.set_defaults(func=_export_hf)
+
+    im = sub.add_parser("import-hf", help="a Hugging Face model directory as a checkpoint",
+                        description="Write a GPT-2 or Llama Hugging Face directory (config.json + "
+                                    "safetensors) as the step-0 checkpoint of a new checkpoint "
+                                    "root, which `train` with checkpoint.path=OUT resumes at "
+                                    "any layout.")
+    im.add_argument("directory", metavar="DIR", help="local Hugging Face model directory")
+    im.add_argument("--out", required=True, help="new checkpoint root (local path or URL)")
+    im.add_argument("--seq-len", type=positive_int, default=None,
+                    help="the context the run trains at (a GPT-2's learned positions are cut "
+                         "to it; default: the directory's)")
+    im.set_defaults(func=_import_hf)
 
     for name, module, text in [("plan", "elastic_gpt.planner.cli", "capacity plan: memory, speed, cost"),
                                ("dry-run", "elastic_gpt.dry_run.cli",

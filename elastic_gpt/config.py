@@ -39,7 +39,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class ModelSection:
     preset: str = "tiny"
-    """A name from elastic_gpt.model.config.PRESETS; the fields below override its shape."""
+    """A name from elastic_gpt.model.config.PRESETS (GPT-2's: tiny, mini, ..., gpt3-175b;
+    Llama 3's: llama3-tiny, llama3-mini, llama3-8b, llama3-70b, llama3-405b, ...); the fields
+    below override its shape."""
+    family: Literal["gpt2", "llama"] | None = None
+    """The block the model is built of: gpt2 (LayerNorm, learned positions, GELU, tied
+    embeddings) or llama (RMSNorm, rotary positions, SwiGLU, grouped-query attention). None: the
+    preset's. A GPT-2 preset with family=llama is a Llama of the preset's sizes."""
     n_layer: int | None = None
     """Transformer blocks. None: the preset's."""
     n_head: int | None = None
@@ -52,6 +58,20 @@ class ModelSection:
     """Embedding rows. None: the manifest's tokenizer vocab padded up to a multiple of 64."""
     dropout: Annotated[float, Range(0, 1)] = 0.0
     """Dropout probability in attention, after each residual branch and on the embeddings."""
+    n_kv_head: Annotated[int, Range(1)] | None = None
+    """llama: key/value heads (grouped-query attention; must divide n_head). None: the
+    preset's, else n_head."""
+    ffn_hidden: Annotated[int, Range(1)] | None = None
+    """llama: the SwiGLU MLP's hidden width. None: the preset's, else Llama's rule (8/3 of the
+    width, rounded up to a multiple of 256)."""
+    rope_theta: Annotated[float, Range(1)] | None = None
+    """llama: the rotary embeddings' base. None: the preset's (500,000)."""
+    rope_scaling: bool | None = None
+    """llama: Llama 3.1's RoPE frequency scaling (factor 8 over an original context of 8,192).
+    None: the preset's (on)."""
+    tie_embeddings: bool | None = None
+    """llama: the output layer is the token embedding (one matrix). None: the preset's (untied,
+    but Llama 3.2's 1B)."""
 
 
 @dataclass
@@ -220,6 +240,12 @@ class CheckpointSection:
     write_streams: Annotated[int, Range(1, 65)] = 8
     """Files each rank writes at once, each by its own thread (and, to an object store, its own
     upload): one upload per rank cannot fill a node's network link."""
+    init_from: str = ""
+    """A Hugging Face model directory (config.json and safetensors weights: GPT-2 or Llama) a
+    fresh run starts from instead of a random init: the model's shape is the directory's (the
+    model.* shape keys may be left unset, and must agree if set), each rank reads only the
+    slices of the weights its shards hold, and a run with a committed checkpoint resumes from
+    that instead. The dataset must be tokenized with the directory's tokenizer."""
 
 
 @dataclass
@@ -467,6 +493,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.preset not in PRESETS:
         raise ValueError(f"model.preset={cfg.model.preset!r} is unknown; choose one of "
                          f"{', '.join(PRESETS)}")
+    _check_model_family(cfg.model)
     t, s = cfg.train, cfg.scaling
     if s.max_workers < s.min_workers:
         raise ValueError(f"scaling.max_workers={s.max_workers} is below scaling.min_workers="
@@ -501,6 +528,26 @@ def validate(cfg: Config) -> None:
     elif not cfg.data.path:
         raise ValueError("data.path is empty; point it at a dataset made by `elastic-gpt "
                          "prepare-data --output URL` (e.g. data.path=data/stdlib)")
+
+
+FAMILY_KEYS = {"n_kv_head": "n_kv_head", "ffn_hidden": "ffn_hidden", "rope_theta": "rope_theta",
+               "rope_scaling": "rope_factor", "tie_embeddings": "tie_embeddings"}
+"""model.* keys that only some families' shapes have -> the shape field each sets."""
+
+
+def _check_model_family(model: ModelSection) -> None:
+    """A key the family's shape does not have (model.n_kv_head on GPT-2) is a mistake, not
+    something to ignore."""
+    from elastic_gpt.model.config import CONFIG_TYPES, PRESET_FAMILY
+
+    family = model.family or PRESET_FAMILY[model.preset]
+    known = {f.name for f in fields(CONFIG_TYPES[family])}
+    given = [k for k, field_ in FAMILY_KEYS.items()
+             if getattr(model, k) is not None and field_ not in known]
+    if given:
+        raise ValueError(f"model.{given[0]} is not a setting of the {family} family "
+                         f"(model.preset={model.preset}); set model.family=llama (or a llama3-* "
+                         f"preset), or drop model.{given[0]}")
 
 
 def _check_pipeline(cfg: Config, batch_split) -> None:
@@ -576,6 +623,9 @@ def resolve_paths(cfg: Config, cwd: str | None = None) -> Config:
         src["path"] = absolute_url(src["path"], cwd)
     if cfg.eval.path:
         cfg.eval.path = absolute_url(cfg.eval.path, cwd)
+    if cfg.checkpoint.init_from and "://" not in cfg.checkpoint.init_from:
+        cfg.checkpoint.init_from = os.path.normpath(os.path.join(
+            cwd, os.path.expanduser(cfg.checkpoint.init_from)))
     cfg.checkpoint.path = absolute_url(
         cfg.checkpoint.path or os.path.join("runs", cfg.run.name, "checkpoints"), cwd)
     cfg.run.storage_path = absolute_url(cfg.run.storage_path or "runs", cwd).removeprefix("file://")

@@ -73,8 +73,11 @@ class PlacementError(Exception):
 
 def check_checkpoint_shape(state: dict, gpt_cfg, url: str) -> None:
     """A checkpoint of another model shape cannot be loaded: say which fields differ."""
-    saved, want = state.get("model_shape", {}), gpt_cfg.shape()
-    diff = {k: (saved.get(k), v) for k, v in want.items() if saved.get(k) != v}
+    # A shape without a family is GPT-2's: checkpoints held no family before there were more.
+    saved = {"family": "gpt2", **state.get("model_shape", {})}
+    want = {"family": gpt_cfg.family, **gpt_cfg.shape()}
+    diff = {k: (saved.get(k), v) for k, v in want.items()
+            if saved.get(k) != v and k not in gpt_cfg.free_fields}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
         raise CheckpointMismatchError(

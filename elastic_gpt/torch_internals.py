@@ -280,6 +280,31 @@ def memory_tracker(roots: list[torch.nn.Module], optimizer: torch.optim.Optimize
                 return inner(*args, **kwargs)
             return again
 
+        # An FSDP unit of several modules (an untied output layer with its final norm) has one
+        # parameter group, which torch's tracker wraps once per module; its record is made by
+        # the forward of the module that runs first. A module whose forward never runs (the
+        # output layer whose weight the chunked loss reads) has no record: its wrapper hands the
+        # group's backward to the other module's.
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+            return self._if_recorded(fsdp_mod, orig,
+                                     super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+            return self._if_recorded(fsdp_mod, orig,
+                                     super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
+        def _if_recorded(self, fsdp_mod, orig, tracked):
+            def call(*args, **kwargs):
+                return (tracked if fsdp_mod in self.memory_tracking else orig)(*args, **kwargs)
+            return call
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            # Restored in the reverse order of wrapping, so a group wrapped twice gets its own
+            # methods back, not the first module's wrapper.
+            saved = list(self._fsdp_mod_to_saved_methods.items())
+            self._fsdp_mod_to_saved_methods = dict(reversed(saved))
+            super()._deregister_module_and_optimizer_hooks()
+
         def _update_peak_stats(self, peak_state) -> None:
             # Only the device's peak is read (`peak()`): torch's also walks every module's record
             # on every op for per-module peaks, which at 96 checkpointed blocks is most of the

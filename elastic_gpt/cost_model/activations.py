@@ -10,7 +10,8 @@ from elastic_gpt.cost_model.shape import FP32
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_head: int, *,
                                act_bytes: int = 2, dropout: bool = False,
-                               tp: int = 1) -> float:
+                               tp: int = 1, qkv_width: int | None = None,
+                               mlp_saved_width: int | None = None) -> float:
     """Activations one transformer layer saves for backward (Korthikanti et al. 2022, section 4.1).
 
     Their count for 16-bit activations, no tensor parallelism, is s*b*h*(34 + 5*a*s/h) bytes:
@@ -25,12 +26,18 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_he
     LayerNorm outputs all-gathered over the sequence, and autograd keeps the gathered tensor for
     the column-parallel weight's gradient (Megatron-LM keeps the shard and gathers it again in
     backward; DTensor's ColwiseParallel does not), so they stay whole.
+
+    Another family's block (model/config.py's description of it) changes two counts: the width
+    of q, k and v together (`qkv_width`; None: GPT-2's 3h; grouped-query attention's k and v are
+    narrower) and what its MLP keeps per token (`mlp_saved_width`; None: GPT-2's GELU input and
+    c_proj input, 8h; a SwiGLU keeps its gate, up, SiLU and product, four times its width).
     """
     s, b, h, a = seq_len, micro_batch, n_embd, n_head
     whole = 2  # c_attn's and c_fc's inputs (the gathered LayerNorm outputs under TP)
-    split = (2 + 1  # attention: q and k, v ...
+    split = ((qkv_width if qkv_width is not None else 3 * h) / h  # attention: q and k, v ...
              + 1  # ... and c_proj's input
-             + 4 + 4  # MLP: GELU input, c_proj input
+             + (mlp_saved_width if mlp_saved_width is not None else 8 * h) / h  # MLP: GELU
+             # input, c_proj input
              + 2)  # ln_1 and ln_2 inputs (the residual stream), sequence-sharded
     total = (whole + split / tp) * s * b * h * act_bytes
     if dropout:  # 1-byte masks after attention c_proj and after the MLP

@@ -27,9 +27,11 @@ def fsdp_state_bytes(shape: ModelShape, tp: int, dp_shard: int, act_bytes: int, 
     """(sharded state, gathered parameters and gradients, accumulated gradients) of one rank:
     FSDP2 (one unit per block, then the root) over `dp_shard` ranks, each unit the TP rank's part.
 
-    The sharded state is `OPTIMIZER_BYTES_PER_PARAM` a parameter. The root stays gathered through
-    forward and backward (FSDP2 never reshards the root after forward) and its grads (wte is
-    tied, so from the lm_head on) live until the end of backward. Blocks: the current and the
+    The sharded state is `OPTIMIZER_BYTES_PER_PARAM` a parameter. A tied root stays gathered
+    through forward and backward (FSDP2 never reshards the root after forward) and its grads (wte
+    is tied, so from the lm_head on) live until the end of backward; an untied one (Llama) is
+    two units, of which the larger is held so (`ModelShape.root_gathered_local`), or both when
+    nothing is resharded. Blocks: the current and the
     prefetched one gathered (reshard_after_forward, ZeRO-3) or all L of them (kept gathered),
     plus in backward one block's grads in the compute dtype and their fp32 copy in the
     reduce-scatter buffer. Reducing once per step keeps unsharded fp32 gradients across
@@ -39,7 +41,8 @@ def fsdp_state_bytes(shape: ModelShape, tp: int, dp_shard: int, act_bytes: int, 
     held_blocks = min(2, L) if reshard_after_forward else L
     block = shape.block_local(tp)
     held_params, reduced_params = held_blocks * block, block
-    gathered = (shape.root_local(tp) * (pb + pb + FP32)
+    root = shape.root_gathered_local(tp) if reshard_after_forward else shape.root_local(tp)
+    gathered = (root * (pb + pb + FP32)
                 + held_params * pb + reduced_params * (pb + FP32))
     accumulated = (FP32 * shape.local_params(tp)
                    if grad_sync == "step" and micro_batches_per_rank > 1 else 0.0)

@@ -32,6 +32,7 @@ norms, GELU's input aside, and the residual adds each see s / t of the sequence)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastic_gpt.cost_model.shape import FP32
@@ -112,44 +113,53 @@ class BlockTimes:
 
 
 def block_times(k: Kernels, micro_batch: int, seq_len: int, n_embd: int, tp: int, *,
-                dropout: float = 0.0) -> BlockTimes:
+                dropout: float = 0.0, linears: Sequence[tuple[int, int, str]] | None = None,
+                mlp_width: float | None = None) -> BlockTimes:
     """A block as this trainer runs it: SDPA's flash attention, and under tensor parallelism the
-    layer norms, dropouts and residual adds on the sequence shard (sequence parallelism)."""
+    layer norms, dropouts and residual adds on the sequence shard (sequence parallelism).
+    `linears` and `mlp_width`: the family's block (`block_linears_s`, `block_elementwise_s`);
+    None: GPT-2's."""
     b, s, h, t, pb = micro_batch, seq_len, n_embd, tp, k.act_bytes
-    linears_fwd, linears_bwd = block_linears_s(k, b * s, h, t)
+    linears_fwd, linears_bwd = block_linears_s(k, b * s, h, t, linears)
     row = b * s * h / t * pb  # one (b, s / t, h) or (b, s, h / t) tensor
     attn_flops = 4 * b * s * s * h / t
     attn_fwd = (attn_flops / (k.gpu.peak_flops * k.matrix_efficiency(attn_flops))
                 + k.memory_s(4 * row))
     attn_bwd = 2 * attn_fwd
-    forward, backward = block_elementwise_s(k, row, row, dropout)
+    forward, backward = block_elementwise_s(k, row, row, dropout,
+                                            mlp_rows=mlp_width / h if mlp_width else 4)
     return BlockTimes(forward_s=linears_fwd + attn_fwd + forward,
                       backward_s=linears_bwd + attn_bwd + backward)
 
 
-def block_linears_s(k: Kernels, tokens: int, n_embd: int, tp: int) -> tuple[float, float]:
-    """(forward, backward) of a block's four linears on one TP rank: c_attn and mlp.c_fc split by
-    columns, the two c_proj by rows (Megatron's split)."""
+def block_linears_s(k: Kernels, tokens: int, n_embd: int, tp: int,
+                    linears: Sequence[tuple[int, int, str]] | None = None) -> tuple[float, float]:
+    """(forward, backward) of a block's linears on one TP rank, each (in, out, split): "col"
+    split by output units, "row" by input units (Megatron's split). None: GPT-2's four, c_attn
+    and mlp.c_fc by columns, the two c_proj by rows."""
     h, t = n_embd, tp
-    linears = [k.linear_s(tokens, h, 3 * h / t), k.linear_s(tokens, h / t, h),
-               k.linear_s(tokens, h, 4 * h / t), k.linear_s(tokens, 4 * h / t, h)]
-    return sum(f for f, _ in linears), sum(b for _, b in linears)
+    if linears is None:
+        linears = [(h, 3 * h, "col"), (h, h, "row"), (h, 4 * h, "col"), (4 * h, h, "row")]
+    times = [k.linear_s(tokens, d_in, d_out / t) if split == "col"
+             else k.linear_s(tokens, d_in / t, d_out) for d_in, d_out, split in linears]
+    return sum(f for f, _ in times), sum(b for _, b in times)
 
 
 def block_elementwise_s(k: Kernels, row: float, seq_row: float,
-                        dropout: float) -> tuple[float, float]:
+                        dropout: float, mlp_rows: float = 4) -> tuple[float, float]:
     """(forward, backward) of a block's memory-bound kernels: `row` the bytes of one (b, s / t,
     h) or (b, s, h / t) tensor, `seq_row` those of the tensors the layer norms, dropouts and
     residual adds run on (the sequence shard under sequence parallelism).
 
-    Forward: a norm reads and writes a row, GELU four, a residual add reads two and writes one;
-    backward: a norm and a residual add read their input and the gradient and write one, GELU
-    the same at four rows. Dropout (after attn.c_proj and mlp.c_proj) reads a row and writes it
-    and a one-byte mask, forward and backward."""
+    Forward: a norm reads and writes a row, GELU four (`mlp_rows`: the MLP activation's width in
+    rows, another family's), a residual add reads two and writes one; backward: a norm and a
+    residual add read their input and the gradient and write one, GELU the same at four rows.
+    Dropout (after attn.c_proj and mlp.c_proj) reads a row and writes it and a one-byte mask,
+    forward and backward."""
     pb, ew = k.act_bytes, k.elementwise_s
     dropouts = 2 * ew(2 * seq_row + seq_row / pb) if dropout > 0 else 0.0
-    forward = 2 * ew(2 * seq_row) + ew(2 * 4 * row) + 2 * ew(3 * seq_row) + dropouts
-    backward = 2 * ew(3 * seq_row) + ew(3 * 4 * row) + 2 * ew(3 * seq_row) + dropouts
+    forward = (2 * ew(2 * seq_row) + ew(2 * mlp_rows * row) + 2 * ew(3 * seq_row) + dropouts)
+    backward = (2 * ew(3 * seq_row) + ew(3 * mlp_rows * row) + 2 * ew(3 * seq_row) + dropouts)
     return forward, backward
 
 

@@ -31,7 +31,7 @@ from elastic_gpt.cost_model.software import Software
 from elastic_gpt.cost_model.step_time import StepTime, step_time
 from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GB, GPU
-from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.config import ModelConfig, block_matmul_params
 
 
 class PipelineLayoutError(ValueError):
@@ -41,15 +41,16 @@ class PipelineLayoutError(ValueError):
 # ---- where the layers go (parallel/pipeline.py cuts the model so) --------------------------------
 
 
-def stage_costs(cfg: GPTConfig) -> tuple[float, float]:
+def stage_costs(cfg: ModelConfig) -> tuple[float, float]:
     """(one block, the output layer and loss) in forward FLOPs per token: what `stage_layers`
-    balances. A block's matmuls are 24 d^2 and its attention 4 T d; the output layer's 2 V d.
-    The embedding lookups cost no FLOPs."""
+    balances. A block's matmuls are twice its weights (GPT-2's 24 d^2; the family's linears,
+    model/config.py) and its attention 4 T d; the output layer's 2 V d. The embedding lookups
+    cost no FLOPs."""
     d, T, V = cfg.n_embd, cfg.seq_len, cfg.vocab_size
-    return 24 * d * d + 4 * T * d, 2 * V * d
+    return 2 * block_matmul_params(cfg) + 4 * T * d, 2 * V * d
 
 
-def stage_layers(cfg: GPTConfig, num_stages: int) -> list[range]:
+def stage_layers(cfg: ModelConfig, num_stages: int) -> list[range]:
     """The blocks of each of `num_stages` contiguous stages, at least one each: the costliest
     stage (the last one counting the output layer) as cheap as it can be, and among the cuts
     that reach that, the most even one (the least sum of squared stage costs)."""
@@ -157,15 +158,22 @@ def p2p_bytes(pp: int, micro_batches: int, *, micro_batch: int, seq_len: int, n_
 
 def rank_shape(shape: ModelShape, pp: int, stages_per_rank: int, pp_rank: int) -> ModelShape:
     """The model as pipeline rank `pp_rank` holds it: its blocks, as parallel/pipeline.py's
-    `stage_layers` cuts them (stages r, r + pp, ...); the embedding root on the first and the
-    last rank (each holds the tied wte: the memory of the whole root is counted on both), on no
-    rank between; the output layer's FLOPs on the last only."""
+    `stage_layers` cuts them (stages r, r + pp, ...); a tied root on the first and the last rank
+    (each holds the tied wte: the memory of the whole root is counted on both), an untied one
+    split between them (the embedding on the first, the final norm and the output layer on the
+    last), on no rank between; the output layer's FLOPs on the last only."""
     layers = stage_layers(shape.cfg, pp * stages_per_rank)
     blocks = sum(len(layers[i]) for i in rank_stages(pp_rank, pp, stages_per_rank))
-    root = shape.root_params if pp_rank in (0, pp - 1) else 0
+    if shape.cfg.tie_embeddings:
+        root = embedding = shape.root_params if pp_rank in (0, pp - 1) else 0
+    else:
+        embedding = shape.embedding_params if pp_rank == 0 else 0
+        root = embedding + (shape.root_params - shape.embedding_params if pp_rank == pp - 1
+                            else 0)
     return dataclasses.replace(
         shape, cfg=dataclasses.replace(shape.cfg, n_layer=blocks), root_params=root,
-        params=root + blocks * shape.block_params, embeds=pp_rank == 0, heads=pp_rank == pp - 1,
+        embedding_params=embedding, params=root + blocks * shape.block_params,
+        embeds=pp_rank == 0, heads=pp_rank == pp - 1,
         head_fwd_flops_per_token=shape.head_fwd_flops_per_token if pp_rank == pp - 1 else 0.0)
 
 

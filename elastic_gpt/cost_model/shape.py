@@ -8,56 +8,62 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from elastic_gpt.model.config import GPTConfig, count_params, flops_per_token
+from elastic_gpt.model.config import ModelConfig, count_params, flops_per_token
 
 FP32 = 4
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the planner needs from a GPTConfig, all derived from model/config.py's arithmetic."""
+    """What the planner needs from a model config, all derived from model/config.py's arithmetic
+    (the family's block description: its linears, norms, biases and embeddings)."""
 
-    cfg: GPTConfig
+    cfg: ModelConfig
     params: int
     root_params: int
-    """The root FSDP unit: wte (tied with the lm_head), wpe and ln_f."""
+    """Everything outside the blocks: the embeddings, the final norm, an untied output layer."""
     block_params: int
     """One transformer block: FSDP2 gathers and reduces one block at a time."""
     model_flops_per_token: float
     """Training FLOPs per token (fwd + bwd) without recomputation: what MFU counts."""
     block_fwd_flops_per_token: float
     head_fwd_flops_per_token: float
+    embedding_params: int = 0
+    """The part of the root the first pipeline stage holds: the token (and position) embedding
+    (all of the root when the output layer is tied to it: model/families.py)."""
     embeds: bool = True
     """Runs the embedding (wte, wpe): the whole model, or a pipeline's first rank."""
     heads: bool = True
     """Runs ln_f, the output layer and the loss: the whole model, or a pipeline's last rank."""
 
     # What tensor parallelism leaves whole on every TP rank (the rest is split tp ways): in a
-    # block, ln_1 and ln_2 (SequenceParallel replicates them), c_attn's bias (parallel/tensor.py
-    # keeps the fused q|k|v bias replicated and slices it locally) and the biases of the two
-    # row-parallel c_proj layers, added after the partial sums; in the root, ln_f. wte (and the
-    # lm_head tied to it) is split on the vocabulary, wpe on the positions.
+    # block, its norms (SequenceParallel replicates them) and the biases the plan keeps whole
+    # (GPT-2: c_attn's, replicated and sliced locally, and the two row-parallel c_proj's, added
+    # after the partial sums); in the root, the final norm. The token embedding (and an untied
+    # output layer) is split on the vocabulary, GPT-2's positions on the positions.
     @property
     def block_norm_params(self) -> int:
-        """ln_1 + ln_2 of a block: replicated, and their gradients are partial sums over the TP
+        """The norms of a block: replicated, and their gradients are partial sums over the TP
         ranks (each saw its part of the sequence), all-reduced when FSDP2 reduces the block."""
-        return 4 * self.cfg.n_embd
+        return self.cfg.block_norm_params
 
     @property
     def block_fused_bias_params(self) -> int:
-        """c_attn's bias: replicated, its gradient holds only this rank's heads of q, k and v,
-        all-gathered when FSDP2 reduces the block."""
-        return 3 * self.cfg.n_embd
+        """A fused q|k|v bias (GPT-2's c_attn): replicated, its gradient holds only this rank's
+        heads, all-gathered when FSDP2 reduces the block."""
+        return self.cfg.gathered_bias_params
 
     @property
     def block_replicated_params(self) -> int:
-        # + the attn.c_proj and mlp.c_proj biases
-        return self.block_norm_params + self.block_fused_bias_params + 2 * self.cfg.n_embd
+        return self.block_norm_params + self.cfg.replicated_bias_params
 
     @property
     def root_replicated_params(self) -> int:
-        # ln_f, whose gradient is a partial sum like ln_1's; a middle pipeline rank has no root
-        return 2 * self.cfg.n_embd if self.root_params else 0
+        # the final norm, whose gradient is a partial sum like a block norm's; a middle pipeline
+        # rank has no root, and an untied model's first rank only the embedding
+        holds_norm = self.root_params > self.embedding_params or (
+            self.cfg.tie_embeddings and self.root_params)
+        return self.cfg.final_norm_params if holds_norm else 0
 
     def block_local(self, tp: int = 1) -> float:
         """Parameters of one block on one TP rank: what FSDP2 shards, gathers and reduces."""
@@ -68,19 +74,31 @@ class ModelShape:
         rep = self.root_replicated_params
         return (self.root_params - rep) / tp + rep
 
+    def root_gathered_local(self, tp: int = 1) -> float:
+        """The most of the root (on one TP rank) FSDP2 holds gathered at once: a tied root is
+        one unit, kept gathered through the step; an untied one is two (parallel/fsdp.py), the
+        embedding resharded after its forward, the final norm and the output layer kept from
+        theirs into the backward: the larger of the two."""
+        if self.cfg.tie_embeddings or not self.embedding_params:
+            return self.root_local(tp)
+        embedding = self.embedding_params / tp
+        return max(embedding, self.root_local(tp) - embedding)
+
     def local_params(self, tp: int = 1) -> float:
         return self.root_local(tp) + self.cfg.n_layer * self.block_local(tp)
 
 
-def model_shape(cfg: GPTConfig) -> ModelShape:
+def model_shape(cfg: ModelConfig) -> ModelShape:
     no_blocks = dataclasses.replace(cfg, n_layer=0)
-    total, root = count_params(cfg)["total"], count_params(no_blocks)["total"]
+    counts = count_params(cfg)
+    total, root = counts["total"], count_params(no_blocks)["total"]
     fpt, head_fpt = flops_per_token(cfg), flops_per_token(no_blocks)
     L = max(cfg.n_layer, 1)
     return ModelShape(cfg=cfg, params=total, root_params=root, block_params=(total - root) // L,
                       model_flops_per_token=fpt,
                       block_fwd_flops_per_token=(fpt - head_fpt) / 3 / L,  # fwd = 1/3 of fwd+bwd
-                      head_fwd_flops_per_token=head_fpt / 3)
+                      head_fwd_flops_per_token=head_fpt / 3,
+                      embedding_params=root if cfg.tie_embeddings else counts["embedding"])
 
 
 def training_flops_per_token(shape: ModelShape, activation_checkpointing: bool) -> float:

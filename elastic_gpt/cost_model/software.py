@@ -20,7 +20,7 @@ from elastic_gpt.cost_model.mesh import Mesh
 from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.shape import ModelShape
 from elastic_gpt.cost_model.tensor_parallel import TPTraffic
-from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ class Software(Protocol):
              stages_per_rank: int = 1) -> Mesh:
         """The layout the software builds for n_gpus ranks at this tp, HSDP and pipeline."""
 
-    def block_times(self, kernels: Kernels, micro_batch: int, cfg: GPTConfig,
+    def block_times(self, kernels: Kernels, micro_batch: int, cfg: ModelConfig,
                     tp: int) -> BlockTimes:
         """One micro-batch through one transformer block on one tensor-parallel rank."""
 
-    def activation_bytes(self, cfg: GPTConfig, micro_batch: int, tp: int,
+    def activation_bytes(self, cfg: ModelConfig, micro_batch: int, tp: int,
                          act_bytes: int) -> tuple[float, float]:
         """(what one layer saves for its backward, one (b, s, h) tensor of the residual stream as
         a tensor-parallel rank holds it: what a checkpointed block keeps), bytes per rank."""
@@ -81,7 +81,7 @@ class Software(Protocol):
         """The model state's part of one step on the slowest rank (`micro_batches` of them),
         against a block's forward and backward time (what its collectives can overlap)."""
 
-    def pipeline_cut_problem(self, cfg: GPTConfig, pp: int,
+    def pipeline_cut_problem(self, cfg: ModelConfig, pp: int,
                              stages_per_rank: int = 1) -> str | None:
         """Why the software cannot cut the model into pp ranks of `stages_per_rank` stages
         each (beyond a block per stage), or None."""
@@ -89,7 +89,7 @@ class Software(Protocol):
     def fills_pipeline(self, mesh: Mesh, micro_batches: int) -> bool:
         """Whether the schedule runs a step of `micro_batches` per pipeline."""
 
-    def stage_receive_s(self, net: Network, mesh: Mesh, micro_batch: int, cfg: GPTConfig,
+    def stage_receive_s(self, net: Network, mesh: Mesh, micro_batch: int, cfg: ModelConfig,
                         act_bytes: int) -> float:
         """Time a rank spends on one received hidden state beyond its transfer (nothing, or the
         gather of its parts over the tensor-parallel ranks)."""

@@ -13,7 +13,12 @@ from elastic_gpt.cost_model.network import Network
 from elastic_gpt.cost_model.shape import ModelShape
 from elastic_gpt.cost_model.software import ModelStateStep
 from elastic_gpt.cost_model.tensor_parallel import TPTraffic, tp_traffic
-from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.config import ModelConfig
+
+
+def block_linear_shapes(cfg: ModelConfig) -> list[tuple[int, int, str]]:
+    """(in, out, tensor-parallel split) of each of the family's block linears."""
+    return [(lin.d_in, lin.d_out, lin.split) for lin in cfg.block_linears()]
 
 
 class TrainerSoftware:
@@ -25,18 +30,21 @@ class TrainerSoftware:
         """parallel/mesh.py's layout (mesh.py `make_mesh`)."""
         return make_mesh(n_gpus, tp, hsdp, gpus_per_node, pp, stages_per_rank)
 
-    def block_times(self, kernels: Kernels, micro_batch: int, cfg: GPTConfig,
+    def block_times(self, kernels: Kernels, micro_batch: int, cfg: ModelConfig,
                     tp: int) -> BlockTimes:
-        """Flash attention, the layer norms on the sequence shard (kernels.py `block_times`)."""
+        """Flash attention, the layer norms on the sequence shard (kernels.py `block_times`),
+        the family's linears and MLP activation (model/config.py's block description)."""
         return block_times(kernels, micro_batch, cfg.seq_len, cfg.n_embd, tp,
-                           dropout=cfg.dropout)
+                           dropout=cfg.dropout, linears=block_linear_shapes(cfg),
+                           mlp_width=cfg.mlp_elementwise_width)
 
-    def activation_bytes(self, cfg: GPTConfig, micro_batch: int, tp: int,
+    def activation_bytes(self, cfg: ModelConfig, micro_batch: int, tp: int,
                          act_bytes: int) -> tuple[float, float]:
         """activations.py's layer; the residual stream sequence-sharded over the TP ranks."""
         s, b, h = cfg.seq_len, micro_batch, cfg.n_embd
-        per_layer = activation_bytes_per_layer(s, b, h, cfg.n_head, act_bytes=act_bytes,
-                                               dropout=cfg.dropout > 0, tp=tp)
+        per_layer = activation_bytes_per_layer(
+            s, b, h, cfg.n_head, act_bytes=act_bytes, dropout=cfg.dropout > 0, tp=tp,
+            qkv_width=h + 2 * cfg.n_kv_head * cfg.head_dim, mlp_saved_width=cfg.mlp_saved_width)
         return per_layer, act_bytes * s * b * h / tp
 
     def tp_traffic(self, shape: ModelShape, micro_batch: int, tp: int, *,
@@ -65,7 +73,7 @@ class TrainerSoftware:
                          dtype=dtype, grad_sync=grad_sync,
                          reshard_after_forward=reshard_after_forward, efficiency=efficiency)
 
-    def pipeline_cut_problem(self, cfg: GPTConfig, pp: int,
+    def pipeline_cut_problem(self, cfg: ModelConfig, pp: int,
                              stages_per_rank: int = 1) -> str | None:
         """None: the trainer balances any cut by cost (pipeline.py `stage_layers`)."""
         return None
@@ -74,7 +82,7 @@ class TrainerSoftware:
         """Torch's schedules need at least pp micro-batches a step (config validation's rule)."""
         return micro_batches >= mesh.pp
 
-    def stage_receive_s(self, net: Network, mesh: Mesh, micro_batch: int, cfg: GPTConfig,
+    def stage_receive_s(self, net: Network, mesh: Mesh, micro_batch: int, cfg: ModelConfig,
                         act_bytes: int) -> float:
         """Nothing: each TP rank receives the sequence shard it computes on."""
         return 0.0

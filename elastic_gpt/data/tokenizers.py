@@ -1,4 +1,5 @@
-"""Tokenizers behind one small protocol: GPT-2 BPE (offline), raw bytes, or any tokenizer.json.
+"""Tokenizers behind one small protocol: GPT-2 BPE (offline), raw bytes, any tokenizer.json, or a
+tiktoken-format vocabulary file (Llama 3's tokenizer.model is one).
 
 `encode` never emits the end-of-text id: documents are separated by the pipeline, and a literal
 "<|endoftext|>" inside a document is ordinary text, so decoding gives back the document exactly.
@@ -144,11 +145,98 @@ class HFTokenizer:
         return self._tok.to_str()
 
 
+# Llama 3's pre-tokenization regex (its reference tokenizer's), also right for cl100k-style files.
+_LLAMA3_PAT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_BASE_TOKENS = 128000
+"""Ranks in Llama 3's vocabulary file; its 256 special tokens follow them."""
+TIKTOKEN_PREFIX = "tiktoken:"
+TIKTOKEN_FILE = "tokenizer.tiktoken"
+"""The file name a dataset or checkpoint folder keeps a tiktoken-format vocabulary under."""
+
+
+def llama3_special_tokens() -> dict[str, int]:
+    """Llama 3.1's special tokens, ids 128000-128255 (its reference tokenizer's names)."""
+    named = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+             "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>",
+             "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
+             "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+    names = named + [f"<|reserved_special_token_{i}|>" for i in range(3, 256 - len(named) + 3)]
+    return {name: LLAMA3_BASE_TOKENS + i for i, name in enumerate(names)}
+
+
+class TiktokenFileTokenizer:
+    """A tiktoken-format vocabulary file (one `base64-token rank` per line), local or any fsspec
+    URL: Llama 3's tokenizer.model, or any tiktoken-style vocabulary. Llama 3's file (128,000
+    ranks) gets Llama 3's 256 special tokens and pattern, end-of-text <|end_of_text|>; any other
+    gets one special token, <|endoftext|>, after its last rank."""
+
+    def __init__(self, path: str):
+        import base64
+
+        import fsspec
+        import tiktoken
+
+        try:
+            with fsspec.open(path, "rb") as f:
+                lines = f.read().splitlines()
+            ranks = {}
+            for line in lines:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except FileNotFoundError as e:
+            raise ValueError(f"tokenizer file {path!r} does not exist; pass the path of a "
+                             "tiktoken-format vocabulary (e.g. Llama 3's tokenizer.model)") from e
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"tokenizer file {path!r} is not a tiktoken-format vocabulary (lines "
+                             f"of a base64 token and its rank): {e}") from None
+        if not ranks:
+            raise ValueError(f"tokenizer file {path!r} is empty; pass a tiktoken-format "
+                             "vocabulary")
+        n = max(ranks.values()) + 1
+        if n == LLAMA3_BASE_TOKENS:
+            specials, eos = llama3_special_tokens(), "<|end_of_text|>"
+        else:
+            specials, eos = {EOT_TEXT: n}, EOT_TEXT
+        self._enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=_LLAMA3_PAT,
+                                      mergeable_ranks=ranks, special_tokens=specials)
+        self.name = path
+        self.path = path
+        self.vocab_size = n + len(specials)
+        self.eos_id = specials[eos]
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self._enc.encode_ordinary(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids], errors="replace")
+
+    def vocabulary_bytes(self) -> bytes:
+        """The vocabulary file's contents: what save_tokenizer copies next to a dataset."""
+        import fsspec
+
+        with fsspec.open(self.path, "rb") as f:
+            return f.read()
+
+
 def save_tokenizer(tok: Tokenizer, directory: str) -> str:
     """Make `directory` (a dataset or checkpoint folder, any fsspec URL) carry `tok`, so readers
     need nothing else: a tokenizer.json tokenizer is written there as TOKENIZER_FILE. Returns the
     name to record, which get_tokenizer(name, base=directory) reads back: TOKENIZER_FILE, or
-    "gpt2"/"bytes", which ship with the package and need no file."""
+    "gpt2"/"bytes", which ship with the package and need no file. A tiktoken-format vocabulary is
+    copied as TIKTOKEN_FILE."""
+    if hasattr(tok, "vocabulary_bytes"):
+        import fsspec
+
+        with fsspec.open(directory.rstrip("/") + "/" + TIKTOKEN_FILE, "wb") as f:
+            f.write(tok.vocabulary_bytes())
+        return TIKTOKEN_PREFIX + TIKTOKEN_FILE
     if not hasattr(tok, "to_str"):
         return tokenizer_name(tok)
     import fsspec
@@ -160,16 +248,21 @@ def save_tokenizer(tok: Tokenizer, directory: str) -> str:
 
 def tokenizer_name(tok: Tokenizer) -> str:
     """The name save_tokenizer records for `tok` (without writing anything)."""
+    if hasattr(tok, "vocabulary_bytes"):
+        return TIKTOKEN_PREFIX + TIKTOKEN_FILE
     return TOKENIZER_FILE if hasattr(tok, "to_str") else tok.name
 
 
 def get_tokenizer(name_or_path: str, base: str | None = None) -> Tokenizer:
-    """"gpt2", "bytes", or the path/URL of a tokenizer.json; a relative path is read from the
-    folder `base` when given (what save_tokenizer wrote there), else from the working directory."""
-    if base and name_or_path.endswith(".json") and "://" not in name_or_path \
-            and not os.path.isabs(name_or_path):
-        name_or_path = base.rstrip("/") + "/" + name_or_path
-    return _get_tokenizer(name_or_path)
+    """"gpt2", "bytes", the path/URL of a tokenizer.json, or of a tiktoken-format vocabulary
+    ("tiktoken:PATH", or a PATH ending in .tiktoken); a relative path is read from the folder
+    `base` when given (what save_tokenizer wrote there), else from the working directory."""
+    tiktoken = name_or_path.startswith(TIKTOKEN_PREFIX) or name_or_path.endswith(".tiktoken")
+    path = name_or_path.removeprefix(TIKTOKEN_PREFIX)
+    if base and (path.endswith(".json") or tiktoken) and "://" not in path \
+            and not os.path.isabs(path):
+        path = base.rstrip("/") + "/" + path
+    return _get_tokenizer(TIKTOKEN_PREFIX + path if tiktoken else path)
 
 
 @lru_cache(maxsize=4)
@@ -179,10 +272,13 @@ def _get_tokenizer(name_or_path: str) -> Tokenizer:
         return GPT2Tokenizer()
     if name_or_path in ("bytes", "byte"):
         return ByteTokenizer()
+    if name_or_path.startswith(TIKTOKEN_PREFIX):
+        return TiktokenFileTokenizer(name_or_path.removeprefix(TIKTOKEN_PREFIX))
     if name_or_path.endswith(".json"):
         return HFTokenizer(name_or_path)
-    raise ValueError(f"unknown tokenizer {name_or_path!r}: use gpt2, bytes, or the path of a "
-                     "tokenizer.json file")
+    raise ValueError(f"unknown tokenizer {name_or_path!r}: use gpt2, bytes, the path of a "
+                     "tokenizer.json file, or tiktoken:PATH for a tiktoken-format vocabulary "
+                     "(e.g. Llama 3's tokenizer.model)")
 
 
 def token_dtype(vocab_size: int) -> str:

@@ -1,13 +1,14 @@
 """`elastic-gpt dry-run`: the real trainer's build and one step at full scale, on one CPU.
 
-For the layout `plan` chooses (or a training config's, `--config`), on `--gpus` GPUs of kind
-`--gpu`: each rank that differs (the first, one with the smallest FSDP shards, the first of the
-last pipeline stage) is run in this process on torch's fake process group of the whole world size
-and on fake tensors: the trainer's own layout resolution, mesh, parallelization, pipeline
-schedule, optimizer and step. It prints each rank's peak memory by what holds it and its
-collectives by mesh dimension beside the planner's, and exits 0 when every rank builds and fits,
-2 with one line when a layout cannot build or does not fit. Nothing is read from storage and no
-GPU is needed; a rank of GPT-3 175B takes minutes on 2 cores.
+For the layout `plan` chooses for the whole world (replica groups are not simulated), or a
+training config's (`--config`), on `--gpus` GPUs of kind `--gpu`: each rank that differs (the
+first, one with the smallest FSDP shards, the first of the last pipeline stage) is run in this
+process on torch's fake process group of the whole world size and on fake tensors: the trainer's
+own layout resolution, mesh, parallelization, pipeline schedule, optimizer and step. It prints
+each rank's peak memory by what holds it and its collectives by mesh dimension beside the
+planner's, and exits 0 when every rank builds and fits, 2 with one line when a layout cannot
+build or does not fit. Nothing is read from storage and no GPU is needed; a rank of GPT-3 175B
+takes minutes on 2 cores.
 """
 
 # The docstring above is `elastic-gpt dry-run --help`'s description (elastic_gpt/cli.py reads it).
@@ -29,6 +30,7 @@ from elastic_gpt.dry_run.compare import (
     fits,
     gib,
 )
+from elastic_gpt.model.config import preset_config
 from elastic_gpt.planner.cli import add_cli_arguments as add_plan_arguments
 from elastic_gpt.planner.cli import inputs_from_args, plan_from_args
 from elastic_gpt.planner.inputs import PlanInputs
@@ -191,14 +193,13 @@ def _inputs_and_config(args):
                                     f"scaling.min_workers={args.gpus}",
                                     f"scaling.max_workers={args.gpus}"])
     t, p, m = cfg.train, cfg.parallel, cfg.model
-    model = m.preset
-    if any(v is not None for v in (m.n_layer, m.n_head, m.n_embd)):
-        from elastic_gpt.model.config import preset_config
-        model = preset_config(m.preset, seq_len=m.seq_len, vocab_size=m.vocab_size,
-                              **{k: v for k, v in dict(n_layer=m.n_layer, n_head=m.n_head,
-                                                       n_embd=m.n_embd).items() if v})
+    shape = _model_of(cfg)
+    # The preset's name where the config keeps its shape (the report names it), else the shape:
+    # a family, its keys (model.n_kv_head, ...) or a Hugging Face directory's.
+    model = shape if shape != preset_config(m.preset, seq_len=shape.seq_len,
+                                            vocab_size=shape.vocab_size) else m.preset
     inputs = dataclasses.replace(
-        inputs, model=model, seq_len=m.seq_len, vocab_size=m.vocab_size,
+        inputs, model=model, seq_len=shape.seq_len, vocab_size=shape.vocab_size,
         global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
         activation_checkpointing=t.activation_checkpointing, tp=p.tp, pp=p.pp,
         pp_stages_per_rank=p.pp_stages_per_rank, hsdp=p.hsdp, grad_sync=t.grad_sync,
@@ -207,11 +208,26 @@ def _inputs_and_config(args):
     return inputs, cfg
 
 
+def _model_of(cfg):
+    """The model the trainer builds for `cfg`, its family and family keys included
+    (train/model_config.py), with the preset's context and vocabulary where the config leaves
+    them to a dataset (none is read)."""
+    from elastic_gpt.train.model_config import model_config_for
+
+    m = cfg.model
+    default = preset_config(m.preset, family=m.family)
+    return model_config_for(cfg, _Sizes(m.seq_len or default.seq_len,
+                                        m.vocab_size or default.vocab_size))
+
+
 def _config_of(plan: Plan):
     """The config `plan --write-config` writes for this plan, as the trainer loads it."""
     from elastic_gpt.config import config_from_dict, validate
 
-    written = training_config(plan)
+    # The layout run and compared is the plan's chosen one for the whole world, the restart
+    # path's: a plan that would write replica groups writes each group's settings instead
+    # (another micro-batch and pipeline schedule on a group's share of the GPUs).
+    written = training_config(dataclasses.replace(plan, fault_tolerance_by_market={}))
     written["train"]["compile"] = False  # nothing to compile on fake tensors
     written["data"] = {"path": "dry-run"}  # not read
     cfg = config_from_dict(written)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from elastic_gpt.checkpoint.sharded import load_model_weights
 from elastic_gpt.checkpoint.store import COMMIT_MARKER, CheckpointStore
 from elastic_gpt.errors import user_error_line
-from elastic_gpt.model.config import GPTConfig
-from elastic_gpt.model.gpt import GPT
+from elastic_gpt.model.config import config_from_shape
+from elastic_gpt.model.families import build_model
+from elastic_gpt.model.gpt import Decoder
 
 
 def resolve_checkpoint(url: str) -> tuple[str, dict]:
@@ -42,13 +43,17 @@ def _resolve_checkpoint(url: str) -> tuple[str, dict]:
     return latest.url, latest.state
 
 
-def load_model(url: str) -> tuple[GPT, dict]:
+def load_model(url: str) -> tuple[Decoder, dict]:
     step_url, state = resolve_checkpoint(url)
     return model_at(step_url, state), state
 
 
-def model_at(step_url: str, state: dict) -> GPT:
-    model = GPT(GPTConfig(**state["model_shape"]))
+def model_at(step_url: str, state: dict) -> Decoder:
+    """The checkpoint's model (of its family) in one process, on "meta" first so the weights are
+    allocated once, by the load."""
+    with torch.device("meta"):
+        model = build_model(config_from_shape(state["model_shape"]))
+    model.to_empty(device="cpu")
     load_model_weights(step_url, model)
     model.eval()
     return model
@@ -69,7 +74,7 @@ def checkpoint_tokenizer(step_url: str, state: dict):
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
              top_k: int | None = 50, seed: int | None = None,
              eos_id: int | None = None,
              first_allowed: torch.Tensor | None = None) -> torch.Tensor:

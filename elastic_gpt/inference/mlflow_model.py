@@ -14,8 +14,9 @@ from elastic_gpt.tracking.client import mlflow_client
 
 
 def log_final_model(uri: str, run_id: str, checkpoint_url: str, step: int = 0) -> str:
-    """Log the trained model twice: `model_hf/` (config.json + model.safetensors for
-    transformers.GPT2LMHeadModel) and an mlflow.pytorch model named `model`; returns the
+    """Log the trained model twice: `model_hf/` (config.json + safetensors for the family's
+    transformers class, GPT2LMHeadModel or LlamaForCausalLM) and an mlflow.pytorch model named
+    `model`; returns the
     latter's URI (also in the run's `elastic_gpt.model_uri` tag). Leaves the run FINISHED."""
     import mlflow
     import numpy as np

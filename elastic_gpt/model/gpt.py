@@ -1,4 +1,6 @@
-"""GPT-2 style decoder in one readable file (nanoGPT lineage).
+"""GPT-2 style decoder in one readable file (nanoGPT lineage), and what every family's decoder
+shares (`Decoder`: the trunk's names, the seeded initialisation, the tied output layer, the
+chunked loss; model/llama.py is the other family).
 
 Parameter names follow GPT-2 (`wte`, `wpe`, `h.N.attn.c_attn`, ...) so checkpoints map one to one
 onto Hugging Face's `GPT2LMHeadModel` (see `inference/hf_export.py`). Nothing here knows about Ray or FSDP.
@@ -89,18 +91,15 @@ class TiedLMHead(nn.Linear):
         return self._wte.weight
 
 
-class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = TiedLMHead(self.wte)
-        if not self.wte.weight.is_meta:  # on "meta" the trainer inits after sharding instead
-            self.init_weights()
+class Decoder(nn.Module):
+    """A decoder of any family, as the rest of the system holds it: token embedding `wte`, the
+    blocks `h`, the final norm `ln_f` and the output layer `lm_head` (its own weight, or tied to
+    `wte`). A family's module sets `residual_projections`, builds them and says how tokens
+    become the first hidden states (`embed`). Initialisation: N(0, 0.02) for every weight
+    matrix, the residual projections (the last matmul of each residual branch) scaled by
+    1/sqrt(2 * n_layer) (GPT-2's rule), zero biases, unit norm gains."""
+
+    residual_projections: tuple[str, ...] = ()
 
     def init_weights(self, seed: int = 0) -> None:
         with torch.no_grad():
@@ -122,9 +121,9 @@ class GPT(nn.Module):
 
     def initial_value(self, index: int, name: str, shape: torch.Size, seed: int,
                       indices: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Parameter number `index` (`name`, of full `shape`) as GPT-2 initialises it: N(0, 0.02),
-        residual projections scaled by 1/sqrt(2 * n_layer), zero biases, unit LayerNorm gains.
-        `indices`: one tensor of global indices per dim (a shard, in its order); None: whole.
+        """Parameter number `index` (`name`, of full `shape`) as initialised (the class
+        docstring's rule). `indices`: one tensor of global indices per dim (a shard, in its
+        order); None: whole.
 
         A weight matrix is drawn on the CPU in tiles (`init_tiles`), each from its own seeded
         generator, so a rank holding one shard draws only the tiles its shard covers, and the
@@ -132,28 +131,51 @@ class GPT(nn.Module):
         indices = indices if indices is not None else [torch.arange(n) for n in shape]
         size = [len(i) for i in indices]
         if name.endswith(".weight") and len(shape) == 2:  # Linear and Embedding
-            std = (0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight")
-                   else 0.02)
+            std = (0.02 / math.sqrt(2 * self.cfg.n_layer)
+                   if plain_name(name).endswith(self.residual_projections) else 0.02)
             return init_tiles(seed, index, tuple(shape), indices[0], indices[1], std)
         if name.endswith(".bias"):
             return torch.zeros(size)
-        return torch.ones(size)  # LayerNorm gain
+        return torch.ones(size)  # a norm's gain
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the first hidden states (B, T, C)."""
+        raise NotImplementedError
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size). With targets (B, T): the summed
         cross-entropy of every token instead, computed chunk by chunk from the last hidden
         states (`chunked_token_losses`), so the (B, T, vocab) logits never exist whole."""
-        B, T = idx.shape
+        T = idx.size(1)
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.embed(idx)
         for block in self.h:
             x = block(x)
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)  # (B, T, vocab)
         return chunked_token_losses(x, self.lm_head.weight, targets)
+
+
+class GPT(Decoder):
+    residual_projections = ("attn.c_proj.weight", "mlp.c_proj.weight")
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = TiedLMHead(self.wte)
+        if not self.wte.weight.is_meta:  # on "meta" the trainer inits after sharding instead
+            self.init_weights()
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -1,4 +1,5 @@
-"""FSDP2, activation checkpointing and torch.compile for the GPT model (torchtitan's order).
+"""FSDP2, activation checkpointing and torch.compile for a decoder of any family (torchtitan's
+order).
 
 Order matters: tensor parallelism first (parallel/tensor.py: it swaps each layer's weights for
 DTensors on the tensor-parallel mesh), then activation checkpointing and compile wrap each
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic_gpt.model.gpt import GPT
+from elastic_gpt.model.families import spec_of
 from elastic_gpt.parallel.tensor import apply_tensor_parallel
 from elastic_gpt.torch_internals import StridedShard, checkpoint_wrapper, enable_async_tp, local_indices
 
@@ -70,12 +71,12 @@ def _selective_context():
 
 
 def blocks(model: nn.Module) -> list[tuple[int | str, nn.Module]]:
-    """(key in `model.h`, block) of a GPT (a list of blocks) or of a pipeline stage (its blocks
+    """(key in `model.h`, block) of a decoder (a list of blocks) or of a pipeline stage (its blocks
     by their index in the whole model); `model.h[key] = wrapped` replaces one."""
     return list(model.h.items()) if isinstance(model.h, nn.ModuleDict) else list(enumerate(model.h))
 
 
-def apply_activation_checkpointing(model: GPT, mode: str = "full") -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> None:
     """Recompute in backward what each block's forward made. full: everything (activation memory
     O(layers) -> O(1) blocks, ~+33% FLOPs); selective: all but the outputs of matmuls, attention
     and reduce-scatters (the cheap elementwise ops and norms are recomputed: most of the memory
@@ -85,27 +86,36 @@ def apply_activation_checkpointing(model: GPT, mode: str = "full") -> None:
         model.h[key] = checkpoint_wrapper(block, preserve_rng_state=True, **extra)
 
 
-def apply_compile(model: GPT) -> None:
+def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: blocks are identical, so one graph is reused L times."""
     for key, block in blocks(model):
         model.h[key] = torch.compile(block, fullgraph=True)
 
 
-def apply_fsdp(model: GPT, mesh: DeviceMesh, compute_dtype: torch.dtype,
-               reshard_after_forward: bool = True) -> GPT:
-    """Shard every block, then the root (embeddings, final norm; wte is shared with the lm_head).
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard every block, then the family's trunk units (model/families.py `fsdp_units`), then
+    the root.
 
     reshard_after_forward=True frees gathered weights after each block's forward and gathers again
     in backward (ZeRO-3 memory); the last block is kept gathered since backward starts with it.
-    The root (wte, wpe, ln_f) keeps FSDP's default for roots: gathered from forward into backward,
-    since the tied lm_head is the first thing backward needs (one all-gather less per micro-batch,
-    ~24% of the all-gather bytes of gpt2-124m, measured by bench/bench_planner.py).
+    A tied trunk (GPT-2: wte, wpe, ln_f; wte is the lm_head's weight) is the root, which keeps
+    FSDP's default for roots: gathered from forward into backward, since the tied lm_head is the
+    first thing backward needs (one all-gather less per micro-batch, ~24% of the all-gather bytes
+    of gpt2-124m, measured by bench/bench_planner.py). An untied one (Llama) is two units: the
+    embedding, resharded after its forward, and the final norm with the output layer, kept from
+    its forward into the backward that starts with it; a pipeline stage shards those it holds.
     """
     mp = mixed_precision_policy(compute_dtype)
     last = len(model.h) - 1
     for i, (_, block) in enumerate(blocks(model)):
         fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
                     reshard_after_forward=reshard_after_forward and i < last)
+    for unit in spec_of(model.cfg).fsdp_units(model.cfg):
+        held = [getattr(model, name) for name in unit if getattr(model, name, None) is not None]
+        if held:
+            fully_shard(held, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
+                        reshard_after_forward=reshard_after_forward and "wte" in unit)
     fully_shard(model, mesh=mesh, mp_policy=mp, shard_placement_fn=shard_placement,
                 reshard_after_forward=None if reshard_after_forward else False)
     # FSDP averages gradients over the data-parallel ranks; the train loop scales each rank's loss
@@ -153,12 +163,12 @@ def device_memory_bytes(device: torch.device) -> int:
     return host // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def apply_float8(model: GPT) -> int:
+def apply_float8(model: nn.Module) -> int:
     """The blocks' linears as torchao's Float8Linear (dynamic tensorwise scaling: the matmuls in
     float8 with bf16 outputs, FSDP2 gathering the weights in float8, half the bytes of bf16), as
-    torchtitan's float8 converter does; returns how many. The tied lm_head stays in the compute
-    dtype (its weight is the embedding's), and so does any linear whose dims float8 kernels
-    cannot take (multiples of 16)."""
+    torchtitan's float8 converter does; returns how many. The output layer stays in the compute
+    dtype (torchtitan's choice: the logits' precision; a tied one's weight is the embedding's),
+    and so does any linear whose dims float8 kernels cannot take (multiples of 16)."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         major, minor = torch.cuda.get_device_capability()
         raise ValueError(f"train.float8 needs float8 tensor cores (compute capability 8.9+: "
@@ -196,11 +206,11 @@ def check_async_tp(tp_mesh: DeviceMesh | None, compile: bool) -> None:
                          "parallel.async_tp=false")
 
 
-def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
                 activation_checkpointing: bool = False, compile: bool = False,
                 reshard_after_forward: bool = True, tp_mesh: DeviceMesh | None = None,
                 checkpointing_mode: str = "full", float8: bool = False,
-                async_tp: bool = False) -> GPT:
+                async_tp: bool = False) -> nn.Module:
     """float8 linears (if asked), tensor parallelism over `tp_mesh` (if given), then activation
     checkpointing and compile, then FSDP over `mesh` (the data-parallel sub-mesh: 2-D for
     HSDP)."""
@@ -223,8 +233,8 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, compute_dtype: torch.dtype,
     return apply_fsdp(model, mesh, compute_dtype, reshard_after_forward=reshard_after_forward)
 
 
-def init_sharded_weights(model: GPT, seed: int) -> None:
-    """Fill each rank's shards with the values a single-process `GPT.init_weights(seed)` gives,
+def init_sharded_weights(model: nn.Module, seed: int) -> None:
+    """Fill each rank's shards with the values a single-process `init_weights(seed)` gives,
     drawing only the tiles of the weights its shards cover (model/gpt.py `init_tiles`): a run
     starts from identical weights at any world size and layout, each rank's cost is its shard's,
     and nothing is communicated."""

@@ -1,21 +1,25 @@
-"""Pipeline parallelism: the GPT's layers split into stages over the `pp` ranks of a mesh, run by
-`torch.distributed.pipelining`'s schedules (1F1B; interleaved 1F1B with several stages per rank).
+"""Pipeline parallelism: a decoder's layers split into stages over the `pp` ranks of a mesh, run
+by `torch.distributed.pipelining`'s schedules (1F1B; interleaved 1F1B with several stages per
+rank).
 
 The model is cut into `pp x stages_per_rank` contiguous stages (cost_model/pipeline.py's
-`stage_layers`, balanced by each part's forward FLOPs): the first holds the token and position
-embeddings, the last the final norm, the output layer and the loss, every stage a run of blocks.
-Rank r holds stages r, r + pp, ... (torchtitan's and Megatron's loop order), so one micro-batch
-visits every rank once per loop.
+`stage_layers`, balanced by each part's forward FLOPs): the first holds the family's embedding
+modules (model/families.py: GPT-2's token and position embeddings, Llama's token embedding),
+the last its head (the final norm and the output layer) and the loss, every stage a run of
+blocks. Rank r holds stages r, r + pp, ... (torchtitan's and Megatron's loop order), so one
+micro-batch visits every rank once per loop.
 
-A stage (`GPTStage`) is made of the very modules of a GPT built on "meta", under the names they
+A stage (`Stage`) is made of the very modules of a model built on "meta", under the names they
 have in the whole model ("h.7.attn.c_attn.weight"), so the sharded checkpoint of any layout holds
-the same keys as the unpipelined one, and resumes at any other (pp, tp, dp) and exports as GPT-2.
+the same keys as the unpipelined one, and resumes at any other (pp, tp, dp) and exports to
+Hugging Face.
 
-GPT-2's output layer is the token embedding (tied weights). The first and the last stage each
-hold `wte`: the first looks tokens up in it, the last multiplies by it. Both start from the same
-values (the same init or checkpoint) and take the same update, because after the backward their
-gradients are summed over the pair of ranks holding them (`TiedEmbedding`, Megatron's embedding
-group), so they stay equal; the gradient norm counts that weight once (`clip_grad_norm`).
+A tied output layer (GPT-2's, Llama's when tied) is the token embedding. The first and the last
+stage then each hold `wte`: the first looks tokens up in it, the last multiplies by it. Both
+start from the same values (the same init or checkpoint) and take the same update, because after
+the backward their gradients are summed over the pair of ranks holding them (`TiedEmbedding`,
+Megatron's embedding group), so they stay equal; the gradient norm counts that weight once
+(`clip_grad_norm`). An untied output layer is the last stage's own weight.
 
 The loss on the last stage is the summed cross-entropy of the micro-batch's logits, scaled by
 the caller (the step's share of the mean over exactly G sequences, C1), so the schedule must not
@@ -36,7 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from elastic_gpt.cost_model.pipeline import PipelineLayoutError, rank_stages, stage_layers
-from elastic_gpt.model.gpt import GPT, TiedLMHead, plain_name, token_losses
+from elastic_gpt.model.families import spec_of
+from elastic_gpt.model.gpt import Decoder, plain_name, token_losses
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 IGNORED = -100
@@ -44,38 +49,45 @@ IGNORED = -100
 """`parallel.pp_schedule`: one stage per rank, or several (virtual stages, a smaller bubble)."""
 
 
-class GPTStage(nn.Module):
-    """Stage `index` of `num_stages` of `gpt` (built on "meta"): its modules, under the names
-    they have in the whole GPT. forward: token ids (the first stage) or hidden states -> hidden
-    states, or on the last stage the logits (B, T, vocab)."""
+class Stage(nn.Module):
+    """Stage `index` of `num_stages` of `model` (a decoder built on "meta"): its modules, under
+    the names they have in the whole model. forward: token ids (the first stage) or hidden
+    states -> hidden states, or on the last stage the logits (B, T, vocab)."""
 
-    def __init__(self, gpt: GPT, index: int, num_stages: int, layers: range):
+    def __init__(self, model: Decoder, index: int, num_stages: int, layers: range):
         super().__init__()
-        self.cfg = gpt.cfg
+        self.cfg = model.cfg
         self.index, self.num_stages = index, num_stages
         self.first, self.last = index == 0, index == num_stages - 1
         self.layers = layers
         self.__dict__["runtime"] = None  # torch's PipelineStage, once a schedule is built
-        full = {name: i for i, (name, _) in enumerate(gpt.named_parameters())}
-        if self.first or self.last:
-            self.wte = gpt.wte
-        if self.first:
-            self.wpe, self.drop = gpt.wpe, gpt.drop
-        self.h = nn.ModuleDict({str(i): gpt.h[i] for i in layers})
-        if self.last:
-            self.ln_f = gpt.ln_f
-            self.lm_head = TiedLMHead(self.wte)
+        self.__dict__["_whole"] = model  # its class's embedding and init, not a submodule
+        spec = spec_of(model.cfg)
+        self.tied = spec.tied(model.cfg)
+        full = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        before = spec.first_stage(model.cfg) if self.first else ()
+        after = spec.last_stage(model.cfg) if self.last else ()
+        if self.holds_tied_embedding:
+            self.wte = model.wte  # first, as in the whole model
+        for name in before:
+            setattr(self, name, getattr(model, name))
+        self.h = nn.ModuleDict({str(i): model.h[i] for i in layers})
+        for name in after:  # a tied lm_head reads wte's weight, held above
+            if not hasattr(self, name):
+                setattr(self, name, getattr(model, name))
         self._index_in_gpt = {name: full[name] for name, _ in self.named_parameters()}
 
     def parameter_index(self, name: str) -> int:
-        """The parameter's position in the whole GPT: what its initial value is drawn from."""
+        """The parameter's position in the whole model: what its initial value is drawn from."""
         return self._index_in_gpt[plain_name(name)]
 
-    initial_value = GPT.initial_value  # the whole model's init, by name and position
+    def initial_value(self, *args, **kwargs) -> torch.Tensor:
+        """The whole model's init, by name and position."""
+        return self._whole.initial_value(*args, **kwargs)
 
     @property
     def holds_tied_embedding(self) -> bool:
-        return self.first or self.last
+        return self.tied and (self.first or self.last)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
@@ -83,7 +95,7 @@ class GPTStage(nn.Module):
             if T > self.cfg.seq_len:
                 raise ValueError(f"sequence of {T} tokens is longer than model.seq_len="
                                  f"{self.cfg.seq_len}")
-            x = self.drop(self.wte(x) + self.wpe(torch.arange(T, device=x.device)))
+            x = type(self._whole).embed(self, x)  # the family's embedding, on this stage's modules
         for block in self.h.values():
             x = block(x)
         if self.last:
@@ -91,11 +103,11 @@ class GPTStage(nn.Module):
         return x
 
 
-def split_model(gpt: GPT, pp_rank: int, pp: int, stages_per_rank: int) -> list[GPTStage]:
-    """This pipeline rank's stages of `gpt` (on "meta"; the rest of the model is dropped)."""
+def split_model(model: Decoder, pp_rank: int, pp: int, stages_per_rank: int) -> list[Stage]:
+    """This pipeline rank's stages of `model` (on "meta"; the rest of the model is dropped)."""
     num_stages = pp * stages_per_rank
-    layers = stage_layers(gpt.cfg, num_stages)
-    return [GPTStage(gpt, i, num_stages, layers[i])
+    layers = stage_layers(model.cfg, num_stages)
+    return [Stage(model, i, num_stages, layers[i])
             for i in rank_stages(pp_rank, pp, stages_per_rank)]
 
 
@@ -120,7 +132,7 @@ class StageIO:
     dtype: torch.dtype
     tp_mesh: DeviceMesh | None = None
 
-    def examples(self, stage: GPTStage) -> dict:
+    def examples(self, stage: Stage) -> dict:
         """The keyword arguments of torch's PipelineStage that describe `stage`'s tensors."""
         cfg, tp = stage.cfg, self.tp_mesh.size() if self.tp_mesh is not None else 1
         # Hidden states carry gradients back across the boundary: they require grad.
@@ -142,7 +154,7 @@ class StageIO:
                 "output_grads": logits}
 
 
-def build_schedule(stages: list[GPTStage], pp_group: dist.ProcessGroup, device: torch.device,
+def build_schedule(stages: list[Stage], pp_group: dist.ProcessGroup, device: torch.device,
                    n_microbatches: int, loss_fn, schedule: str, io: StageIO | None = None):
     """torch's schedule over this rank's stages; n_microbatches per step, at least pp. `io`:
     the tensors crossing the stages, given up front (else torch infers them at the first step,
@@ -180,7 +192,7 @@ def build_schedule(stages: list[GPTStage], pp_group: dist.ProcessGroup, device: 
                                    scale_grads=False)
 
 
-def run_step(schedule, stages: list[GPTStage], x: torch.Tensor | None,
+def run_step(schedule, stages: list[Stage], x: torch.Tensor | None,
              y: torch.Tensor | None) -> torch.Tensor | None:
     """One step through the pipeline: forward and backward of every micro-batch of `x` (read
     by the first stage) against `y` (read by the last); returns the sum of the micro-batches'
@@ -207,14 +219,14 @@ class TiedEmbedding:
     gradients summed over the pair of ranks that hold them, every step, so both copies take the
     same update. Collective over the whole group at construction (each pair's process group)."""
 
-    def __init__(self, mesh: DeviceMesh, stages: list[GPTStage], grid: list):
+    def __init__(self, mesh: DeviceMesh, stages: list[Stage], grid: list):
         """`mesh`: the whole named mesh, "pp" its first dim; `grid`: its ranks as nested lists,
         read when the pipeline was built (the mesh's rank tensor is made on each read, and under
         a dry run's fake tensors would have no values)."""
         pp = mesh.size(0)
         self.weight = next((s.wte.weight for s in stages if s.holds_tied_embedding), None)
         self.group = None
-        if pp == 1:
+        if pp == 1 or not stages[0].tied:  # untied: each stage's weights are its own
             return
         if pp == 2:  # the pipeline's own group is the pair: no communicator more
             self.group = mesh["pp"].get_group()
@@ -241,7 +253,7 @@ def _flat(nested) -> list[int]:
     return [r for item in nested for r in _flat(item)]
 
 
-def clip_grad_norm(stages: list[GPTStage], max_norm: float, pp_group: dist.ProcessGroup,
+def clip_grad_norm(stages: list[Stage], max_norm: float, pp_group: dist.ProcessGroup,
                    ) -> torch.Tensor:
     """Clip every stage's gradients to `max_norm` by the norm of the whole model's gradient;
     returns that norm. This rank's part is one norm over all its stages' gradients, reduced over
@@ -249,7 +261,8 @@ def clip_grad_norm(stages: list[GPTStage], max_norm: float, pp_group: dist.Proce
     all-reduce per placement, not per parameter), then its square over the pipeline; the tied
     embedding counts once (the first stage's)."""
     grads = [p.grad for s in stages for name, p in s.named_parameters()
-             if p.grad is not None and not (s.last and not s.first and name == "wte.weight")]
+             if p.grad is not None
+             and not (s.holds_tied_embedding and s.last and not s.first and name == "wte.weight")]
     if grads:
         mine = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         mine = (mine.full_tensor() if isinstance(mine, DTensor) else mine).float()
@@ -266,22 +279,22 @@ def clip_grad_norm(stages: list[GPTStage], max_norm: float, pp_group: dist.Proce
     return norm
 
 
-def _device(stages: list[GPTStage]) -> torch.device:
+def _device(stages: list[Stage]) -> torch.device:
     p = next(stages[0].parameters())
     return p.to_local().device if isinstance(p, DTensor) else p.device
 
 
 class RankModel(nn.Module):
-    """What one pipeline rank holds of the GPT, its stages' modules registered under their
+    """What one pipeline rank holds of the model, its stages' modules registered under their
     whole-model names: the parameters, state dict and sharded checkpoint of a pipelined run have
     the unpipelined one's keys. Not called: the schedule runs the stages."""
 
-    def __init__(self, stages: list[GPTStage]):
+    def __init__(self, stages: list[Stage]):
         super().__init__()
-        for name in ("wte", "wpe", "ln_f"):
-            module = next((getattr(s, name) for s in stages if hasattr(s, name)), None)
-            if module is not None:
-                setattr(self, name, module)
+        for s in stages:  # the trunk's modules (a tied lm_head holds no parameter of its own)
+            for name, module in s.named_children():
+                if name != "h" and not hasattr(self, name):
+                    setattr(self, name, module)
         self.h = nn.ModuleDict({k: b for s in stages for k, b in s.h.items()})
         self.cfg = stages[0].cfg
         self._index_in_gpt = {n: i for s in stages for n, i in s._index_in_gpt.items()}
@@ -293,16 +306,18 @@ class RankModel(nn.Module):
             stage.to_empty(device=device, recurse=recurse)
         return self
 
-    parameter_index = GPTStage.parameter_index
-    initial_value = GPT.initial_value
+    parameter_index = Stage.parameter_index
+
+    def initial_value(self, *args, **kwargs) -> torch.Tensor:
+        return self._stages[0].initial_value(*args, **kwargs)
 
 
 class Pipeline:
-    """This rank's stages of a pipelined GPT and the schedule that runs them; built on "meta"
+    """This rank's stages of a pipelined decoder and the schedule that runs them; built on "meta"
     from `gpt`, each stage handed to `parallelize` (tensor parallelism, FSDP, ...) as a model of
     its own. `model` is the rank's part as one module (`RankModel`)."""
 
-    def __init__(self, gpt: GPT, mesh: DeviceMesh, pp_rank: int, stages_per_rank: int,
+    def __init__(self, gpt: Decoder, mesh: DeviceMesh, pp_rank: int, stages_per_rank: int,
                  schedule: str, parallelize):
         pp = mesh["pp"].size()
         self.stages = split_model(gpt, pp_rank, pp, stages_per_rank)

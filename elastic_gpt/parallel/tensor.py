@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism for the GPT model, Megatron style, through DTensor.
+"""Tensor and sequence parallelism for a decoder of any family, Megatron style, through DTensor.
 
 The residual stream between blocks is sharded over the sequence (`Shard(1)`): LayerNorm and
 dropout run on T/tp positions per rank. Each attention and MLP block gathers its input over the
@@ -7,6 +7,12 @@ rows, and reduce-scatters the output back onto the sequence: per block and direc
 all-gathers and two reduce-scatters, no all-reduce. The embeddings are vocab- (wte) and
 position- (wpe) parallel, and the logits stay sharded over the vocabulary into the loss
 (`loss_context`, torch's loss_parallel), so no rank ever holds (B, T, vocab).
+
+Which leaf gets which split is the family's (model/families.py: a plan of named styles per
+block leaf and per trunk module; `STYLES` here turns each name into DTensor's style). Llama's
+q, k and v are three Linears, each column-parallel by whole heads (tp divides the key/value
+heads: parallel/tp_rules.py), its SwiGLU's gate and up column-parallel, down row-parallel; an
+untied output layer holds its own vocab-sharded weight.
 
 GPT-2's c_attn is one (3C, C) matrix holding [q | k | v]. Plain column sharding would give the
 first rank all of q and some of k; `FusedColwiseParallel` gives each rank the same heads of all
@@ -23,7 +29,7 @@ trainer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -39,7 +45,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from elastic_gpt.model.gpt import GPT, token_losses
+from elastic_gpt.model.families import spec_of
+from elastic_gpt.model.gpt import token_losses
 from elastic_gpt.torch_internals import StridedShard
 
 
@@ -86,34 +93,53 @@ class FusedColwiseParallel(ParallelStyle):
         return output.to_local()
 
 
-def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh) -> None:
-    """Shard every block and the embeddings/output over `tp_mesh` (see the module docstring).
-    A pipeline stage has only some of the outer modules: each gets its plan if it is there."""
-    outer = {
-        # Vocab-parallel lookup; the partial sums are reduce-scattered onto the sequence.
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        # Positions are (T,) -> (T, C): the sequence is dim 0 of this output.
-        "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-        "ln_f": SequenceParallel(),
-        # Reads wte's vocab-sharded weight; the logits stay a DTensor sharded over the vocab.
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                   use_local_output=False),
-    }
-    parallelize_module(model, tp_mesh, {name: plan for name, plan in outer.items()
-                                        if getattr(model, name, None) is not None})
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    # a norm (or dropout) on this rank's share of the sequence
+    "sequence": SequenceParallel,
+    # a branch's input, sequence-sharded, all-gathered whole for its column-parallel matmuls
+    "gather_input": lambda: PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+    "colwise": ColwiseParallel,
+    "fused_colwise_3": lambda: FusedColwiseParallel(3),
+    # partial sums reduce-scattered back onto the sequence
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    # vocab-parallel lookup; the partial sums are reduce-scattered onto the sequence
+    "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    # positions are (T,) -> (T, C): the sequence is dim 0 of this output
+    "position_embedding": lambda: RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Shard(0)),
+    # the output layer's weight sharded over the vocabulary (a tied one reads wte's, which the
+    # embedding's plan shards so); the logits stay a DTensor sharded over the vocab
+    "vocab_output": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                            use_local_output=False),
+}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard every block and the trunk over `tp_mesh` by the family's plan (see the module
+    docstring). A pipeline stage has only some of the trunk's modules: each gets its plan if it
+    is there."""
+    spec = spec_of(model.cfg)
+    outer = {name: style for name, style in spec.outer_tp_plan.items()
+             if getattr(model, name, None) is not None}
+    parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in outer.items()})
+    for name, style in outer.items():
+        if style == "vocab_embedding":
+            getattr(model, name).register_forward_hook(_settled_output)
     for block in (model.h.values() if isinstance(model.h, nn.ModuleDict) else model.h):
-        parallelize_module(block, tp_mesh, {
-            "ln_1": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),),
-                                       desired_input_layouts=(Replicate(),)),
-            "attn.c_attn": FusedColwiseParallel(3),
-            "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "ln_2": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
-                                      desired_input_layouts=(Replicate(),)),
-            "mlp.c_fc": ColwiseParallel(),
-            "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(block, tp_mesh, {leaf: STYLES[style]()
+                                            for leaf, style in spec.block_tp_plan.items()})
+
+
+def _settled_output(module, inputs, output):
+    """The vocab-parallel embedding's output as a plain tensor. RowwiseParallel hands back its
+    reduce-scatter still in flight (an asynchronous collective's tensor, waited on by the next op
+    that reads it). A compiled block that takes that tensor straight as its input (Llama's:
+    nothing runs between the embedding and the first block, where GPT-2 adds its positions)
+    sends back a gradient the collective's backward cannot take: the embedding's gradient is
+    zero under FSDP, and without it the backward fails. A copy of this rank's (b, s / tp, h)
+    waits for it in eager code and costs one activation's write."""
+    return output.clone() if type(output) is not torch.Tensor else output
 
 
 def local_boxes(t) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] | None:

@@ -6,7 +6,8 @@ Each check returns the reason in one line with its fix, or None; the caller rais
 type. `flag` is how the caller's user spells the degree (`parallel.tp` in a config, `--tp` on the
 planner's command line), so the line names the key to change.
 
-- The model: tensor parallelism splits attention heads, the sequence between blocks (sequence
+- The model: tensor parallelism splits attention heads (query heads, and grouped-query
+  attention's key/value heads), the MLP's hidden width, the sequence between blocks (sequence
   parallelism) and the vocabulary (the sharded output layer and loss) into tp equal parts.
 - The workers: a run's workers come in whole tensor-parallel groups.
 - The nodes: a tensor-parallel group exchanges activations in every layer, so it stays inside one
@@ -19,25 +20,34 @@ from collections.abc import Iterable
 
 
 def usable_degrees(n_head: int, seq_len: int, vocab_size: int | None = None,
-                   candidates: Iterable[int] = (1, 2, 4, 8)) -> list[int]:
-    """The `candidates` that split this model's heads, sequence and vocabulary evenly."""
-    return [t for t in candidates
-            if not (n_head % t or seq_len % t or (vocab_size is not None and vocab_size % t))]
+                   candidates: Iterable[int] = (1, 2, 4, 8), *, n_kv_head: int | None = None,
+                   ffn_hidden: int | None = None) -> list[int]:
+    """The `candidates` that split this model's heads, key/value heads, MLP width, sequence and
+    vocabulary evenly (None: not checked)."""
+    sizes = [v for v in (n_head, seq_len, vocab_size, n_kv_head, ffn_hidden) if v is not None]
+    return [t for t in candidates if not any(v % t for v in sizes)]
 
 
 def model_problem(tp: int, *, n_head: int, seq_len: int, vocab_size: int | None = None,
+                  n_kv_head: int | None = None, ffn_hidden: int | None = None,
                   flag: str = "parallel.tp", candidates: Iterable[int] = (1, 2, 4, 8)) -> str | None:
-    """Why tp cannot split this model, or None. `vocab_size` None: not known yet (checked later)."""
+    """Why tp cannot split this model, or None. `vocab_size` None: not known yet (checked later);
+    `n_kv_head`, `ffn_hidden` None: the family has none apart from n_head and 4 x the width."""
     if tp < 1:
         return f"{flag}={tp} must be at least 1"
     for key, value, why in (
             ("model.n_head", n_head, "each tensor-parallel rank needs whole attention heads"),
+            ("model.n_kv_head", n_kv_head, "each tensor-parallel rank needs whole key/value heads "
+                                           "of grouped-query attention"),
+            ("model.ffn_hidden", ffn_hidden, "each tensor-parallel rank holds an equal part of "
+                                             "the MLP's hidden units"),
             ("model.seq_len", seq_len, "sequence parallelism gives each tensor-parallel rank an "
                                        "equal part of the sequence"),
             ("model.vocab_size", vocab_size, "each tensor-parallel rank holds an equal part of the "
                                              "output layer")):
         if value is not None and value % tp:
-            ok = usable_degrees(n_head, seq_len, vocab_size, candidates)
+            ok = usable_degrees(n_head, seq_len, vocab_size, candidates, n_kv_head=n_kv_head,
+                                ffn_hidden=ffn_hidden)
             return (f"{flag}={tp} does not divide {key}={value} ({why}); use {flag} in "
                     f"{{{', '.join(map(str, ok))}}} or a {key} that tp divides")
     return None

@@ -26,7 +26,7 @@ from elastic_gpt.arguments import (
     write_output_file,
 )
 from elastic_gpt.hardware import GPUS, load_overrides
-from elastic_gpt.model.config import PRESETS, GPTConfig, preset_config
+from elastic_gpt.model.config import PRESETS, ModelConfig, preset_config
 from elastic_gpt.planner.calibration_file import load_calibration
 from elastic_gpt.planner.inputs import DEFAULT_HEARTBEAT_S, MIN_HEARTBEAT_S, PALM_STEPS_PER_SPIKE, PlanInputs
 from elastic_gpt.planner.report import format_report, plan_summary, training_config
@@ -169,7 +169,7 @@ def efficiency_arg(text: str) -> float | None:
 
 
 def inputs_from_args(args) -> PlanInputs:
-    model: str | GPTConfig = args.model
+    model: str | ModelConfig = args.model
     shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}
     if any(v is not None for v in shape.values()):  # a custom shape on top of the preset's
         model = preset_config(args.model, seq_len=args.seq_len, vocab_size=args.vocab_size,

@@ -17,7 +17,7 @@ from elastic_gpt.cost_model.memory import CONTEXT_GIB, FRAGMENTATION, MEMORY_MAR
 from elastic_gpt.cost_model.software import Software
 from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.hardware import GPU, GPUS
-from elastic_gpt.model.config import GPTConfig, preset_config
+from elastic_gpt.model.config import ModelConfig, preset_config
 
 HOUR = 3600.0
 DAY = 86400.0
@@ -40,8 +40,8 @@ class PlanError(ValueError):
 class PlanInputs:
     """Everything `plan_training` takes; the CLI fills it from flags."""
 
-    model: str | GPTConfig = "gpt2-124m"
-    """A preset name or a full GPTConfig."""
+    model: str | ModelConfig = "gpt2-124m"
+    """A preset name (of any family) or a full model config."""
     seq_len: int | None = None
     """Override a preset's context length."""
     vocab_size: int | None = None
@@ -135,8 +135,8 @@ def compute_terms(p: PlanInputs, gpu: GPU) -> ComputeTerms:
     return (p.calibration or DEFAULT_CALIBRATION).for_gpu(gpu).terms
 
 
-def resolve_model(model: str | GPTConfig, seq_len: int | None = None,
-                  vocab_size: int | None = None) -> tuple[str, GPTConfig]:
-    if isinstance(model, GPTConfig):
+def resolve_model(model: str | ModelConfig, seq_len: int | None = None,
+                  vocab_size: int | None = None) -> tuple[str, ModelConfig]:
+    if not isinstance(model, str):
         return "custom", model
     return model, preset_config(model, seq_len=seq_len, vocab_size=vocab_size)

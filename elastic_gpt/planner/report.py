@@ -27,7 +27,7 @@ def training_config(plan: Plan) -> dict:
         model = {"preset": plan.model_name, "seq_len": cfg.seq_len}
     else:
         model = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-                 "seq_len": cfg.seq_len}
+                 "seq_len": cfg.seq_len} | _family_keys(plan)
     rg = plan.chosen_replica_groups
     # replica groups run the settings that fit a group, in groups of a fixed size
     c = rg.layout.candidate if rg else plan.chosen
@@ -49,6 +49,23 @@ def training_config(plan: Plan) -> dict:
                     if rg else {"replica_groups": "off", "node_mtbf_h": round(
                         plan.reliability.mtbf_s * plan.nodes / HOUR, 3)}),
     } | _parallel_keys(c)
+
+
+def _family_keys(plan: Plan) -> dict:
+    """model.family and the shape keys only that family has (model.n_kv_head, ...), in
+    config.py's names; none for GPT-2, whose shape (the default family's) has no family key."""
+    from elastic_gpt.config import FAMILY_KEYS
+
+    cfg, shape = plan.cfg, plan.cfg.shape()
+    if "family" not in shape:
+        return {}
+    out = {"family": cfg.family}
+    if plan.model_name in PRESETS:  # what the keys below leave to it (a RoPE factor, ...)
+        out["preset"] = plan.model_name
+    for key, field in FAMILY_KEYS.items():
+        if field in shape:
+            out[key] = shape[field] if key != "rope_scaling" else shape[field] is not None
+    return out
 
 
 def checkpoint_cadence(interval_s: float) -> dict:
@@ -102,8 +119,7 @@ def format_report(plan: Plan) -> str:
                + f" = {st.comm_s:.3f} s if serial; {st.exposed_comm_s:.3f} s exposed "
                f"({100 * st.overlapped_fraction:.0f}% overlapped)")
     lines = [
-        f"model     {plan.model_name}: {plan.shape.params / 1e6:,.1f}M params, L={cfg.n_layer} "
-        f"H={cfg.n_head} d={cfg.n_embd} T={cfg.seq_len} V={cfg.vocab_size}, "
+        f"model     {plan.model_name}: {plan.shape.params / 1e6:,.1f}M params, {cfg.describe()}, "
         f"{plan.shape.model_flops_per_token / 1e9:.2f} GFLOP/token",
         f"hardware  {plan.n_gpus} x {plan.gpu.name} on {plan.nodes} node(s), "
         f"{plan.gpu.peak_flops / 1e12:.0f} TFLOP/s bf16 peak, {plan.gpu.memory_gib:.1f} GiB each",

@@ -32,7 +32,7 @@ from elastic_gpt.cost_model.step_time import (
 from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GB, GPU, GiB
-from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.config import ModelConfig
 from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
 from elastic_gpt.planner.inputs import PlanError, PlanInputs, compute_terms
 from elastic_gpt.planner.replica_group_model import (
@@ -51,7 +51,7 @@ STAGES_PER_RANK = (1, 2, 4, 8)
 (v m) and adds point-to-point sends (cost_model/pipeline.py)."""
 
 
-def pp_problem(pp: int, cfg: GPTConfig, n_gpus: int, tp: int,
+def pp_problem(pp: int, cfg: ModelConfig, n_gpus: int, tp: int,
                software: Software = TRAINER) -> str | None:
     """Why `pp` pipeline stages cannot run this model on these GPUs at this tp, or None (the
     software's own rules for a cut: `Software.pipeline_cut_problem`)."""
@@ -63,13 +63,13 @@ def pp_problem(pp: int, cfg: GPTConfig, n_gpus: int, tp: int,
     return software.pipeline_cut_problem(cfg, pp)
 
 
-def _stages_per_rank_fit(cfg: GPTConfig, pp: int, v: int, software: Software) -> bool:
+def _stages_per_rank_fit(cfg: ModelConfig, pp: int, v: int, software: Software) -> bool:
     """Whether pp ranks of v stages each can hold the model: a block per stage at least, and a
     cut the software can make."""
     return v * pp <= cfg.n_layer and software.pipeline_cut_problem(cfg, pp, v) is None
 
 
-def _pp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, tp: int) -> list[tuple[int, int]]:
+def _pp_choices(p: PlanInputs, cfg: ModelConfig, n_gpus: int, tp: int) -> list[tuple[int, int]]:
     """(pp, stages per rank) to weigh at this tp: 1F1B, and interleaved with each of
     STAGES_PER_RANK the model has the blocks for (a block per stage at least)."""
     degrees = [p.pp] if p.pp is not None else PP_DEGREES
@@ -85,19 +85,20 @@ def _pp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, tp: int) -> list[tup
     return out
 
 
-def tp_problem(tp: int, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> str | None:
+def tp_problem(tp: int, cfg: ModelConfig, n_gpus: int, gpus_per_node: int) -> str | None:
     """Why `tp` cannot run this model on these GPUs (one line), or None."""
     if tp not in TP_DEGREES:  # the degrees the step-time model is made for
         return f"--tp={tp} must be one of {', '.join(map(str, TP_DEGREES))}"
     if tp > n_gpus:
         return f"--tp={tp} is more than the {n_gpus} GPUs (--gpus) of the run"
     return (model_problem(tp, n_head=cfg.n_head, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                          flag="--tp", candidates=TP_DEGREES)
+                          n_kv_head=cfg.n_kv_head, ffn_hidden=cfg.ffn_hidden, flag="--tp",
+                          candidates=TP_DEGREES)
             or nodes_problem(tp, [gpus_per_node], flag="--tp", what="GPUs", how="--gpus-per-node")
             or workers_problem(tp, {"--gpus": n_gpus}, flag="--tp"))
 
 
-def _tp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) -> list[int]:
+def _tp_choices(p: PlanInputs, cfg: ModelConfig, n_gpus: int, gpus_per_node: int) -> list[int]:
     if p.tp is not None:
         problem = tp_problem(p.tp, cfg, n_gpus, gpus_per_node)
         if problem:
@@ -106,7 +107,7 @@ def _tp_choices(p: PlanInputs, cfg: GPTConfig, n_gpus: int, gpus_per_node: int) 
     return [t for t in TP_DEGREES if tp_problem(t, cfg, n_gpus, gpus_per_node) is None]
 
 
-def mesh_choices(p: PlanInputs, cfg: GPTConfig, net: Network, n_gpus: int) -> list[Mesh]:
+def mesh_choices(p: PlanInputs, cfg: ModelConfig, net: Network, n_gpus: int) -> list[Mesh]:
     """Every tp x pp x HSDP layout to weigh for n_gpus (forced ones only, when forced)."""
     if p.hsdp not in ("auto", "on", "off"):
         raise PlanError(f"--hsdp={p.hsdp!r} must be auto, on or off")

@@ -30,7 +30,7 @@ from elastic_gpt.cost_model.shape import (
 )
 from elastic_gpt.cost_model.step_time import LayoutCandidate, choice_key, time_to_train_s
 from elastic_gpt.hardware import GPU, GiB, get_gpu
-from elastic_gpt.model.config import GPTConfig
+from elastic_gpt.model.config import ModelConfig
 from elastic_gpt.planner.inputs import (
     DEFAULT_HEARTBEAT_S,
     HOUR,
@@ -60,7 +60,7 @@ from elastic_gpt.planner.search import (
 @dataclass
 class Plan:
     model_name: str
-    cfg: GPTConfig
+    cfg: ModelConfig
     shape: ModelShape
     gpu: GPU
     n_gpus: int

@@ -176,7 +176,8 @@ def run_tune(args) -> int:
     world = args.workers or cfg.scaling.max_workers
     G = cfg.train.global_batch_size
     mbs = _int_list("--micro-batch-sizes", args.micro_batch_sizes)
-    tps = tp_choices(world, gpt_cfg.n_head, gpt_cfg.seq_len, _int_list("--tp", args.tp))
+    tps = tp_choices(world, gpt_cfg.n_head, gpt_cfg.seq_len, _int_list("--tp", args.tp),
+                     n_kv_head=gpt_cfg.n_kv_head, ffn_hidden=gpt_cfg.ffn_hidden)
     if G < world // max(tps):
         raise ValueError(f"train.global_batch_size={G} gives fewer sequences than the "
                          f"{world // max(tps)} data-parallel ranks of {world} workers at tp "

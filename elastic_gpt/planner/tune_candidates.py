@@ -51,26 +51,31 @@ class TrainSettings:
                 f"compile={'on' if self.compile else 'off'}")
 
 
-def tp_problem(tp: int, world: int, n_head: int, seq_len: int) -> str | None:
+def tp_problem(tp: int, world: int, n_head: int, seq_len: int, n_kv_head: int | None = None,
+               ffn_hidden: int | None = None) -> str | None:
     """Why tensor-parallel degree `tp` cannot run this model on `world` workers (one line), or
     None: `tp_rules`, as config validation and the mesh apply them; whether the workers of every
     node are a multiple of tp is only known on the workers (`layout_for_nodes`)."""
-    return (model_problem(tp, n_head=n_head, seq_len=seq_len, flag="--tp",
-                          candidates=range(1, world + 1))
+    return (model_problem(tp, n_head=n_head, seq_len=seq_len, n_kv_head=n_kv_head,
+                          ffn_hidden=ffn_hidden, flag="--tp", candidates=range(1, world + 1))
             or workers_problem(tp, {"--workers": world}, flag="--tp"))
 
 
-def tp_choices(world: int, n_head: int, seq_len: int, requested: list[int] | None) -> list[int]:
+def tp_choices(world: int, n_head: int, seq_len: int, requested: list[int] | None, *,
+               n_kv_head: int | None = None, ffn_hidden: int | None = None) -> list[int]:
     """The tensor-parallel degrees to measure: `requested` (each checked, one line for the first
-    that cannot run), or every divisor of the worker count that divides n_head and the sequence
-    length (a superset of what `elastic-gpt plan` weighs, tp in {1, 2, 4, 8})."""
+    that cannot run), or every divisor of the worker count that divides the heads (query and
+    key/value), the MLP width and the sequence length (a superset of what `elastic-gpt plan`
+    weighs, tp in {1, 2, 4, 8})."""
+    sizes = dict(n_kv_head=n_kv_head, ffn_hidden=ffn_hidden)
     if requested:
         for t in requested:
-            problem = tp_problem(t, world, n_head, seq_len)
+            problem = tp_problem(t, world, n_head, seq_len, **sizes)
             if problem:
                 raise ValueError(problem)
         return sorted(set(requested))
-    return [t for t in range(1, world + 1) if tp_problem(t, world, n_head, seq_len) is None]
+    return [t for t in range(1, world + 1)
+            if tp_problem(t, world, n_head, seq_len, **sizes) is None]
 
 
 def _pp_check(pp: int, *, world: int, tps: list[int], n_layer: int, global_batch: int,

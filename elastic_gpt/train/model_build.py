@@ -2,7 +2,8 @@
 activation checkpointing, compile and FSDP2 (parallel/fsdp.py), or, under pipeline parallelism,
 this rank's stages each parallelized as a model of its own (parallel/pipeline.py). Nothing is
 materialised here: `materialise` allocates this rank's shards on a device and, for a fresh run,
-draws their initial values (a resume reads them from its checkpoint instead)."""
+draws their initial values or reads them from a Hugging Face directory (`checkpoint.init_from`);
+a resume reads them from its checkpoint instead."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from elastic_gpt.checkpoint.hf_weights import load_hf_weights
 from elastic_gpt.config import Config
-from elastic_gpt.model.config import GPTConfig
-from elastic_gpt.model.gpt import GPT
+from elastic_gpt.model.config import ModelConfig
+from elastic_gpt.model.families import build_model
 from elastic_gpt.parallel.fsdp import init_sharded_weights, parallelize
 from elastic_gpt.parallel.pipeline import Pipeline
 from elastic_gpt.train.layout import RunLayout
@@ -29,12 +31,12 @@ class ParallelModel:
     """Parameters of the whole model, counted before sharding."""
 
 
-def build_parallel_model(cfg: Config, gpt_cfg: GPTConfig, layout: RunLayout, *,
+def build_parallel_model(cfg: Config, gpt_cfg: ModelConfig, layout: RunLayout, *,
                          rank: int) -> ParallelModel:
     """Collective (the mesh's sub-groups are used by the parallelization): this rank's part of
-    the model, parallelized, on "meta"."""
+    the model of `gpt_cfg`'s family, parallelized, on "meta"."""
     with torch.device("meta"):
-        model = GPT(gpt_cfg)
+        model = build_model(gpt_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     t, dims = cfg.train, layout.dims
     parallelize_part = functools.partial(
@@ -54,12 +56,16 @@ def build_parallel_model(cfg: Config, gpt_cfg: GPTConfig, layout: RunLayout, *,
 
 
 def materialise(model: torch.nn.Module, device: torch.device, *, initialise: bool,
-                seed: int) -> float:
+                seed: int, init_from: str = "") -> float:
     """This rank's shards allocated on `device` and, if `initialise`, drawn from the run's
-    seeded initialisation (the same values at any layout); returns the seconds the draw took."""
+    seeded initialisation (the same values at any layout) or, with `init_from`, read from that
+    Hugging Face directory (each rank its shards' slices); returns the seconds it took."""
     model.to_empty(device=device)
     if not initialise:
         return 0.0
     t0 = time.perf_counter()
-    init_sharded_weights(model, seed=seed)
+    if init_from:
+        load_hf_weights(model, init_from)
+    else:
+        init_sharded_weights(model, seed=seed)
     return time.perf_counter() - t0

@@ -127,7 +127,8 @@ class Trainer:
         built = build_parallel_model(cfg, self.gpt_cfg, self.layout, rank=rank)
         self.model, self.pipeline, self.n_params = built.model, built.pipeline, built.n_params
         self.startup = {"checkpoint_read_s": 0.0, "init_s": materialise(
-            self.model, self.device, initialise=self.resume_from is None, seed=cfg.train.seed)}
+            self.model, self.device, initialise=self.resume_from is None, seed=cfg.train.seed,
+            init_from=cfg.checkpoint.init_from)}
         # Fused AdamW: one kernel over all shards, on CUDA and on CPU alike.
         self.optimizer = build_optimizer(self.model, cfg, fused=True)
         self.stepper = TrainStep(cfg, self.layout, model=self.model, pipeline=self.pipeline,
@@ -223,7 +224,10 @@ class Trainer:
         t0 = time.perf_counter()
         while True:
             try:
-                load_sharded(latest.url, self.model, self.optimizer)  # collective: all or none
+                # A checkpoint imported from Hugging Face holds weights only: the optimizer
+                # starts fresh, as it would have at step 0.
+                optimizer = self.optimizer if latest.state.get("optimizer", True) else None
+                load_sharded(latest.url, self.model, optimizer)  # collective: all or none
                 break
             except CheckpointLoadError:
                 # Retention may have removed it since it was chosen, before the build: another

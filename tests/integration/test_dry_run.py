@@ -1,7 +1,8 @@
 """`elastic-gpt dry-run`: the trainer's own build and step, at the full world size of a plan, on
 torch's fake process group and fake tensors, beside the planner (each rank in a process of its
-own). At sizes CI affords: a tensor-parallel HSDP layout of GPT-3 1.3B on 16 A100s and a pipelined
-GPT-2 on 8; the full GPT-3 175B cases are bench/bench_dry_run.py's."""
+own). At sizes CI affords: a tensor-parallel HSDP layout of GPT-3 1.3B on 16 A100s, a pipelined
+GPT-2 on 8 and a pipelined tensor-parallel Llama on 8; the full GPT-3 175B cases are
+bench/bench_dry_run.py's."""
 
 from __future__ import annotations
 
@@ -84,3 +85,30 @@ def test_a_layout_that_cannot_build_or_fit_is_one_line_exit_2(capsys, argv, says
     code, err = dry_run(capsys, *argv)
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
     assert err.startswith("elastic-gpt dry-run: error: ")
+
+
+def test_a_pipelined_tensor_parallel_llama_steps_as_planned(capsys):
+    """A Llama (4 blocks of Llama 3 8B: grouped-query attention, SwiGLU, an untied output layer)
+    at tp=2 x pp=2 on 8 A100s, built through its family's spec as the trainer builds it: the
+    first stage holds the embedding, the last the final norm and the output layer. Each rank's
+    pipeline sends, FSDP and tensor-parallel collectives are the planner's, and the first
+    stage's memory is within 10% of it."""
+    code, got = dry_run(capsys, "--model", "llama3-8b", "--n-layer", "4", "--global-batch-size",
+                        "16", "--gpu", "A100-80GB", "--gpus", "8", "--tp", "2", "--pp", "2",
+                        "--ranks", "0,4", "--json")
+    assert code == 0, got
+    assert got["model"] == "custom" and (got["layout"]["tp"], got["layout"]["pp"]) == (2, 2)
+    first, last = got["ranks"]
+    assert (first["coordinate"]["pp"], last["coordinate"]["pp"]) == (0, 1)
+    assert first["within"], first["total_gib"]
+    for rank in (first, last):
+        by = rows(rank)
+        for key in [("pp", "send"), ("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter")]:
+            assert by[key]["dry_run_bytes"] == pytest.approx(by[key]["planner_bytes"],
+                                                             rel=1e-4), (rank["rank"], key)
+        # The tensor-parallel collectives of this stage's blocks and of the root's parts it
+        # holds (the untied embedding on the first, the final norm, output layer and loss on the
+        # last), as the planner counts a Llama block.
+        assert by["tp", "all"]["count"] == by["tp", "all"]["planner_count"], rank["rank"]
+        assert by["tp", "all"]["dry_run_bytes"] == pytest.approx(by["tp", "all"]["planner_bytes"],
+                                                                 rel=2e-2), rank["rank"]

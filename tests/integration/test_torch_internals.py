@@ -1,5 +1,6 @@
 """The private PyTorch APIs that need a process group (gloo ranks): DTensor's strided shards keep
-their parts through a matmul, and a flattened mesh dimension is registered with its root."""
+their parts through a matmul, a flattened mesh dimension is registered with its root, and FSDP2's
+memory tracker follows an FSDP unit of two modules whose second never runs its forward."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from elastic_gpt.torch_internals import (
     StridedShard,
     flatten_mesh,
+    memory_tracker,
 )
 
 
@@ -67,3 +69,33 @@ def test_the_fake_process_group_runs_collectives_that_move_nothing():
         dist.all_reduce(t)
         assert t.tolist() == [1.0] * 4
     assert not dist.is_initialized()
+
+
+def test_the_memory_tracker_follows_a_unit_whose_output_layer_runs_no_forward():
+    """An untied Llama's final norm and output layer are one FSDP unit; the chunked loss reads the
+    output layer's weight without calling it. torch's tracker wraps the unit's backward once per
+    module and looks the output layer's record up; the step must be tracked, and the unit's own
+    backward be back after the tracker."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from elastic_gpt.model.config import LlamaConfig
+    from elastic_gpt.model.llama import Llama
+    from elastic_gpt.parallel.fsdp import apply_fsdp
+    from elastic_gpt.testing.gloo import gloo_group
+
+    with gloo_group():
+        model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, seq_len=16,
+                                  vocab_size=64))
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), torch.float32)
+        group = model.lm_head._get_fsdp_state()._fsdp_param_group
+        assert group is model.ln_f._get_fsdp_state()._fsdp_param_group, changed(
+            "fully_shard of a module list gives them one parameter group")
+        own = group.pre_backward, group.post_backward
+        optimizer = torch.optim.AdamW(model.parameters())
+        x = torch.randint(0, 64, (2, 16))
+        with memory_tracker([model], optimizer) as tracker:
+            model(x, targets=x).sum().backward()
+        assert tracker.peak()["Total"] > 0
+        assert model.lm_head.weight.grad is not None
+        assert (group.pre_backward, group.post_backward) == own, changed(
+            "the tracker's wrappers of a parameter group are removed on exit")

@@ -3,13 +3,16 @@
 (its first stage) is SIGKILLed: group 0 goes on alone, its pipeline taking the whole step's
 micro-batches (a new schedule, for the new split), and group 1's run restarts and heals from
 group 0 stage by stage. Every committed step has the data and (within float noise) the loss of
-an uninterrupted single-process run (C1, C2, C7)."""
+an uninterrupted single-process run (C1, C2, C7). For GPT-2 (its tied embedding on the first and
+last stage) and for Llama (untied: each stage's weights its own)."""
 
 from __future__ import annotations
 
 import glob
 import os
 import time
+
+import pytest
 
 from elastic_gpt.config import load_config
 from tests.system.test_replica_groups import (
@@ -23,7 +26,7 @@ STEPS = 200  # outlasts the killed group's restart and heal (the tiny model step
 KILL_AT = 8
 WORKERS = 2  # per group: one pipeline of 2 stages
 # 4 micro-batches of 1: 2 pipelines share them (2 each, filling 2 stages); alone, one takes 4.
-ARGS = ["model.preset=tiny", "train.global_batch_size=4", "train.micro_batch_size=1",
+ARGS = ["train.global_batch_size=4", "train.micro_batch_size=1",
         f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=3e-3",
         "train.log_every=100", "train.dtype=float32", "train.peak_tflops=0.05",
         "data.prefetch_steps=2", "eval.samples=0", "scaling.cpus_per_worker=1",
@@ -39,20 +42,22 @@ def _overrides(data: str, root: str, name: str, extra: list[str]) -> list[str]:
             f"checkpoint.path={root}/{name}", f"tracking.uri=sqlite:///{root}/mlflow.db", *extra]
 
 
-def _reference(data: str, root: str):
+def _reference(data: str, root: str, preset: str):
     """Every step's loss and data fingerprint of an uninterrupted run: one process, no pipeline,
     no Ray."""
     return reference_run(load_config(None, _overrides(data, root, "reference", [
+        f"model.preset={preset}",
         "tracking.enabled=false", "parallel.pp=1", "elastic.replica_groups=off",
         "scaling.min_workers=1", "scaling.max_workers=1"])), STEPS)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "llama3-tiny"], ids=["gpt2", "llama"])
 def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
-        stdlib_dataset, tmp_path, monkeypatch, capfd):
+        preset, stdlib_dataset, tmp_path, monkeypatch, capfd):
     from elastic_gpt.elastic.replica_group_driver import RECORD_DIR_ENV, STATE_HASH_ENV
     from elastic_gpt.testing.cluster import LocalCluster, train_in_background
 
-    reference = _reference(stdlib_dataset, str(tmp_path / "reference"))
+    reference = _reference(stdlib_dataset, str(tmp_path / "reference"), preset)
     records = str(tmp_path / "records")
     monkeypatch.setenv(RECORD_DIR_ENV, records)
     monkeypatch.setenv(STATE_HASH_ENV, "1")
@@ -67,7 +72,8 @@ def test_a_group_of_whole_pipelines_is_lost_and_heals_while_the_other_trains(
     cluster = LocalCluster(workers=2, cpus_per_node=WORKERS, log_to_driver=True)
     try:
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg-pp", []))
+        cfg = load_config(None, _overrides(stdlib_dataset, str(tmp_path), "rg-pp",
+                                           [f"model.preset={preset}"]))
         summary, _ = train_in_background(cfg, kill_group_1_first_stage, timeout_s=420)
     finally:
         cluster.shutdown()

@@ -205,7 +205,12 @@ def test_a_config_dict_written_by_old_main_loads():
                              # No clock cadence, as old main; its saves are written by more
                              # streams per rank, which changes the files, not what they hold.
                              "checkpoint": {**OLD_MAIN_DICT["checkpoint"], "every_minutes": 0.0,
-                                            "write_streams": 8},
+                                            "write_streams": 8, "init_from": ""},
+                             # GPT-2, as old main built: no family, no Llama keys.
+                             "model": {**OLD_MAIN_DICT["model"], "family": None,
+                                       "n_kv_head": None, "ffn_hidden": None,
+                                       "rope_theta": None, "rope_scaling": None,
+                                       "tie_embeddings": None},
                              # Old main read record by record; today reads blocks (the same
                              # samples, in fewer requests).
                              "data": {**OLD_MAIN_DICT["data"], "sources": None,
