@@ -472,12 +472,21 @@ def test_a_straggler_is_evicted_within_the_window_and_the_run_goes_on_in_order(
     smaller = min(s for s, w in got["world_size"].items() if w == 1)
     lost = sum(max(0.0, step_s[s] - pace) for s in range(from_step + 1, smaller))
     slow = summary["goodput"]["slow_s"]
+    # The ledger also counts any other step of the run well above its pace: on these two cores a
+    # starved step (a raylet's heartbeats late, say) is one. What every step outside the slowed
+    # window took beyond the median of its world size bounds that from above.
+    window = range(from_step + 1, smaller)
+    by_size: dict[int, list[float]] = {}
+    for s, t in step_s.items():
+        if s >= 2 and s not in window:
+            by_size.setdefault(got["world_size"][s], []).append(t)
+    noise = sum(max(0.0, t - statistics.median(ts)) for ts in by_size.values() for t in ts)
     print(f"\n[straggler] {name}: named {found[0]['at'] - slowed_at:.1f} s after the slowdown "
           f"began, {found[0]['step'] - from_step} steps on, at step {found[0]['step']}, "
           f"{found[0]['ratios'][0]:.1f}x the median rank's compute; the drain's restart came "
           f"{drained[0]['at'] - found[0]['at']:.1f} s later; ledger slow {slow:.1f} s, the slowed "
-          f"steps' time beyond the pace {lost:.1f} s")
-    assert slow > 0 and slow == pytest.approx(lost, rel=0.35, abs=1.0)
+          f"steps' time beyond the pace {lost:.1f} s, other steps' beyond their median {noise:.1f} s")
+    assert slow > 0 and 0.65 * lost - 1.0 <= slow <= lost + noise + 1.0
 
 
 def test_a_hardware_fault_drains_its_node_and_the_run_goes_on_in_order(cluster, reference):
