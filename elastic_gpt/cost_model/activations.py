@@ -11,7 +11,8 @@ from elastic_gpt.cost_model.shape import FP32
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_head: int, *,
                                act_bytes: int = 2, dropout: bool = False,
                                tp: int = 1, qkv_width: int | None = None,
-                               mlp_saved_width: int | None = None) -> float:
+                               mlp_saved_width: int | None = None,
+                               norm_fp32_copies: int = 0) -> float:
     """Activations one transformer layer saves for backward (Korthikanti et al. 2022, section 4.1).
 
     Their count for 16-bit activations, no tensor parallelism, is s*b*h*(34 + 5*a*s/h) bytes:
@@ -30,7 +31,9 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_he
     Another family's block (model/config.py's description of it) changes two counts: the width
     of q, k and v together (`qkv_width`; None: GPT-2's 3h; grouped-query attention's k and v are
     narrower) and what its MLP keeps per token (`mlp_saved_width`; None: GPT-2's GELU input and
-    c_proj input, 8h; a SwiGLU keeps its gate, up, SiLU and product, four times its width).
+    c_proj input, 8h; a SwiGLU keeps its gate, up, SiLU and product, four times its width),
+    and `norm_fp32_copies`: fp32 rows per token its norms keep beyond their inputs (an RMSNorm
+    that takes its mean square in fp32 keeps that copy), sequence-sharded like the norms.
     """
     s, b, h, a = seq_len, micro_batch, n_embd, n_head
     whole = 2  # c_attn's and c_fc's inputs (the gathered LayerNorm outputs under TP)
@@ -43,4 +46,5 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, n_embd: int, n_he
     if dropout:  # 1-byte masks after attention c_proj and after the MLP
         total += 2 * s * b * h / tp
     total += (act_bytes * s * b * h + FP32 * a * s * b) / tp  # SDPA output + log-sum-exp
+    total += norm_fp32_copies * FP32 * s * b * h / tp
     return total

@@ -44,7 +44,8 @@ class TrainerSoftware:
         s, b, h = cfg.seq_len, micro_batch, cfg.n_embd
         per_layer = activation_bytes_per_layer(
             s, b, h, cfg.n_head, act_bytes=act_bytes, dropout=cfg.dropout > 0, tp=tp,
-            qkv_width=h + 2 * cfg.n_kv_head * cfg.head_dim, mlp_saved_width=cfg.mlp_saved_width)
+            qkv_width=h + 2 * cfg.n_kv_head * cfg.head_dim, mlp_saved_width=cfg.mlp_saved_width,
+            norm_fp32_copies=cfg.norm_fp32_copies)
         return per_layer, act_bytes * s * b * h / tp
 
     def tp_traffic(self, shape: ModelShape, micro_batch: int, tp: int, *,

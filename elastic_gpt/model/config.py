@@ -99,6 +99,10 @@ class GPTConfig:
         """c_attn's bias: replicated, its gradient holds only this rank's heads of q, k and v."""
         return 3 * self.n_embd
 
+    norm_fp32_copies: ClassVar[int] = 0
+    """fp32 copies of its input per token a block's norms keep for backward beyond the input
+    itself: LayerNorm keeps its input (and a mean and a deviation per row) only."""
+
     @property
     def mlp_saved_width(self) -> int:
         """Widths a block's MLP keeps for backward per token: GELU's input and c_proj's."""
@@ -184,6 +188,10 @@ class LlamaConfig:
     def final_norm_params(self) -> int:
         return self.n_embd
 
+    norm_fp32_copies: ClassVar[int] = 2
+    """RMSNorm takes its mean square in fp32 and keeps that fp32 copy of its input, and its
+    normalised output in the model's dtype, for backward (model/llama.py): one fp32 row beyond
+    what a LayerNorm keeps, for each of a block's two norms."""
     replicated_bias_params: ClassVar[int] = 0
     gathered_bias_params: ClassVar[int] = 0
 

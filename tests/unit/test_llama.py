@@ -316,3 +316,32 @@ def test_a_dry_run_of_a_config_plans_the_model_the_trainer_builds(tmp_path):
     gpt = _inputs_and_config(parser.parse_args(
         ["--config", "jobs/configs/mini.yaml", "--gpu", "A100-80GB", "--gpus", "2"]))[0]
     assert gpt.model == "mini"  # a preset kept as the config has it is named
+
+
+def _saved_full_rows(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the (rows, width) tensors a forward keeps for backward, each storage once (a
+    norm's per-row statistics and its gain are not counted)."""
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        if t.numel() >= x.numel():
+            kept[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rmsnorm_keeps_one_fp32_row_per_token_more_than_layernorm_as_the_planner_counts(dtype):
+    """What the planner adds to a Llama block's activations (`norm_fp32_copies`, one fp32 row per
+    token for each of its two RMSNorms) is what autograd keeps beyond a LayerNorm's input."""
+    from elastic_gpt.model.llama import RMSNorm
+
+    x = torch.randn(4, 64, 256, dtype=dtype, requires_grad=True)
+    rms = _saved_full_rows(RMSNorm(256, 1e-5).to(dtype), x)
+    layer_norm = _saved_full_rows(torch.nn.LayerNorm(256).to(dtype), x)
+    assert rms - layer_norm == 4 * x.numel()
+    from elastic_gpt.model.config import GPTConfig
+
+    assert (LlamaConfig.norm_fp32_copies, GPTConfig.norm_fp32_copies) == (2, 0)
