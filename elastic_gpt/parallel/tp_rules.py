@@ -76,3 +76,17 @@ def nodes_problem(tp: int, per_node: Iterable[int], *, flag: str = "parallel.tp"
                 "tensor-parallel group must stay inside one node); give every node a multiple of "
                 f"tp {what}{f' ({how})' if how else ''} or lower {flag}")
     return None
+
+
+def fsdp_columns_problem(tp: int, dp_shard: int, n_embd: int, *, fused_qkv: bool,
+                         what: str = "") -> str | None:
+    """Why FSDP cannot shard a fused q|k|v weight over `dp_shard` ranks at this `tp`, or None.
+    Under tensor parallelism such a weight (GPT-2's c_attn) is FSDP-sharded on its columns, n_embd
+    of them (parallel/fsdp.py `shard_placement`: its rows are tensor parallelism's parts), and
+    FSDP2 shards a dim other than the first only evenly."""
+    if tp > 1 and fused_qkv and n_embd % dp_shard:
+        return (f"{what or f'dp_shard={dp_shard}'}: {dp_shard} FSDP shards do not divide "
+                f"n_embd={n_embd}: under tensor parallelism "
+                "c_attn's columns are what FSDP shards, and only evenly; use a data-parallel "
+                f"degree that divides {n_embd}, or HSDP to shard within a node")
+    return None

@@ -33,7 +33,12 @@ from elastic_gpt.cost_model.trainer_software import TRAINER
 from elastic_gpt.data.order import BatchSplit
 from elastic_gpt.hardware import GB, GPU, GiB
 from elastic_gpt.model.config import ModelConfig
-from elastic_gpt.parallel.tp_rules import model_problem, nodes_problem, workers_problem
+from elastic_gpt.parallel.tp_rules import (
+    fsdp_columns_problem,
+    model_problem,
+    nodes_problem,
+    workers_problem,
+)
 from elastic_gpt.planner.inputs import PlanError, PlanInputs, compute_terms
 from elastic_gpt.planner.replica_group_model import (
     ReplicaLayout,
@@ -136,7 +141,17 @@ def mesh_choices(p: PlanInputs, cfg: ModelConfig, net: Network, n_gpus: int) -> 
               for h in hsdps
               # HSDP replicates within a stage: whole nodes of it
               if not (h and pp > 1 and (n_gpus // pp) % gpn)]
-    return list(dict.fromkeys(meshes))  # a stage inside one node has no HSDP of its own
+    meshes = list(dict.fromkeys(meshes))  # a stage inside one node has no HSDP of its own
+    buildable = [m for m in meshes if not _fsdp_problem(m, cfg)]
+    if meshes and not buildable:
+        raise PlanError(_fsdp_problem(meshes[0], cfg))
+    return buildable
+
+
+def _fsdp_problem(mesh: Mesh, cfg: ModelConfig) -> str | None:
+    return fsdp_columns_problem(mesh.tp, mesh.dp_shard, cfg.n_embd,
+                                fused_qkv=cfg.family == "gpt2",
+                                what=f"tp={mesh.tp} x dp_shard={mesh.dp_shard}")
 
 
 def _micro_batch_sizes(p: PlanInputs, G: int, dp: int) -> list[int]:
@@ -383,8 +398,10 @@ def _fewest_gpus(p: PlanInputs, shape: ModelShape, net: Network, start: int,
     q = dataclasses.replace(p, hsdp="off")
     best = None
     for tp in _tp_choices(q, shape.cfg, net.gpus_per_node, net.gpus_per_node):
-        fits = lambda d, tp=tp: mesh_floor_memory(
-            q, shape, p.software.mesh(d * tp, tp, False, net.gpus_per_node)).total <= usable
+        def fits(d, tp=tp):
+            mesh = p.software.mesh(d * tp, tp, False, net.gpus_per_node)
+            return (not _fsdp_problem(mesh, shape.cfg)  # a mesh the trainer can build
+                    and mesh_floor_memory(q, shape, mesh).total <= usable)
         lo = max(1, -(-start // tp))
         hi = next((d for d in itertools.chain([lo], _doublings(lo)) if fits(d)), None)
         if hi is None:

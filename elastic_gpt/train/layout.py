@@ -15,6 +15,7 @@ from elastic_gpt.hardware import GPU
 from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.parallel.fsdp import resolve_dtype
 from elastic_gpt.parallel.mesh import ParallelDims
+from elastic_gpt.parallel.tp_rules import fsdp_columns_problem
 from elastic_gpt.train.run_memory import resolve_run_memory
 
 
@@ -53,4 +54,10 @@ def resolve_layout(cfg: Config, gpt_cfg: GPTConfig, *, world_size: int,
         compute_dtype=compute_dtype, gpu=gpu)
     dims = ParallelDims.for_nodes(world_size, tp=p.tp, hsdp="on" if memory.hsdp else "off",
                                   rank_nodes=rank_nodes, pp=p.pp)
+    problem = fsdp_columns_problem(p.tp, dims.dp_shard, gpt_cfg.n_embd,
+                                   fused_qkv=gpt_cfg.family == "gpt2",
+                                   what=f"{world_size} workers at parallel.tp={p.tp} "
+                                        f"(dp_shard={dims.dp_shard})")
+    if problem:  # before anything is built: FSDP2 would refuse it mid-build
+        raise ValueError(problem)
     return RunLayout(world_size, dims, memory, split, device, compute_dtype, threads)

@@ -37,3 +37,26 @@ def test_ranks_asked_for_are_run_once_each_in_order(text, world, expected):
 def test_ranks_outside_the_world_or_not_numbers_are_one_line(text):
     with pytest.raises(ValueError, match=r"--ranks .* must be comma-separated ranks in \[0, 8\)"):
         _ranks(text, 8)
+
+
+def test_a_gpt_layout_whose_fsdp_shards_cannot_split_c_attns_columns_is_not_planned():
+    """Under tensor parallelism GPT-2's fused c_attn is FSDP-sharded on its n_embd columns, and
+    FSDP2 shards that dim only evenly: the 1T model (n_embd 25,600) on 3,072 A100s is not planned
+    at tp=8 x dp_shard=24 (the dry run found the trainer refuses to build it), and forcing that
+    mesh is one line naming the dims."""
+    from elastic_gpt.model.config import GPTConfig
+    from elastic_gpt.parallel.tp_rules import fsdp_columns_problem
+    from elastic_gpt.planner.inputs import PlanError
+
+    one_t = GPTConfig(n_layer=128, n_head=160, n_embd=25600, seq_len=2048, vocab_size=51200)
+    plan = plan_training(PlanInputs(model=one_t, gpu="A100-80GB", n_gpus=3072,
+                                    global_batch_size=3072))
+    m = plan.chosen.mesh
+    assert m.tp == 1 or 25600 % m.dp_shard == 0, m
+    with pytest.raises(PlanError, match=r"tp=8 x dp_shard=24: 24 FSDP shards do not divide "
+                                        r"n_embd=25600"):
+        plan_training(PlanInputs(model=one_t, gpu="A100-80GB", n_gpus=3072, tp=8, pp=16,
+                                 hsdp="off", global_batch_size=3072))
+    # Separate q, k and v (Llama's) are sharded on their rows: nothing to divide.
+    assert fsdp_columns_problem(8, 24, 25600, fused_qkv=False) is None
+    assert fsdp_columns_problem(1, 24, 25600, fused_qkv=True) is None

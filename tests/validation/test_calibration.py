@@ -112,8 +112,10 @@ def test_no_default_plan_exceeds_the_best_published_mfu_of_its_class():
     """Default plans (bf16, every choice left to the planner) of GPT sizes from 350M to 1T on 8
     to 3,072 A100s and H100s (the 1T also on SC21's network): none plans a higher MFU than a
     published bf16 run of its class (GPU family, every block recomputed or not) reached; the
-    kernel model uncalibrated did (GPT-3 175B on 64 A100s at 57.9%, the 1T on SC21's network at
-    60.8%, above the 53.2% of the best checkpointed A100 run)."""
+    kernel model uncalibrated did (GPT-3 175B on 64 A100s at 57.9%, above the 53.2% of the best
+    checkpointed A100 run; the 1T on SC21's network planned 60.8% at tp=8 x dp_shard=24, a mesh
+    whose FSDP shards cannot split c_attn's 25,600 columns, which the trainer cannot build and the
+    planner no longer weighs)."""
     over, planned = [], 0
     for model, gpu, n, kw in DEFAULT_PLANS:
         try:
@@ -125,7 +127,7 @@ def test_no_default_plan_exceeds_the_best_published_mfu_of_its_class():
         if plan.mfu > best.mfu:
             over.append((model, gpu, n, round(plan.mfu, 3), best.mfu))
     assert planned >= 35 and not over, over
-    for model, gpu, n, kw in (DEFAULT_PLANS[-1], ("gpt3-175b", "A100-80GB", 64, {})):
+    for model, gpu, n, kw in (("gpt3-175b", "A100-80GB", 64, {}),):
         before = plan_training(PlanInputs(model=model, gpu=gpu, n_gpus=n, **kw,
                                           calibration=UNCALIBRATED))
         assert before.chosen.activation_checkpointing and before.mfu > BEST_PUBLISHED_MFU[
