@@ -13,7 +13,7 @@
 # RUN_JOB is the Slurm job id of the run's main job; the node's own job is SLURM_JOB_ID. Both
 # become node labels, by which the warning's drain picks nodes (never by IP: the head and a worker
 # share the first node's address). `ray start --block` stays in the foreground, so the step lives
-# as long as the node. Never `ray stop`: it stops every Ray of this user on the node, other jobs'
+# as long as the node. Never Ray's own stop command: it stops every Ray of this user on the node, other jobs'
 # too; the job's end stops its steps.
 #
 # Settings (the job's environment reaches every step):
