@@ -319,7 +319,7 @@ class ElasticSection:
 @dataclass
 class HealthSection:
     """Loss spikes and non-finite losses, handled without a person (health/recovery.py,
-    docs/operations.md "Training health")."""
+    docs/training-health.md)."""
 
     spike_action: Literal["rollback", "report", "off"] = "rollback"
     """rollback: a spike or a non-finite loss rolls the run back to the newest checkpoint before

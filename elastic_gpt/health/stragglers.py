@@ -21,7 +21,7 @@ least the threshold from step s on (s past its attempt's first `WARMUP_STEPS`, w
 judged) fills a whole window with slowed steps by step s + window, and is named at the first share
 after that, so by step s + `straggler_window` + `straggler_every_steps` (at the slowed pace: the
 group's steps take the straggler's time); its node's drain is seen within a poll and the group
-stops at the next step boundary (docs/operations.md, "Training health").
+stops at the next step boundary (docs/training-health.md).
 
 With replica groups each group's figure (its slowest rank's) is compared with the other groups'
 too: every `straggler_every_steps` steps the groups sum a vector with a slot per group in one

@@ -130,7 +130,7 @@ def test_healthy_noise_is_never_a_straggler():
 @pytest.mark.parametrize("start", [3, 13, 40])
 def test_a_steady_slowdown_is_named_within_the_documented_bound(window, every, start):
     """A rank at 1.6x from step `start` + 1 on (past the attempt's first steps, not judged) is
-    named by step start + window + every (docs/operations.md), and not before it is slow."""
+    named by step start + window + every (docs/training-health.md), and not before it is slow."""
     healthy = [0.1] * 300
     slowed = [0.1] * start + [0.16] * (300 - start)
     step, verdict = named_at([healthy, slowed, healthy], window, every)
