@@ -15,6 +15,7 @@ from elastic_gpt.cost_model.pipeline import (
 from elastic_gpt.model.config import GPTConfig
 from elastic_gpt.model.gpt import GPT
 from elastic_gpt.testing.gloo import run_gloo
+from tests.trainer_steps import one_trainer_step
 
 CFG = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=64)
 G = 8  # sequences per step
@@ -104,37 +105,12 @@ def test_a_pipelined_step_is_the_one_process_step(world, pp, schedule, per_rank,
 # ---- the Trainer's pipelined step ----------------------------------------------------------
 
 
-def _trainer_step(rank: int, world: int, overrides: list[str]) -> dict:
-    import torch.distributed as dist
-
-    from elastic_gpt.config import load_config
-    from elastic_gpt.data.stream import open_step_stream
-    from elastic_gpt.train.trainer import Trainer
-
-    cfg = load_config("jobs/configs/mini.yaml", overrides)
-    trainer = Trainer(cfg, rank=rank, world_size=world, mlflow_run_id=None)
-    stream = open_step_stream(cfg.data.path, batch_split=trainer.batch_split, rank=trainer.dp_rank,
-                              world_size=trainer.dp_degree, start_step=0, seed=cfg.data.seed)
-    batch = next(stream)
-    stream.close()
-    loss_sum = trainer.forward_backward(batch)
-    counted = trainer.tp_rank == 0 and (trainer.pipeline is None or trainer.pipeline.last)
-    if not counted:
-        loss_sum.zero_()
-    dist.all_reduce(loss_sum)
-    grads = {n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""):
-             p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
-    norm = trainer.clip_gradients()
-    return {"loss": float(loss_sum) / (12 * trainer.gpt_cfg.seq_len), "grads": grads,
-            "norm": float(norm), "setup": trainer.setup_line()}
-
-
 def trainer_step(world: int, data: str, tmp_path, extra: tuple[str, ...] = ()) -> list[dict]:
     overrides = ["model.preset=tiny", "model.n_layer=4", f"data.path={data}",
                  "train.global_batch_size=12", "train.micro_batch_size=2",
                  f"scaling.max_workers={world}", f"scaling.min_workers={world}", "eval.samples=0",
                  "checkpoint.path=" + str(tmp_path / "unused"), *extra]
-    return run_gloo(_trainer_step, world, overrides)
+    return run_gloo(one_trainer_step, world, overrides)
 
 
 @pytest.fixture(scope="module")
